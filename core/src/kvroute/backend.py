@@ -1,0 +1,115 @@
+"""Backends: a frozen identity (`Backend`) and the live state the router keeps for it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+__all__ = ["Backend", "BackendState", "EngineLoad"]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"'{attribute.name}' must be > 0 (got {value!r}).")
+
+
+def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"'{attribute.name}' must be a non-empty string (got {value!r}).")
+
+
+def _frozen_mapping(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    return MappingProxyType(dict(value or {}))
+
+
+def _models(value: Iterable[str] | str | None) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset({value})
+    return frozenset(value)
+
+
+@attrs.frozen
+class Backend:
+    """Who a backend is: id, base URL, engine kind, capacity weight, served models, labels.
+
+    ``models`` empty means "serves whatever it is asked for" (the fleet does not filter it).
+    ``weight`` is relative capacity: a backend of weight 2 should take twice the share.
+    """
+
+    id: str = attrs.field(validator=_non_empty)
+    url: str = ""
+    kind: str = "openai"
+    weight: float = attrs.field(default=1.0, converter=float, validator=_positive)
+    models: frozenset[str] = attrs.field(factory=frozenset, converter=_models)
+    labels: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+
+    def serves(self, model: str | None) -> bool:
+        """Whether this backend may be asked for ``model`` (``None`` matches everything)."""
+        return model is None or not self.models or model in self.models
+
+
+@attrs.frozen
+class EngineLoad:
+    """The latest load an adapter read from the engine itself; every field is optional.
+
+    ``observed_at`` is a ``time.monotonic()`` reading. Counters are cumulative as the engine
+    reports them (``prefix_cache_hits`` / ``prefix_cache_queries`` in tokens).
+    """
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    block_size: int | None = None
+    observed_at: float = attrs.field(factory=time.monotonic)
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the engine was read."""
+        return (time.monotonic() if now is None else now) - self.observed_at
+
+
+@attrs.define
+class BackendState:
+    """A backend plus what the router knows about it right now.
+
+    Strategies read these objects (``in_flight``, ``weight``, ``load``) but never write them;
+    the `Fleet` and the `Router` do, under the fleet's lock.
+    """
+
+    backend: Backend
+    in_flight: int = 0
+    healthy: bool = True
+    draining: bool = False
+    load: EngineLoad | None = None
+    #: Seconds after which ``load`` counts as stale (``fresh_load`` returns ``None``).
+    load_max_age: float = 10.0
+
+    @property
+    def id(self) -> str:
+        return self.backend.id
+
+    @property
+    def weight(self) -> float:
+        return self.backend.weight
+
+    @property
+    def routable(self) -> bool:
+        """Healthy and not draining: may take new requests."""
+        return self.healthy and not self.draining
+
+    def fresh_load(self, now: float | None = None) -> EngineLoad | None:
+        """The engine-reported load if it is younger than ``load_max_age``, else ``None``."""
+        if self.load is None or self.load.age(now) > self.load_max_age:
+            return None
+        return self.load
+
+    def load_is_stale(self, now: float | None = None) -> bool:
+        """True when the adapter reported a load once but it is now too old to trust."""
+        return self.load is not None and self.fresh_load(now) is None

@@ -1,0 +1,169 @@
+"""The fleet: which backends exist, which may take requests, and a version that counts changes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Iterator
+from typing import Literal
+
+import attrs
+import structlog
+
+from kvroute.backend import Backend, BackendState, EngineLoad
+from kvroute.errors import ConfigError, UnknownBackend
+
+__all__ = ["Fleet", "FleetEvent", "FleetEventKind"]
+
+log = structlog.get_logger(__name__)
+
+FleetEventKind = Literal["attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight"]
+
+
+@attrs.frozen
+class FleetEvent:
+    """One membership change: what happened, to which backend, and the fleet version after it.
+
+    ``attached`` (no backend) is sent once to a strategy when a router starts using it, so
+    it learns the members the fleet already had.
+    """
+
+    kind: FleetEventKind
+    backend: Backend | None
+    version: int
+
+
+class Fleet:
+    """Membership with a version number; thread-safe.
+
+    Every change that can alter routing (add, remove, drain, health, weight) bumps
+    ``version`` and is passed to subscribers (the router forwards it to the strategy and
+    to the ``kvroute_fleet_changed`` hook). Load updates and in-flight counts do not.
+    """
+
+    def __init__(self, backends: Collection[Backend] = ()) -> None:
+        self._lock = threading.RLock()
+        self._states: dict[str, BackendState] = {}
+        self._subscribers: list[Callable[[FleetEvent], None]] = []
+        self.version = 0
+        for backend in backends:
+            self.add(backend)
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that guards membership and in-flight counts (re-entrant)."""
+        return self._lock
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, backend_id: object) -> bool:
+        return backend_id in self._states
+
+    def __iter__(self) -> Iterator[BackendState]:
+        with self._lock:
+            return iter(list(self._states.values()))
+
+    def get(self, backend_id: str) -> BackendState:
+        """The state of one backend; raises `UnknownBackend`."""
+        try:
+            return self._states[backend_id]
+        except KeyError:
+            known = ", ".join(sorted(self._states)) or "none"
+            raise UnknownBackend(f"no backend with id {backend_id!r} (known: {known})") from None
+
+    def backends(self) -> list[Backend]:
+        """Every member's identity, in insertion order."""
+        with self._lock:
+            return [s.backend for s in self._states.values()]
+
+    def candidates(self, model: str | None = None, exclude: Collection[str] = ()) -> list[BackendState]:
+        """Backends that may take a new request for ``model``: healthy, not draining, not excluded."""
+        with self._lock:
+            return [
+                s
+                for s in self._states.values()
+                if s.healthy and not s.draining and s.id not in exclude and s.backend.serves(model)
+            ]
+
+    def models(self) -> set[str]:
+        """The union of the models members declare."""
+        with self._lock:
+            return {m for s in self._states.values() for m in s.backend.models}
+
+    # -- changing ----------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[FleetEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` after every change; returns a function that unsubscribes."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, kind: FleetEventKind, backend: Backend) -> FleetEvent:
+        self.version += 1
+        event = FleetEvent(kind=kind, backend=backend, version=self.version)
+        log.info("fleet_changed", change=kind, backend=backend.id, version=self.version)
+        for callback in list(self._subscribers):
+            callback(event)
+        return event
+
+    def add(self, backend: Backend) -> FleetEvent:
+        """Add a backend; its id must be new."""
+        with self._lock:
+            if backend.id in self._states:
+                raise ConfigError(f"backend id {backend.id!r} is already in the fleet; ids must be unique.")
+            self._states[backend.id] = BackendState(backend)
+            return self._emit("added", backend)
+
+    def remove(self, backend_id: str) -> FleetEvent:
+        """Remove a backend at once (requests in flight on it finish on their own)."""
+        with self._lock:
+            state = self.get(backend_id)
+            del self._states[backend_id]
+            return self._emit("removed", state.backend)
+
+    def drain(self, backend_id: str, draining: bool = True) -> FleetEvent | None:
+        """Stop (or resume) sending new requests to a backend; in-flight ones finish."""
+        with self._lock:
+            state = self.get(backend_id)
+            if state.draining == draining:
+                return None
+            state.draining = draining
+            return self._emit("draining" if draining else "undrained", state.backend)
+
+    def set_healthy(self, backend_id: str, healthy: bool) -> FleetEvent | None:
+        """Mark a backend healthy or unhealthy (ejected); no event when nothing changes."""
+        with self._lock:
+            state = self.get(backend_id)
+            if state.healthy == healthy:
+                return None
+            state.healthy = healthy
+            return self._emit("healthy" if healthy else "unhealthy", state.backend)
+
+    def set_weight(self, backend_id: str, weight: float) -> FleetEvent | None:
+        """Change a backend's capacity weight."""
+        with self._lock:
+            state = self.get(backend_id)
+            if state.backend.weight == float(weight):
+                return None
+            try:
+                state.backend = attrs.evolve(state.backend, weight=weight)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            return self._emit("weight", state.backend)
+
+    def update_load(self, backend_id: str, load: EngineLoad) -> None:
+        """Store the latest engine-reported load (no version bump, no event)."""
+        with self._lock:
+            self.get(backend_id).load = load
+
+    def wait_idle(self, backend_id: str) -> bool:
+        """Whether a backend has no request in flight (to finish a drain)."""
+        return self.get(backend_id).in_flight == 0

@@ -1,0 +1,237 @@
+"""The `Router`: ties a `Fleet` to a `Strategy` and counts requests in flight.
+
+Use it from async code::
+
+    async with router.route(request) as lease:
+        await send(lease.backend.url, body)
+
+or from threads::
+
+    with router.route(request) as lease:
+        send(lease.backend.url, body)
+
+The request counts as in flight on ``lease.backend`` from entering the block until it
+exits, whether it exits normally, by an exception or by cancellation. To retry on another
+backend, route again with ``exclude={failed backend ids}``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import attrs
+import structlog
+
+from kvroute.backend import Backend, BackendState
+from kvroute.errors import KvrouteError, NoBackendAvailable
+from kvroute.fleet import Fleet, FleetEvent
+from kvroute.plugins import PluginManager
+from kvroute.request import RouteRequest
+from kvroute.strategy import Decision, Outcome, Pick, Strategy
+
+__all__ = ["Lease", "Router"]
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.define
+class Lease:
+    """A request placed on a backend. Released exactly once, by the router."""
+
+    request: RouteRequest
+    decision: Decision
+    state: BackendState
+    started_at: float
+    outcome: Outcome | None = None
+    _failure: str | None = None
+
+    @property
+    def backend(self) -> Backend:
+        return self.decision.backend
+
+    def fail(self, error: str) -> None:
+        """Record that the request failed on this backend without raising out of the block."""
+        self._failure = error
+
+
+class _LeaseContext:
+    """Acquires on enter, releases on exit; usable with ``with`` and ``async with``."""
+
+    __slots__ = ("_exclude", "_lease", "_request", "_router")
+
+    def __init__(self, router: Router, request: RouteRequest, exclude: Collection[str]) -> None:
+        self._router = router
+        self._request = request
+        self._exclude = exclude
+        self._lease: Lease | None = None
+
+    def __enter__(self) -> Lease:
+        self._lease = self._router.acquire(self._request, exclude=self._exclude)
+        return self._lease
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._lease is not None
+        self._router.release(self._lease, _status_for(exc))
+
+    async def __aenter__(self) -> Lease:
+        return self.__enter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+def _status_for(exc: BaseException | None) -> tuple[str, str | None]:
+    if exc is None:
+        return "ok", None
+    try:
+        cancelled = anyio.get_cancelled_exc_class()
+    except Exception:  # not inside an async backend: plain threads
+        cancelled = ()  # type: ignore[assignment]
+    if (cancelled and isinstance(exc, cancelled)) or isinstance(exc, KeyboardInterrupt | GeneratorExit):
+        return "cancelled", type(exc).__name__
+    return "error", f"{type(exc).__name__}: {exc}"
+
+
+class Router:
+    """Routes requests over a fleet with one strategy; thread-safe.
+
+    Build it with a strategy object, or by name through the plugins with :meth:`create`.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        strategy: Strategy,
+        *,
+        strategy_name: str | None = None,
+        plugins: PluginManager | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.strategy = strategy
+        self.strategy_name = strategy_name or getattr(strategy, "name", None) or type(strategy).__name__
+        self.plugins = plugins
+        self._call_routed = bool(plugins and plugins.has_implementations("kvroute_request_routed"))
+        self._call_finished = bool(plugins and plugins.has_implementations("kvroute_request_finished"))
+        self._on_start = getattr(strategy, "on_request_start", None)
+        self._on_finish = getattr(strategy, "on_request_finish", None)
+        self._unsubscribe = fleet.subscribe(self._fleet_changed)
+        on_change = getattr(strategy, "on_fleet_change", None)
+        if on_change is not None:
+            # Tell the strategy about the members the fleet already has.
+            on_change(FleetEvent("attached", None, fleet.version), list(fleet))
+
+    @classmethod
+    def create(
+        cls,
+        fleet: Fleet,
+        strategy: str,
+        options: Mapping[str, Any] | None = None,
+        *,
+        plugins: PluginManager | None = None,
+    ) -> Router:
+        """Build a router whose strategy is the plugin registered as ``strategy``."""
+        plugins = plugins or PluginManager()
+        return cls(fleet, plugins.create_strategy(strategy, options), strategy_name=strategy, plugins=plugins)
+
+    def close(self) -> None:
+        """Stop listening to the fleet."""
+        self._unsubscribe()
+
+    # -- fleet events ------------------------------------------------------------------
+
+    def _fleet_changed(self, event: FleetEvent) -> None:
+        on_change = getattr(self.strategy, "on_fleet_change", None)
+        if on_change is not None:
+            on_change(event, list(self.fleet))
+        if self.plugins is not None:
+            self.plugins.hook.kvroute_fleet_changed(fleet=self.fleet, event=event)
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def _no_backend(self, request: RouteRequest, exclude: Collection[str]) -> NoBackendAvailable:
+        members = list(self.fleet)
+        if not members:
+            return NoBackendAvailable("no backend available: the fleet is empty.")
+        serving = [s for s in members if s.backend.serves(request.model)]
+        if not serving:
+            return NoBackendAvailable(f"no backend available: none of {len(members)} serves model {request.model!r}.")
+        unhealthy = sum(not s.healthy for s in serving)
+        draining = sum(s.draining for s in serving)
+        excluded = sum(s.id in exclude for s in serving)
+        return NoBackendAvailable(
+            f"no backend available for model {request.model!r}: of {len(serving)} serving it, "
+            f"{unhealthy} unhealthy, {draining} draining, {excluded} already failed this request."
+        )
+
+    def _normalize(self, pick: Pick, candidates: Sequence[BackendState], elapsed: float) -> tuple[Decision, BackendState]:
+        if isinstance(pick, Decision):
+            decision = attrs.evolve(pick, strategy=self.strategy_name, duration_s=elapsed)
+        elif isinstance(pick, BackendState):
+            decision = Decision(pick.backend, strategy=self.strategy_name, duration_s=elapsed)
+        elif isinstance(pick, Backend):
+            decision = Decision(pick, strategy=self.strategy_name, duration_s=elapsed)
+        else:
+            raise KvrouteError(
+                f"strategy {self.strategy_name!r} returned {type(pick).__name__} from pick(); "
+                "expected a Decision, a Backend or a BackendState."
+            )
+        for state in candidates:
+            if state.id == decision.backend.id:
+                return decision, state
+        raise KvrouteError(
+            f"strategy {self.strategy_name!r} picked backend {decision.backend.id!r}, which is not a candidate."
+        )
+
+    def decide(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> tuple[Decision, BackendState]:
+        """Ask the strategy, without counting the request in flight (dry run)."""
+        with self.fleet.lock:
+            candidates = self.fleet.candidates(request.model, exclude)
+            if not candidates:
+                raise self._no_backend(request, exclude)
+            t0 = time.perf_counter()
+            pick = self.strategy.pick(request, candidates)
+            elapsed = time.perf_counter() - t0
+            return self._normalize(pick, candidates, elapsed)
+
+    # -- leasing -----------------------------------------------------------------------
+
+    def acquire(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> Lease:
+        """Pick a backend and count the request in flight there; pair with :meth:`release`."""
+        with self.fleet.lock:
+            decision, state = self.decide(request, exclude=exclude)
+            state.in_flight += 1
+            lease = Lease(request, decision, state, time.monotonic())
+            if self._on_start is not None:
+                self._on_start(request, decision)
+        if self._call_routed:
+            assert self.plugins is not None
+            self.plugins.hook.kvroute_request_routed(request=request, decision=decision)
+        return lease
+
+    def release(self, lease: Lease, status: tuple[str, str | None] = ("ok", None)) -> Outcome:
+        """Stop counting a lease; idempotent. ``status`` is ``(ok|error|cancelled, error text)``."""
+        if lease.outcome is not None:
+            return lease.outcome
+        kind, error = status
+        if kind == "ok" and lease._failure is not None:
+            kind, error = "error", lease._failure
+        outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
+        with self.fleet.lock:
+            lease.outcome = outcome
+            lease.state.in_flight -= 1
+            if self._on_finish is not None:
+                self._on_finish(lease.request, lease.decision, outcome)
+        if self._call_finished:
+            assert self.plugins is not None
+            self.plugins.hook.kvroute_request_finished(request=lease.request, decision=lease.decision, outcome=outcome)
+        return outcome
+
+    def route(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> _LeaseContext:
+        """A context manager (``with`` or ``async with``) holding a `Lease` for the block."""
+        return _LeaseContext(self, request, exclude)

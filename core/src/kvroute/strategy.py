@@ -1,0 +1,142 @@
+"""The `Strategy` interface, the `Decision` it produces, and building strategies from options.
+
+A strategy answers one question, synchronously and without I/O: given this request and
+these candidates, which backend? It may keep state (an index, counters) fed by the
+optional callbacks. The router calls it directly; pluggy is only used to find it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from kvroute.backend import Backend, BackendState
+from kvroute.errors import ConfigError
+from kvroute.fleet import FleetEvent
+from kvroute.request import RouteRequest
+
+__all__ = [
+    "BaseStrategy",
+    "Decision",
+    "Outcome",
+    "Pick",
+    "Strategy",
+    "StrategyFactory",
+    "build_strategy",
+]
+
+
+@attrs.frozen
+class Decision:
+    """Which strategy chose which backend, and why.
+
+    ``reason`` is a short machine-readable word (``random``, ``least_loaded``, ``hash``,
+    ``spilled``...); ``detail`` holds anything that explains it (the home backend, the spill
+    cause, the matched prefix length). ``key`` is the prefix key hash when there is one.
+    The router fills ``strategy`` and ``duration_s`` (wall-clock cost of ``pick``).
+    """
+
+    backend: Backend
+    reason: str = "picked"
+    strategy: str = ""
+    key: int | None = None
+    spilled: bool = False
+    detail: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    duration_s: float = 0.0
+
+    def explain(self) -> str:
+        """One human-readable line: ``bounded-load -> b2 (spilled: concurrency_threshold)``."""
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        return f"{self.strategy} -> {self.backend.id} ({self.reason}{': ' + extra if extra else ''})"
+
+
+#: What ``pick`` may return: a full `Decision`, or just the backend (or its state).
+Pick = Decision | Backend | BackendState
+
+
+@attrs.frozen
+class Outcome:
+    """How a routed request ended: ``ok``, ``error`` or ``cancelled``, and its duration."""
+
+    status: str
+    duration_s: float
+    error: str | None = None
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What the router needs from a strategy. Subclass `BaseStrategy` for no-op callbacks."""
+
+    def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Pick:
+        """Choose one of ``candidates`` (never empty) for ``request``; no I/O, no blocking."""
+        ...
+
+    def on_request_start(self, request: RouteRequest, decision: Decision) -> None:
+        """The request was sent to ``decision.backend`` (counted in flight)."""
+        ...
+
+    def on_request_finish(self, request: RouteRequest, decision: Decision, outcome: Outcome) -> None:
+        """The request left ``decision.backend``."""
+        ...
+
+    def on_fleet_change(self, event: FleetEvent, members: Sequence[BackendState]) -> None:
+        """Membership changed; ``members`` is every backend now in the fleet."""
+        ...
+
+
+class BaseStrategy:
+    """Convenience base class: the callbacks do nothing. Only ``pick`` must be written."""
+
+    def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Pick:
+        raise NotImplementedError
+
+    def on_request_start(self, request: RouteRequest, decision: Decision) -> None:
+        return None
+
+    def on_request_finish(self, request: RouteRequest, decision: Decision, outcome: Outcome) -> None:
+        return None
+
+    def on_fleet_change(self, event: FleetEvent, members: Sequence[BackendState]) -> None:
+        return None
+
+
+#: Registered by plugins: called with the strategy's options as keyword arguments.
+StrategyFactory = Callable[..., Strategy]
+
+
+def _accepted_options(factory: StrategyFactory) -> list[str]:
+    if attrs.has(factory):  # type: ignore[arg-type]
+        return [a.alias or a.name for a in attrs.fields(factory) if a.init]  # type: ignore[arg-type]
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return []
+    return [p for p in params if p != "self"]
+
+
+def build_strategy(name: str, factory: StrategyFactory, options: Mapping[str, Any] | None = None) -> Strategy:
+    """Call ``factory(**options)`` and turn every option mistake into a `ConfigError`.
+
+    Option names may use dashes or underscores (``prefix-length`` == ``prefix_length``).
+    """
+    opts = {k.replace("-", "_"): v for k, v in (options or {}).items()}
+    accepted = _accepted_options(factory)
+    unknown = sorted(set(opts) - set(accepted)) if accepted else []
+    if unknown:
+        raise ConfigError(
+            f"strategy {name!r} has no option {', '.join(map(repr, unknown))} "
+            f"(expected one of: {', '.join(accepted) or 'none'})."
+        )
+    try:
+        strategy = factory(**opts)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategy {name!r}: {exc}") from None
+    if not callable(getattr(strategy, "pick", None)):
+        raise ConfigError(f"strategy {name!r}: its factory returned {type(strategy).__name__}, which has no pick().")
+    return strategy
