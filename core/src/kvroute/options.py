@@ -64,7 +64,7 @@ def _named(convert: Any) -> Any:
         except ValueError as exc:
             raise ValueError(f"'{field.name}': {exc}.") from None
 
-    return attrs.Converter(run, takes_field=True)  # type: ignore[call-overload]
+    return attrs.Converter(run, takes_field=True)
 
 
 def _range(lo: float | None, hi: float | None) -> Any:

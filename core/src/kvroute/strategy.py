@@ -107,8 +107,8 @@ StrategyFactory = Callable[..., Strategy]
 
 
 def _accepted_options(factory: StrategyFactory) -> list[str]:
-    if attrs.has(factory):  # type: ignore[arg-type]
-        return [a.alias or a.name for a in attrs.fields(factory) if a.init]  # type: ignore[arg-type]
+    if isinstance(factory, type) and attrs.has(factory):
+        return [a.alias or a.name for a in attrs.fields(factory) if a.init]
     import inspect
 
     try:

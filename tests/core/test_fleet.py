@@ -1,0 +1,93 @@
+"""Fleet membership, versions and events."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute import Backend, ConfigError, EngineLoad, Fleet, FleetEvent, UnknownBackend
+
+
+def make_fleet(n: int = 3) -> Fleet:
+    return Fleet([Backend(f"b{i}", f"http://b{i}") for i in range(n)])
+
+
+class TestBackend:
+    def test_validation(self) -> None:
+        """A backend needs a non-empty id and a positive weight, and says what it got."""
+        with pytest.raises(ValueError, match="'id' must be a non-empty string"):
+            Backend("")
+        with pytest.raises(ValueError, match=r"'weight' must be > 0 \(got 0.0\)"):
+            Backend("a", weight=0)
+
+    def test_models_filter(self) -> None:
+        """A backend with no declared models serves any; otherwise only the declared ones."""
+        assert Backend("a").serves("anything")
+        b = Backend("b", models=["m1"])
+        assert b.serves("m1") and not b.serves("m2") and b.serves(None)
+
+    def test_labels_are_read_only(self) -> None:
+        """Labels cannot be changed after creation (the identity is frozen)."""
+        b = Backend("a", labels={"zone": "x"})
+        with pytest.raises(TypeError):
+            b.labels["zone"] = "y"  # type: ignore[index]
+
+
+class TestFleet:
+    def test_version_counts_changes(self) -> None:
+        """Every routing-relevant change bumps the version; no-op changes do not."""
+        fleet = make_fleet(2)
+        assert fleet.version == 2
+        fleet.drain("b0")
+        assert fleet.version == 3
+        assert fleet.drain("b0") is None and fleet.version == 3
+        fleet.set_healthy("b1", False)
+        fleet.set_weight("b1", 2)
+        fleet.remove("b0")
+        assert fleet.version == 6 and len(fleet) == 1
+
+    def test_candidates_exclude_unroutable(self) -> None:
+        """Unhealthy, draining, excluded and wrong-model backends are not candidates."""
+        fleet = Fleet([Backend("a"), Backend("b"), Backend("c"), Backend("d", models=["other"])])
+        fleet.drain("a")
+        fleet.set_healthy("b", False)
+        assert [s.id for s in fleet.candidates("m")] == ["c"]
+        assert fleet.candidates("m", exclude={"c"}) == []
+        assert {s.id for s in fleet.candidates("other")} == {"c", "d"}
+
+    def test_events_reach_subscribers(self) -> None:
+        """Subscribers see each change with its kind, backend and new version; unsubscribe stops them."""
+        fleet = make_fleet(1)
+        seen: list[FleetEvent] = []
+        unsubscribe = fleet.subscribe(seen.append)
+        fleet.add(Backend("x"))
+        fleet.set_healthy("x", False)
+        unsubscribe()
+        fleet.remove("x")
+        assert [(e.kind, e.backend.id if e.backend else None, e.version) for e in seen] == [
+            ("added", "x", 2),
+            ("unhealthy", "x", 3),
+        ]
+
+    def test_duplicate_and_unknown_ids(self) -> None:
+        """Adding an existing id and naming an unknown id both fail clearly."""
+        fleet = make_fleet(1)
+        with pytest.raises(ConfigError, match="already in the fleet"):
+            fleet.add(Backend("b0"))
+        with pytest.raises(UnknownBackend, match=r"no backend with id 'zz' \(known: b0\)"):
+            fleet.remove("zz")
+
+    def test_bad_weight_is_config_error(self) -> None:
+        """Setting a non-positive weight is refused with the value shown."""
+        fleet = make_fleet(1)
+        with pytest.raises(ConfigError, match="got -1"):
+            fleet.set_weight("b0", -1)
+
+    def test_load_freshness(self) -> None:
+        """Engine load older than load_max_age is reported stale and not returned as fresh."""
+        fleet = make_fleet(1)
+        state = fleet.get("b0")
+        assert state.fresh_load() is None and not state.load_is_stale()
+        fleet.update_load("b0", EngineLoad(running=3, observed_at=100.0))
+        assert state.fresh_load(now=105.0) is not None
+        assert state.fresh_load(now=111.0) is None and state.load_is_stale(now=111.0)
+        assert fleet.version == 1  # load updates are not membership changes
