@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["bool_option", "float_option", "int_option", "optional_int_option", "str_option"]
+__all__ = ["bool_option", "float_option", "int_option", "optional_float_option", "optional_int_option", "str_option"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -45,6 +45,12 @@ def _to_float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"expected a number (got {value!r})") from None
+
+
+def _to_optional_float(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "off")):
+        return None
+    return _to_float(value)
 
 
 def _to_bool(value: Any) -> bool:
@@ -96,6 +102,11 @@ def optional_int_option(*, min: int | None = None, max: int | None = None) -> An
 def float_option(default: float, *, min: float | None = None, max: float | None = None) -> Any:
     """A float option with an inclusive range."""
     return attrs.field(default=default, converter=_named(_to_float), validator=_range(min, max), kw_only=True)
+
+
+def optional_float_option(default: float | None = None, *, min: float | None = None, max: float | None = None) -> Any:
+    """A float option that may be unset (``None``, ``"none"``, ``"off"``), with an inclusive range."""
+    return attrs.field(default=default, converter=_named(_to_optional_float), validator=_range(min, max), kw_only=True)
 
 
 def bool_option(default: bool) -> Any:

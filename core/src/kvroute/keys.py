@@ -1,0 +1,47 @@
+"""Prefix keys: the stable 64-bit value that hash-based strategies place a request by.
+
+A key combines, in this order, a version tag, the model, the LoRA adapter, the
+``cache_salt`` and either the caller's affinity key or the first ``prefix_length``
+characters of the canonical routing text (`RouteRequest.text`). So:
+
+* two tenants (different ``cache_salt``) or two adapters never share a key, even with the
+  same prompt, because engines do not share their cache entries either;
+* a caller-supplied affinity key (the ``x-kvroute-affinity`` header) replaces the text, so
+  a session can be pinned whatever its prompts say;
+* a request shorter than ``prefix_length`` hashes all the text it has.
+
+Keys are computed with `kvroute.hashing` (xxh3), never Python's salted ``hash()``, so every
+process and every router replica computes the same key for the same request.
+"""
+
+from __future__ import annotations
+
+from kvroute.hashing import hash_parts
+from kvroute.request import RouteRequest
+
+__all__ = [
+    "DEFAULT_PREFIX_LENGTH",
+    "MAX_PREFIX_LENGTH",
+    "MIN_PREFIX_LENGTH",
+    "prefix_key",
+]
+
+#: Characters of routing text hashed by default (SageMaker's PrefixLength range is 1,024-65,536).
+DEFAULT_PREFIX_LENGTH = 4096
+MIN_PREFIX_LENGTH = 1024
+MAX_PREFIX_LENGTH = 65536
+
+# Bumped if the key layout ever changes, so that old and new keys never collide by accident.
+_KEY_VERSION = "kvroute-prefix-key/1"
+
+
+def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> int:
+    """The 64-bit prefix key of ``request``: same request, same key, in every process.
+
+    ``prefix_length`` is a number of characters (>= 1); strategies validate their own range.
+    """
+    if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
+        raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
+    if request.affinity_key is not None:
+        return hash_parts(_KEY_VERSION, request.model, request.lora, request.cache_salt, "affinity", request.affinity_key)
+    return hash_parts(_KEY_VERSION, request.model, request.lora, request.cache_salt, "text", request.text[:prefix_length])
