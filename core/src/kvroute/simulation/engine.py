@@ -311,9 +311,13 @@ class Engine:
     """One simulated inference instance (see the module docstring for the model).
 
     Driving protocol: ``submit(request, now)`` when a request arrives; while
-    ``next_event_time()`` is not None, call ``step(t)`` at that time ``t``. A ``submit`` may
-    move ``next_event_time()`` earlier (it cuts a decode-only run short), so re-read it after
-    every submit.
+    ``next_event_time()`` is not None, call ``step(t)`` at that time ``t``. A ``submit`` to
+    an idle engine schedules a zero-length wake-up step at ``now`` (so requests arriving at
+    the same instant share the first step); a ``submit`` may also move ``next_event_time()``
+    earlier (it cuts a decode-only run short), so re-read it after every submit.
+
+    ``listener`` receives KV cache events. ``coalesce_decodes=False`` simulates every
+    decode step one by one (same results up to float rounding, much slower: for tests).
     """
 
     def __init__(
@@ -323,8 +327,10 @@ class Engine:
         *,
         name: str = "engine",
         listener: KvEventListener | None = None,
+        coalesce_decodes: bool = True,
     ) -> None:
         self.config = config or EngineConfig()
+        self.coalesce_decodes = coalesce_decodes
         self.cost = cost or CostModel()
         self.name = name
         self.listener = listener
@@ -385,6 +391,36 @@ class Engine:
             n += 1
         return n * self._bs
 
+    def audit(self) -> list[str]:
+        """Return the broken invariants of the block pool and the scheduler (empty when consistent)."""
+        problems: list[str] = []
+        refs = collections.Counter(b for seq in self._running for b in seq.blocks)
+        for b in range(self._capacity):
+            if self._ref[b] != refs.get(b, 0):
+                problems.append(f"block {b}: ref {self._ref[b]} but {refs.get(b, 0)} running references")
+            if b >= self._fresh and (self._ref[b] or b in self._free or self._block_hash[b] is not None):
+                problems.append(f"block {b}: never allocated but in use")
+        for b in self._free:
+            if self._ref[b]:
+                problems.append(f"block {b}: in the free queue with ref {self._ref[b]}")
+        unreferenced = sum(1 for b in range(self._fresh) if self._ref[b] == 0)
+        if unreferenced != len(self._free):
+            problems.append(f"{unreferenced} used blocks are unreferenced but the free queue holds {len(self._free)}")
+        for h, b in self._cached.items():
+            if self._block_hash[b] != h:
+                problems.append(f"hash {h}: maps to block {b}, which holds {self._block_hash[b]}")
+        for seq in self._running:
+            if len(set(seq.blocks)) != len(seq.blocks):
+                problems.append(f"{seq.request_id}: holds a block twice")
+            if len(seq.blocks) * self._bs < seq.num_computed:
+                problems.append(f"{seq.request_id}: {seq.num_computed} computed tokens in {len(seq.blocks)} blocks")
+        for seq in self._waiting:
+            if seq.blocks:
+                problems.append(f"{seq.request_id}: waiting but holds blocks")
+        if len(self._running) > self.config.max_num_seqs:
+            problems.append(f"{len(self._running)} running sequences, more than max_num_seqs")
+        return problems
+
     def next_event_time(self) -> float | None:
         """End of the step in progress, or None when the engine is idle."""
         return None if self._batch is None else self._batch.end
@@ -403,6 +439,11 @@ class Engine:
             raise ValueError(
                 f"request {request.request_id!r}: needs {-(-total // self._bs)} KV blocks, more than the "
                 f"cache's capacity_blocks={self._capacity}."
+            )
+        if self._batch is not None and now > self._batch.end + 1e-9:
+            raise ValueError(
+                f"engine {self.name!r}: submit at {now!r} is past next_event_time()={self._batch.end!r}; "
+                "call step() first."
             )
         hashes = request.block_hashes(self._bs) if self.config.enable_prefix_caching else []
         seq = Sequence(request, now, hashes, num_tokens=len(request.prompt))
@@ -577,7 +618,7 @@ class Engine:
         base = cost.decode_base_ms if decodes else cost.prefill_base_ms
         step_ms += base + decodes * cost.decode_per_seq_ms + cost.kv_read_ms_per_token * kv_context
         batch = _Batch(now, now + step_ms / 1000.0, 1, scheduled, prefill_tokens, decodes, len(gone), d0=step_ms)
-        if decodes == len(scheduled) == len(self._running) and not gone:
+        if self.coalesce_decodes and decodes == len(scheduled) == len(self._running) and not gone:
             self._plan_run(batch)
         self._batch = batch
 
