@@ -164,6 +164,14 @@ class TestEviction:
         assert serve(engine, request("b2", b), 6.0).cached_tokens < 160
         assert engine.stats.evicted_blocks > 0
 
+    def test_a_finished_sequence_loses_its_last_blocks_first(self) -> None:
+        """Blocks are freed last-to-first, so eviction trims a cached prompt from its end and keeps its prefix."""
+        engine = self.small_engine(12)
+        prompt = tokens(1, 161)  # 10 full blocks + 1 token: 11 blocks
+        serve(engine, request("a", prompt), 0.0)
+        serve(engine, request("b", tokens(2, 33)), 1.0)  # 3 blocks: 1 never used + 2 evicted
+        assert serve(engine, request("a2", prompt), 2.0).cached_tokens == 9 * 16
+
     def test_blocks_of_running_sequences_are_never_evicted(self) -> None:
         """A long-running sequence's prompt blocks stay cached while other prompts churn through the cache."""
         engine = self.small_engine(64)

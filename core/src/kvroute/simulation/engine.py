@@ -618,7 +618,11 @@ class Engine:
         base = cost.decode_base_ms if decodes else cost.prefill_base_ms
         step_ms += base + decodes * cost.decode_per_seq_ms + cost.kv_read_ms_per_token * kv_context
         batch = _Batch(now, now + step_ms / 1000.0, 1, scheduled, prefill_tokens, decodes, len(gone), d0=step_ms)
-        if self.coalesce_decodes and decodes == len(scheduled) == len(self._running) and not gone:
+        # A decode-only step repeats unchanged until a sequence finishes or a request arrives, unless a
+        # waiting sequence could be admitted meanwhile: it is blocked by seats or budget (which stay
+        # so), not by memory (evictions can shorten its cache hit and let a budget-capped chunk fit).
+        blocked = not self._waiting or len(self._running) >= self.config.max_num_seqs or budget <= 0
+        if self.coalesce_decodes and blocked and decodes == len(scheduled) == len(self._running) and not gone:
             self._plan_run(batch)
         self._batch = batch
 
