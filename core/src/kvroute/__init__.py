@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import metadata as _metadata
 
 from kvroute._markers import hookimpl
-from kvroute.adapters import BackendAdapter, OpenAIAdapter
+from kvroute.adapters import BackendAdapter, HttpGetter, HttpReply, OpenAIAdapter
 from kvroute.backend import Backend, BackendState, EngineLoad
 from kvroute.errors import (
     ConfigError,
@@ -43,6 +43,8 @@ __all__ = [
     "EngineLoad",
     "Fleet",
     "FleetEvent",
+    "HttpGetter",
+    "HttpReply",
     "InvalidRequest",
     "KvrouteError",
     "Lease",

@@ -4,17 +4,57 @@ A backend kind (``openai``, ``vllm``, ``tensorrt-llm``...) is registered through
 ``kvroute_register_backend_kinds`` hook with a factory ``factory(backend, **options)``
 returning an object that follows `BackendAdapter`. The core ships ``openai``: any
 OpenAI-compatible server, probed on ``/health``, with no engine telemetry.
+
+Optional async methods (the proxy's health checker calls them when an adapter has them,
+and falls back to plain HTTP on the paths otherwise), each given an `HttpGetter` bound to
+the backend's base URL, its credentials and the probe timeout:
+
+* ``probe(http) -> bool``: is the engine able to serve? (default: ``GET health_path`` is 200)
+* ``list_models(http) -> list[str]``: served model ids (default: parse ``GET models_path``)
+* ``poll_load(http) -> EngineLoad | None``: the engine's load telemetry, stored with
+  ``Fleet.update_load`` so strategies can read it (default: none)
+
+Transport errors raised from these methods count as a failed probe / a skipped poll.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from kvroute.backend import Backend
 
-__all__ = ["BackendAdapter", "OpenAIAdapter"]
+__all__ = ["BackendAdapter", "HttpGetter", "HttpReply", "OpenAIAdapter", "parse_model_list"]
+
+
+@attrs.frozen
+class HttpReply:
+    """A small HTTP response as adapters see it: status and the whole body."""
+
+    status: int
+    body: bytes = b""
+
+    def json(self) -> Any:
+        """The body parsed as JSON (raises ``ValueError`` when it is not JSON)."""
+        return json.loads(self.body)
+
+
+class HttpGetter(Protocol):
+    """What adapters use to talk to their backend; paths are relative to its base URL."""
+
+    async def get(self, path: str) -> HttpReply:
+        """``GET path``; raises ``OSError`` or ``TimeoutError`` on transport failures."""
+        ...
+
+
+def parse_model_list(data: object) -> list[str]:
+    """Model ids from OpenAI's ``{"object": "list", "data": [{"id": ...}]}``; ``ValueError`` otherwise."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise ValueError(f"expected an object with a 'data' list of models (got {type(data).__name__}).")
+    ids = [m.get("id") for m in data["data"] if isinstance(m, dict)]
+    return [i for i in ids if isinstance(i, str) and i]
 
 
 @runtime_checkable
@@ -41,3 +81,14 @@ class OpenAIAdapter:
     def create(cls, backend: Backend, **options: Any) -> OpenAIAdapter:
         """Factory registered for kind ``openai``; options override the paths."""
         return cls(backend, **options)
+
+    async def probe(self, http: HttpGetter) -> bool:
+        """Healthy when ``health_path`` answers 200."""
+        return (await http.get(self.health_path)).status == 200
+
+    async def list_models(self, http: HttpGetter) -> list[str]:
+        """The ids listed at ``models_path``; ``ValueError`` on a non-200 or a malformed body."""
+        reply = await http.get(self.models_path)
+        if reply.status != 200:
+            raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
+        return parse_model_list(reply.json())

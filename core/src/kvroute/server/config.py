@@ -1,0 +1,369 @@
+"""The proxy's configuration: attrs types, a TOML loader and command-line overrides.
+
+Precedence, lowest first: built-in defaults, the TOML file (``--config``), a SageMaker
+endpoint-config import (``--sagemaker-config``: strategy and its options only), then
+command-line flags. Every value is validated here, so the server never starts with a
+configuration it would reject later; errors are `kvroute.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+
+from kvroute.backend import Backend
+from kvroute.errors import ConfigError
+
+__all__ = [
+    "BackendConfig",
+    "HealthConfig",
+    "ServerConfig",
+    "TimeoutConfig",
+    "load_toml",
+    "parse_backend_flag",
+    "parse_option_flags",
+]
+
+_DEFAULT_HOP_BY_HOP = ()
+
+
+def _check_url(url: object, where: str) -> str:
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{where}: 'url' must be a non-empty string such as 'http://127.0.0.1:8001' (got {url!r}).")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}: 'url' must be an http:// or https:// URL with a host (got {url!r}).")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{where}: 'url' must not have a query or fragment (got {url!r}).")
+    return url.rstrip("/")
+
+
+@attrs.frozen
+class BackendConfig:
+    """One upstream server: where it is, what kind of engine, and how to talk to it.
+
+    ``api_key`` (when set) replaces the client's ``Authorization`` header on requests to
+    this backend; ``adapter_options`` go to the backend kind's adapter factory.
+    """
+
+    id: str
+    url: str
+    kind: str = "openai"
+    weight: float = 1.0
+    models: tuple[str, ...] = ()
+    labels: Mapping[str, str] = attrs.field(factory=dict)
+    api_key: str | None = attrs.field(default=None, repr=False)
+    adapter_options: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def to_backend(self) -> Backend:
+        """The core's identity object for this backend."""
+        try:
+            return Backend(
+                id=self.id, url=self.url, kind=self.kind, weight=self.weight, models=self.models, labels=self.labels
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"backend {self.id!r}: {exc}") from None
+
+    @classmethod
+    def from_mapping(cls, data: object, where: str = "backend") -> BackendConfig:
+        """Build from a TOML table or an admin API JSON body, checking every key."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a table/object with at least 'url' (got {type(data).__name__}).")
+        known = {"id", "url", "kind", "weight", "models", "labels", "api_key", "adapter_options"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+        url = _check_url(data.get("url"), where)
+        backend_id = data.get("id") or default_backend_id(url)
+        if not isinstance(backend_id, str):
+            raise ConfigError(f"{where}: 'id' must be a string (got {backend_id!r}).")
+        kind = data.get("kind", "openai")
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"{where}: 'kind' must be a non-empty string (got {kind!r}).")
+        weight = data.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise ConfigError(f"{where}: 'weight' must be a number > 0 (got {weight!r}).")
+        models = data.get("models", ())
+        if isinstance(models, str):
+            models = (models,)
+        if not isinstance(models, list | tuple) or not all(isinstance(m, str) and m for m in models):
+            raise ConfigError(f"{where}: 'models' must be a list of model names (got {models!r}).")
+        labels = data.get("labels", {})
+        if not isinstance(labels, Mapping) or not all(isinstance(v, str) for v in labels.values()):
+            raise ConfigError(f"{where}: 'labels' must be a table of strings (got {labels!r}).")
+        api_key = data.get("api_key")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ConfigError(f"{where}: 'api_key' must be a non-empty string when set.")
+        options = data.get("adapter_options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{where}: 'adapter_options' must be a table (got {options!r}).")
+        return cls(
+            id=backend_id,
+            url=url,
+            kind=kind,
+            weight=float(weight),
+            models=tuple(models),
+            labels=dict(labels),
+            api_key=api_key,
+            adapter_options=dict(options),
+        )
+
+
+def default_backend_id(url: str) -> str:
+    """A backend's id when none is given: the URL's ``host:port``."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+def parse_backend_flag(value: str) -> BackendConfig:
+    """Parse ``--backend``: ``URL``, ``ID=URL`` or ``id=..,url=..,kind=..,weight=..,models=a;b``."""
+    value = value.strip()
+    where = f"--backend {value!r}"
+    if "," in value or value.startswith(("url=", "id=")):
+        data: dict[str, Any] = {}
+        for item in value.split(","):
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"{where}: expected key=value pairs separated by commas (got {item!r}).")
+            key = key.strip()
+            if key == "models":
+                data[key] = [m for m in raw.split(";") if m]
+            elif key == "weight":
+                try:
+                    data[key] = float(raw)
+                except ValueError:
+                    raise ConfigError(f"{where}: 'weight' must be a number (got {raw!r}).") from None
+            else:
+                data[key] = raw
+        return BackendConfig.from_mapping(data, where)
+    if "=" in value and not value.startswith("http"):
+        backend_id, _, url = value.partition("=")
+        return BackendConfig.from_mapping({"id": backend_id, "url": url}, where)
+    return BackendConfig.from_mapping({"url": value}, where)
+
+
+def parse_option_flags(values: Sequence[str]) -> dict[str, str]:
+    """Parse repeated ``--option key=value`` flags."""
+    out: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option must be key=value (got {item!r}).")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def _positive_number(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"'{attribute.name}' must be a number > 0 (got {value!r}).")
+
+
+def _non_negative_number(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"'{attribute.name}' must be a number >= 0 (got {value!r}).")
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"'{attribute.name}' must be an integer >= 1 (got {value!r}).")
+
+
+@attrs.frozen
+class TimeoutConfig:
+    """Upstream timeouts in seconds.
+
+    ``connect``: opening a TCP connection (a failure is retried on another backend).
+    ``first_byte``: from sending the request until the first byte of the response body
+    (covers queueing and prefill; not retried, the engine may still be working).
+    ``idle``: the longest gap between two body chunks once the body has started.
+    """
+
+    connect: float = attrs.field(default=5.0, validator=_positive_number)
+    first_byte: float = attrs.field(default=300.0, validator=_positive_number)
+    idle: float = attrs.field(default=60.0, validator=_positive_number)
+
+
+@attrs.frozen
+class HealthConfig:
+    """Active probes and passive ejection.
+
+    Every ``interval`` seconds each backend is probed through its adapter (``/health`` for
+    kind ``openai``) with ``timeout``. ``unhealthy_threshold`` consecutive failures eject
+    it; ``healthy_threshold`` consecutive successes bring an ejected backend back. With
+    ``passive_ejection``, a connection error while proxying ejects the backend at once.
+    ``interval = 0`` turns probing off, and passive ejection with it (nothing would bring
+    an ejected backend back).
+    """
+
+    interval: float = attrs.field(default=5.0, validator=_non_negative_number)
+    timeout: float = attrs.field(default=2.0, validator=_positive_number)
+    unhealthy_threshold: int = attrs.field(default=3, validator=_positive_int)
+    healthy_threshold: int = attrs.field(default=2, validator=_positive_int)
+    passive_ejection: bool = True
+    discover_models: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
+@attrs.frozen
+class ServerConfig:
+    """Everything ``kvroute serve`` needs; see docs/serve.md for each key."""
+
+    backends: tuple[BackendConfig, ...] = ()
+    strategy: str = "least-outstanding"
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_positive_int)
+    max_attempts: int = attrs.field(default=3, validator=_positive_int)
+    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
+    forward_authorization: bool = True
+    backend_header: str | None = "x-kvroute-backend"
+    admin_token: str | None = attrs.field(default=None, repr=False)
+    access_log: bool = True
+    passthrough_paths: tuple[str, ...] = (
+        "/tokenize",
+        "/detokenize",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/pooling",
+    )
+    timeouts: TimeoutConfig = attrs.field(factory=TimeoutConfig)
+    health: HealthConfig = attrs.field(factory=HealthConfig)
+
+    def __attrs_post_init__(self) -> None:
+        seen: set[str] = set()
+        for backend in self.backends:
+            if backend.id in seen:
+                raise ConfigError(f"backend id {backend.id!r} is given twice; ids must be unique.")
+            seen.add(backend.id)
+        if self.backend_header is not None and not _is_token(self.backend_header):
+            raise ConfigError(f"'backend_header' must be a valid header name or empty (got {self.backend_header!r}).")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ConfigError(f"'admin_token' must be at least 16 characters (got {len(self.admin_token)}).")
+        for path in self.passthrough_paths:
+            if not path.startswith("/"):
+                raise ConfigError(f"'passthrough_paths' entries must start with '/' (got {path!r}).")
+
+    def merge(self, **changes: Any) -> ServerConfig:
+        """A copy with the given fields replaced (``None`` values are ignored)."""
+        return attrs.evolve(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _is_token(name: str) -> bool:
+    allowed = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return bool(name) and all(c in allowed for c in name)
+
+
+_SERVER_KEYS = {
+    "host": str,
+    "port": int,
+    "max_body_bytes": int,
+    "max_attempts": int,
+    "retry_after_s": int,
+    "forward_authorization": bool,
+    "backend_header": str,
+    "admin_token": str,
+    "access_log": bool,
+    "passthrough_paths": list,
+}
+
+
+def _typed(table: Mapping[str, Any], key: str, expected: type, where: str) -> Any:
+    value = table[key]
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if expected is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"[{where}] '{key}' must be {expected.__name__} (got {type(value).__name__} {value!r}).")
+    return value
+
+
+def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[{name}] must be a table (got {type(table).__name__}).")
+    return table
+
+
+def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"[{where}]: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+
+
+def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = None) -> ServerConfig:
+    """Build a `ServerConfig` from the parsed TOML document (see docs/serve.md)."""
+    _check_keys(data, {"server", "routing", "timeouts", "health", "backends"}, "top level")
+    config = base or ServerConfig()
+    changes: dict[str, Any] = {}
+
+    server = _section(data, "server")
+    _check_keys(server, set(_SERVER_KEYS), "server")
+    for key, expected in _SERVER_KEYS.items():
+        if key in server:
+            changes[key] = _typed(server, key, expected, "server")
+    if "backend_header" in changes and changes["backend_header"] == "":
+        changes["backend_header"] = None
+    if "passthrough_paths" in changes:
+        changes["passthrough_paths"] = tuple(changes["passthrough_paths"])
+
+    routing = _section(data, "routing")
+    _check_keys(routing, {"strategy", "options"}, "routing")
+    if "strategy" in routing:
+        changes["strategy"] = _typed(routing, "strategy", str, "routing")
+    if "options" in routing:
+        changes["options"] = dict(_section(routing, "options"))
+
+    timeouts = _section(data, "timeouts")
+    _check_keys(timeouts, {"connect", "first_byte", "idle"}, "timeouts")
+    t_values = {k: float(_typed(timeouts, k, float, "timeouts")) for k in timeouts}
+    health = _section(data, "health")
+    h_types: dict[str, type] = {
+        "interval": float,
+        "timeout": float,
+        "unhealthy_threshold": int,
+        "healthy_threshold": int,
+        "passive_ejection": bool,
+        "discover_models": bool,
+    }
+    _check_keys(health, set(h_types), "health")
+    h_values = {k: _typed(health, k, h_types[k], "health") for k in health}
+
+    backends_raw = data.get("backends", [])
+    if not isinstance(backends_raw, list):
+        raise ConfigError(f"'backends' must be an array of tables ([[backends]]) (got {type(backends_raw).__name__}).")
+    backends = tuple(BackendConfig.from_mapping(b, f"[[backends]] #{i + 1}") for i, b in enumerate(backends_raw))
+    try:
+        return attrs.evolve(
+            config,
+            **changes,
+            backends=config.backends + backends,
+            timeouts=attrs.evolve(config.timeouts, **t_values),
+            health=attrs.evolve(config.health, **h_values),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def load_toml(path: str | Path, base: ServerConfig | None = None) -> ServerConfig:
+    """Read a TOML configuration file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {str(path)!r} does not exist.") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"configuration file {str(path)!r} is not valid TOML: {exc}.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"configuration file {str(path)!r} is not UTF-8 text.") from None
+    return config_from_mapping(data, base)
