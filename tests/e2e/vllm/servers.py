@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,10 @@ __all__ = [
     "ensure_tiny_model",
     "free_ports",
     "start_vllm_servers",
+    "get_text",
+    "metric_value",
+    "post_json",
+    "sse_events",
     "stop_process_group",
 ]
 
@@ -109,7 +114,7 @@ def ensure_tiny_model(python: str | os.PathLike[str], out_dir: str | os.PathLike
     return out
 
 
-def _engine_env(core: int) -> dict[str, str]:
+def _engine_env(core: int, extra: Mapping[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
@@ -121,11 +126,16 @@ def _engine_env(core: int) -> dict[str, str]:
             "DO_NOT_TRACK": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
+            # Keeps the engine's internal sockets (its message queue picks the host's IP otherwise) on loopback.
+            "VLLM_HOST_IP": "127.0.0.1",
         }
     )
-    # The test environment's own Python settings must not leak into the engine's interpreter.
-    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+    # The test environment's own Python settings must not leak into the engine's interpreter. PYTHONHASHSEED
+    # (tox sets a random one) would also change vLLM's block hash seed; without it sha256 hashes are the same
+    # in every process and every run, which keeps captured fixtures comparable.
+    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED"):
         env.pop(name, None)
+    env.update(extra)
     return env
 
 
@@ -230,11 +240,13 @@ def start_vllm_servers(
     startup_timeout_s: float = 300.0,
     enforce_eager: bool = True,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[list[VllmServer]]:
     """Start ``count`` vLLM servers at once, wait until every ``/health`` answers 200, yield them, stop them.
 
     Server ``i`` is pinned to core ``cores[i]`` (default ``i % os.cpu_count()``) and logs to
-    ``log_dir/vllm-<i>.log``. Raises VllmStartupError if a server exits early or is not healthy within
+    ``log_dir/vllm-<i>.log``. ``extra_args`` are appended to every command line and ``extra_env`` is laid over
+    the engine environment (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}`` for ``/reset_prefix_cache``). Raises VllmStartupError if a server exits early or is not healthy within
     ``startup_timeout_s``; the servers started so far are stopped before the error propagates.
     """
     python = os.fspath(python)
@@ -269,7 +281,7 @@ def start_vllm_servers(
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
-                    env=_engine_env(cores[i]),
+                    env=_engine_env(cores[i], extra_env or {}),
                     start_new_session=True,
                     preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
                 )
@@ -312,6 +324,60 @@ def start_vllm_servers(
     finally:
         cleanup()
         atexit.unregister(cleanup)
+
+
+# --- small stdlib HTTP helpers for tests that talk to the servers -----------------------------------------
+
+
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def get_text(url: str, timeout_s: float = 30.0) -> str:
+    """GET ``url`` and return the body as text (raises urllib.error.HTTPError on a non-2xx status)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+def post_json(url: str, body: Mapping[str, object], timeout_s: float = 120.0) -> bytes:
+    """POST ``body`` as JSON and return the raw response body (JSON, or SSE when ``"stream": true``)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return resp.read()
+
+
+def sse_events(raw: bytes) -> list[object]:
+    """Decode an OpenAI-style SSE body into its JSON events; the final ``data: [DONE]`` is dropped."""
+    events: list[object] = []
+    for block in raw.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data:"):
+                data = line[len("data:") :].strip()
+                if data != "[DONE]":
+                    events.append(json.loads(data))
+    return events
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` (exact name, not a prefix) whose labels include ``labels``.
+
+    Enough for vLLM's own exposition (one sample per name for a single-engine server); not a general parser.
+    """
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        rest = line[len(name) :]
+        if rest.startswith("{"):
+            label_text, _, value = rest[1:].partition("} ")
+        elif rest.startswith(" "):
+            label_text, value = "", rest[1:]
+        else:
+            continue  # a longer name with this prefix, e.g. vllm:num_requests_waiting_by_reason
+        found = dict(_LABEL.findall(label_text))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(value.split()[0])
+    raise LookupError(f"no sample {name!r} with labels {labels!r} in the metrics text")
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
