@@ -1,0 +1,381 @@
+"""Which KV blocks each backend probably holds: a bounded index, and a short record of recent decisions.
+
+`BlockIndex` keeps, per backend, an LRU set of the router's block hashes (see
+`kvroute_tokenizer_prefix.blocks`) with a capacity in blocks, plus one map from block hash to
+the set of backends holding it (a bit mask) for fast matching. Two ways feed it:
+
+* approximate: the strategy records the blocks of every request it sends (``record``), in
+  reverse order so that a prefix's first blocks are the most recent and its tail is evicted
+  first, as engines evict;
+* exact: a backend adapter translates the engine's KV events into ``blocks_stored`` (token
+  ids + block size + parent, from which the router recomputes its own hashes),
+  ``blocks_removed`` (the engine's hashes, mapped back) and ``all_cleared``. A backend marked
+  exact (``set_exact``) no longer gets approximate records; the strategy keeps its own recent
+  decisions in `RecentDecisions` instead, so that sibling requests co-locate before the
+  engine reports their blocks.
+
+Memory: about 190 bytes per (backend, block) entry on 64-bit CPython (measured in
+``benchmarks/bench_tokenizer_prefix.py``), so the default capacity of 32,768 blocks per backend
+costs about 6 MB per backend. Every method is thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import structlog
+
+from kvroute_tokenizer_prefix.blocks import block_hashes, root_hash
+
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "BlockIndex", "RecentDecisions"]
+
+log = structlog.get_logger(__name__)
+
+#: Blocks remembered per backend unless ``capacity_blocks`` or `BlockIndex.set_capacity` says otherwise.
+DEFAULT_CAPACITY_BLOCKS = 32_768
+
+
+class BlockIndex:
+    """A bounded per-backend LRU of block hashes with a hash -> holders map; thread-safe."""
+
+    def __init__(self, block_size: int, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+        if block_size < 1:
+            raise ValueError(f"'block_size' must be >= 1 (got {block_size}).")
+        if capacity_blocks < 1:
+            raise ValueError(f"'capacity_blocks' must be >= 1 (got {capacity_blocks}).")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.lock = threading.RLock()
+        #: hash -> bit mask of the backends holding it (bits from ``bit``).
+        self.holders: dict[int, int] = {}
+        self._bits: dict[str, int] = {}
+        self._free: list[int] = []
+        self._next_bit = 0
+        self._lru: dict[str, OrderedDict[int, int | None]] = {}
+        self._engine: dict[str, dict[int, int]] = {}
+        self._capacity: dict[str, int] = {}
+        self._exact: set[str] = set()
+        #: Events whose parent block was unknown (lost or evicted): their blocks were skipped.
+        self.orphan_events = 0
+        self.evictions = 0
+
+    # -- backends ------------------------------------------------------------------------
+
+    def bit(self, backend: str) -> int:
+        """The bit that stands for ``backend`` in holder masks (assigned on first use)."""
+        found = self._bits.get(backend)
+        if found is not None:
+            return found
+        with self.lock:
+            found = self._bits.get(backend)
+            if found is None:
+                if self._free:
+                    found = self._free.pop()
+                else:
+                    found = 1 << self._next_bit
+                    self._next_bit += 1
+                self._bits[backend] = found
+            return found
+
+    def backend_of(self, bit: int) -> str | None:
+        """The backend a bit stands for, if any."""
+        for name, b in self._bits.items():
+            if b == bit:
+                return name
+        return None
+
+    def remove_backend(self, backend: str) -> None:
+        """Forget a backend and everything it held; its bit is reused later."""
+        with self.lock:
+            self._drop_all(backend)
+            bit = self._bits.pop(backend, None)
+            self._lru.pop(backend, None)
+            self._engine.pop(backend, None)
+            self._capacity.pop(backend, None)
+            self._exact.discard(backend)
+            if bit is not None:
+                self._free.append(bit)
+
+    def set_capacity(self, backend: str, blocks: int) -> None:
+        """Blocks remembered for ``backend`` (e.g. the engine's ``num_gpu_blocks``); evicts beyond it."""
+        if blocks < 1:
+            raise ValueError(f"'blocks' must be >= 1 (got {blocks}).")
+        with self.lock:
+            self._capacity[backend] = blocks
+            lru = self._lru.get(backend)
+            if lru is not None:
+                self._evict(backend, lru, self.bit(backend))
+
+    def capacity(self, backend: str) -> int:
+        """Blocks remembered for ``backend``."""
+        return self._capacity.get(backend, self.capacity_blocks)
+
+    def set_exact(self, backend: str, exact: bool = True) -> None:
+        """Mark a backend as fed by KV events; switching to exact forgets its approximate records."""
+        with self.lock:
+            if exact and backend not in self._exact:
+                self._drop_all(backend)
+                self._exact.add(backend)
+            elif not exact:
+                self._exact.discard(backend)
+
+    def is_exact(self, backend: str) -> bool:
+        """Whether ``backend``'s blocks come from KV events."""
+        return backend in self._exact
+
+    # -- reading -------------------------------------------------------------------------
+
+    def blocks(self, backend: str) -> int:
+        """How many blocks ``backend`` holds in the index."""
+        lru = self._lru.get(backend)
+        return len(lru) if lru is not None else 0
+
+    def __len__(self) -> int:
+        """Distinct block hashes held by any backend."""
+        return len(self.holders)
+
+    def holds(self, backend: str, block_hash: int) -> bool:
+        """Whether ``backend`` holds ``block_hash``."""
+        bit = self._bits.get(backend)
+        return bit is not None and bool(self.holders.get(block_hash, 0) & bit)
+
+    def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        """For each backend, how many leading blocks of ``hashes`` it holds."""
+        with self.lock:
+            bits = {self.bit(b): b for b in backends}
+            alive = sum(bits)
+            out = dict.fromkeys(bits.values(), 0)
+            get = self.holders.get
+            for i, h in enumerate(hashes):
+                now = alive & get(h, 0)
+                if now != alive:
+                    for bit, name in bits.items():
+                        if alive & bit and not now & bit:
+                            out[name] = i
+                    alive = now
+                    if not alive:
+                        break
+            else:
+                for bit, name in bits.items():
+                    if alive & bit:
+                        out[name] = len(hashes)
+            return out
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _lru_of(self, backend: str) -> OrderedDict[int, int | None]:
+        lru = self._lru.get(backend)
+        if lru is None:
+            lru = self._lru[backend] = OrderedDict()
+        return lru
+
+    def _evict(self, backend: str, lru: OrderedDict[int, int | None], bit: int) -> None:
+        cap = self._capacity.get(backend, self.capacity_blocks)
+        holders = self.holders
+        engine = self._engine.get(backend)
+        while len(lru) > cap:
+            h, engine_hash = lru.popitem(last=False)
+            self._unhold(holders, h, bit)
+            if engine is not None and engine_hash is not None:
+                engine.pop(engine_hash, None)
+            self.evictions += 1
+
+    @staticmethod
+    def _unhold(holders: dict[int, int], h: int, bit: int) -> None:
+        mask = holders.get(h, 0) & ~bit
+        if mask:
+            holders[h] = mask
+        else:
+            holders.pop(h, None)
+
+    def _drop_all(self, backend: str) -> None:
+        lru = self._lru.get(backend)
+        bit = self._bits.get(backend)
+        if lru is None or bit is None:
+            return
+        for h in lru:
+            self._unhold(self.holders, h, bit)
+        lru.clear()
+        self._engine.pop(backend, None)
+
+    def record(self, backend: str, hashes: Sequence[int]) -> None:
+        """Approximate update: ``backend`` was sent a prompt with these blocks (first block most recent)."""
+        with self.lock:
+            bit = self.bit(backend)
+            lru = self._lru_of(backend)
+            holders = self.holders
+            move = lru.move_to_end
+            for h in reversed(hashes):
+                if h in lru:
+                    move(h)
+                else:
+                    lru[h] = None
+                    holders[h] = holders.get(h, 0) | bit
+            self._evict(backend, lru, bit)
+
+    def blocks_stored(
+        self,
+        backend: str,
+        token_ids: Sequence[int] | array[int],
+        *,
+        block_size: int,
+        parent_engine_hash: int | None = None,
+        engine_hashes: Sequence[int] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        parent: int | None = None,
+    ) -> list[int]:
+        """Exact update from a "blocks stored" event; returns the router hashes stored.
+
+        ``token_ids`` is the flat list of the stored blocks' tokens (full blocks only count).
+        The chain continues from ``parent_engine_hash`` (mapped to the router's hash through
+        earlier events), or from ``parent`` (a router hash), or starts at the root of ``lora``
+        and ``cache_salt``. ``engine_hashes``, one per full block, lets later
+        ``blocks_removed`` events name the blocks. A parent that is unknown (its event was lost
+        or it was evicted here) makes the event unusable: it is counted in ``orphan_events``.
+        """
+        if block_size != self.block_size:
+            raise ValueError(
+                f"KV event for backend {backend!r} has block_size {block_size}, but the index hashes "
+                f"blocks of {self.block_size} tokens; set the strategy's 'block_size' to the engine's."
+            )
+        with self.lock:
+            if parent is None and parent_engine_hash is not None:
+                parent = self._engine.get(backend, {}).get(parent_engine_hash)
+                if parent is None:
+                    self.orphan_events += 1
+                    log.debug("kv_event_orphan", backend=backend, parent=parent_engine_hash)
+                    return []
+            hashes = block_hashes(token_ids, block_size, parent=parent if parent is not None else root_hash(lora, cache_salt))
+            if engine_hashes is not None and len(engine_hashes) != len(hashes):
+                raise ValueError(
+                    f"KV event for backend {backend!r} names {len(engine_hashes)} block hashes for "
+                    f"{len(hashes)} full blocks of {block_size} tokens ({len(token_ids)} token ids)."
+                )
+            bit = self.bit(backend)
+            lru = self._lru_of(backend)
+            holders = self.holders
+            engine = self._engine.setdefault(backend, {}) if engine_hashes is not None else None
+            for i, h in enumerate(hashes):
+                engine_hash = engine_hashes[i] if engine_hashes is not None else None
+                if h in lru:
+                    lru.move_to_end(h)
+                    if engine_hash is not None:
+                        lru[h] = engine_hash
+                else:
+                    lru[h] = engine_hash
+                    holders[h] = holders.get(h, 0) | bit
+                if engine is not None and engine_hash is not None:
+                    engine[engine_hash] = h
+            self._evict(backend, lru, bit)
+            return hashes
+
+    def blocks_removed(self, backend: str, engine_hashes: Iterable[int] = (), *, hashes: Iterable[int] = ()) -> int:
+        """Exact update from a "blocks removed" event (engine hashes, or router ``hashes``); returns blocks removed."""
+        removed = 0
+        with self.lock:
+            lru = self._lru.get(backend)
+            bit = self._bits.get(backend)
+            if lru is None or bit is None:
+                return 0
+            engine = self._engine.get(backend, {})
+            targets = [engine.pop(e, None) for e in engine_hashes]
+            for h in [*targets, *hashes]:
+                if h is not None and h in lru:
+                    del lru[h]
+                    self._unhold(self.holders, h, bit)
+                    removed += 1
+        return removed
+
+    def all_cleared(self, backend: str) -> None:
+        """Exact update from an "all blocks cleared" event (or an engine restart)."""
+        with self.lock:
+            self._drop_all(backend)
+
+    def clear(self) -> None:
+        """Forget every block of every backend."""
+        with self.lock:
+            for backend in list(self._lru):
+                self._drop_all(backend)
+
+    def reset(self, block_size: int) -> None:
+        """Forget everything and hash blocks of ``block_size`` from now on (the engine's changed)."""
+        if block_size < 1:
+            raise ValueError(f"'block_size' must be >= 1 (got {block_size}).")
+        with self.lock:
+            self.clear()
+            self.block_size = block_size
+
+
+class RecentDecisions:
+    """Blocks the router itself just sent to exact-mode backends, until the request ends or ``ttl_s`` passes.
+
+    A backend fed by KV events only learns about a prompt's blocks once the engine has
+    prefilled it; sibling requests sent in between (a burst, ``n`` samples, a fan-out) would
+    scatter. This record makes them match the backend their first sibling went to.
+    """
+
+    def __init__(self, ttl_s: float = 30.0, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[float, int, Sequence[int]]] = OrderedDict()
+        self._counts: dict[tuple[int, int], int] = {}
+        #: hash -> bit mask of backends a recent decision sent it to.
+        self.holders: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request_id: str, bit: int, hashes: Sequence[int]) -> None:
+        """Remember that ``hashes`` were just sent to the backend of ``bit``."""
+        self.discard(request_id)
+        self.expire()
+        self._entries[request_id] = (self._clock() + self.ttl_s, bit, hashes)
+        counts, holders = self._counts, self.holders
+        for h in hashes:
+            key = (h, bit)
+            n = counts.get(key, 0)
+            counts[key] = n + 1
+            if not n:
+                holders[h] = holders.get(h, 0) | bit
+        while len(self._entries) > self.max_entries:
+            self.discard(next(iter(self._entries)))
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request (it finished, or the engine has reported its blocks)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        _, bit, hashes = entry
+        counts, holders = self._counts, self.holders
+        for h in hashes:
+            key = (h, bit)
+            n = counts.get(key, 0) - 1
+            if n > 0:
+                counts[key] = n
+                continue
+            counts.pop(key, None)
+            mask = holders.get(h, 0) & ~bit
+            if mask:
+                holders[h] = mask
+            else:
+                holders.pop(h, None)
+
+    def expire(self) -> None:
+        """Drop entries older than ``ttl_s``."""
+        now = self._clock()
+        while self._entries:
+            request_id, (expires, _, _) = next(iter(self._entries.items()))
+            if expires > now:
+                break
+            self.discard(request_id)
+
+    def drop_bit(self, bit: int) -> None:
+        """Forget every entry of one backend (it left the fleet)."""
+        for request_id in [r for r, (_, b, _) in self._entries.items() if b == bit]:
+            self.discard(request_id)

@@ -1,0 +1,313 @@
+"""The ``tokenizer-prefix`` strategy: the backend that holds most of the prompt's KV blocks, within the load cap.
+
+Per request (``pick``, under the router's lock, no I/O):
+
+1. Tokens: the client's ``token_ids`` as they are, else the prompt as the engine builds it
+   (chat template + the model's tokenizer, or the word-level fallback), lazily, piece by piece.
+2. Blocks: chained hashes of full ``block_size`` blocks, LoRA and ``cache_salt`` in the first
+   block's key, at most ``max_prefix_tokens`` tokens.
+3. Match: for each candidate, how many leading blocks it holds (index of what the router sent
+   or what KV events reported, plus recent decisions). Hashing stops as soon as no candidate
+   can match further, so a prompt nobody has seen costs its first piece only.
+4. Choice:
+   * no candidate holds even the first block: bounded consistent hashing of the first
+     ``key_blocks`` blocks, by the ``bounded-load`` plugin (cold prompts spread evenly and every
+     router replica agrees);
+   * else each candidate scores ``matched tokens - load_cost_tokens * load / weight`` and the
+     candidates are ordered best score first (ties in the key's rendezvous order); the
+     ``bounded-load`` plugin's `choose` takes the first with room under ``load_factor`` /
+     ``concurrency_threshold``, else the least loaded.
+
+After the router sends the request (``on_request_start``) the remaining blocks are hashed and
+recorded for that backend, so later requests sharing the prefix, including a burst that
+arrives together, find it there.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import structlog
+import xxhash
+from kvroute_bounded_load import BoundedLoad, choose
+from kvroute_consistent_hash import Rendezvous
+
+import kvroute
+from kvroute.errors import InvalidRequest
+from kvroute.options import (
+    bool_option,
+    float_option,
+    int_option,
+    optional_float_option,
+    optional_int_option,
+    str_option,
+)
+from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
+from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
+from kvroute_tokenizer_prefix.tokenizer import PromptTokenizer, WordTokenizer, load_tokenizer
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "TokenizerPrefix"]
+
+log = structlog.get_logger(__name__)
+
+#: Block size used until an option or an adapter says otherwise (vLLM's default on GPUs).
+DEFAULT_BLOCK_SIZE = 16
+_WORDS = ("words", "none", "whitespace")
+_MAX_PENDING = 1024
+
+
+@attrs.define
+class TokenizerPrefix(kvroute.BaseStrategy):
+    """Route to the candidate holding the longest prefix of the request's KV blocks, load-bounded.
+
+    Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
+    ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
+    ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``load_factor``,
+    ``concurrency_threshold``, ``engine_load``, ``recent_ttl``, ``piece_bytes``, ``cache_tokens``.
+
+    Decisions: ``prefix`` (the best-scoring candidate with matched blocks had room), ``cold``
+    (nothing matched: the first blocks' hash home had room), ``spilled`` (a later candidate of
+    the order; ``spill_reason`` says which limit), ``least_loaded`` (every candidate was full),
+    ``untokenizable`` (the prompt could not be tokenized: placed by its text prefix).
+    """
+
+    tokenizer: str | None = str_option(None)
+    chat_template: str | None = str_option(None)
+    content_format: str = str_option("auto", choices=("auto", "string", "openai"))
+    block_size: int | None = optional_int_option(min=1, max=4096)
+    max_prefix_tokens: int = int_option(8192, min=1, max=1 << 20)
+    capacity_blocks: int = int_option(DEFAULT_CAPACITY_BLOCKS, min=1, max=1 << 26)
+    load_cost_tokens: float = float_option(256.0, min=0.0, max=1e9)
+    key_blocks: int = int_option(4, min=1, max=4096)
+    load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
+    concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
+    engine_load: bool = bool_option(False)
+    recent_ttl: float = float_option(30.0, min=0.0, max=86400.0)
+    piece_bytes: int = int_option(512, min=1, max=1 << 20)
+    cache_tokens: int = int_option(1 << 21, min=0, max=1 << 32)
+    #: Decisions by reason, since the strategy was built.
+    reasons: Counter[str] = attrs.field(factory=Counter, init=False)
+    #: Spilled decisions that were started, by spill reason.
+    spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
+    _tok: PromptTokenizer = attrs.field(init=False)
+    _index: BlockIndex = attrs.field(init=False)
+    _recent: RecentDecisions = attrs.field(init=False)
+    _placer: BoundedLoad = attrs.field(init=False)
+    _pending: OrderedDict[str, PromptBlocks] = attrs.field(init=False, factory=OrderedDict)
+    _totals: Counter[str] = attrs.field(factory=Counter, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokenizer is None or self.tokenizer.strip().lower() in _WORDS:
+            self._tok = WordTokenizer()
+        else:
+            self._tok = load_tokenizer(
+                self.tokenizer,
+                chat_template=self.chat_template,
+                content_format=self.content_format,
+                piece_bytes=self.piece_bytes,
+                cache_tokens=self.cache_tokens,
+            )
+        self._index = BlockIndex(self.block_size or DEFAULT_BLOCK_SIZE, self.capacity_blocks)
+        self._recent = RecentDecisions(self.recent_ttl)
+        self._placer = BoundedLoad(
+            load_factor=self.load_factor, concurrency_threshold=self.concurrency_threshold, engine_load=self.engine_load
+        )
+
+    # -- what adapters and operators use ---------------------------------------------------
+
+    @property
+    def index(self) -> BlockIndex:
+        """The block index: adapters feed KV events into it (``set_exact``, ``blocks_stored``...)."""
+        return self._index
+
+    @property
+    def recent(self) -> RecentDecisions:
+        """Recent decisions to exact-mode backends (burst co-location)."""
+        return self._recent
+
+    @property
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        """The tokenizer in use (`ModelTokenizer` or `WordTokenizer`)."""
+        return self._tok
+
+    @property
+    def current_block_size(self) -> int:
+        """The block size hashes are computed with now."""
+        return self._index.block_size
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for operators: decisions by reason, spills, tokens hashed / available / chosen, index size."""
+        return {
+            "decisions": dict(self.reasons),
+            "spill_reasons": dict(self.spill_reasons),
+            "prompt_tokens": self._totals["prompt_tokens"],
+            "reuse_available_tokens": self._totals["available"],
+            "reuse_chosen_tokens": self._totals["chosen"],
+            "index_blocks": len(self._index),
+            "recent_requests": len(self._recent),
+        }
+
+    def prompt_blocks(self, request: kvroute.RouteRequest) -> PromptBlocks:
+        """A lazy view of ``request``'s block hashes with this strategy's settings."""
+        return PromptBlocks(
+            self._tok.chunks(request),
+            self._index.block_size,
+            max(1, self.max_prefix_tokens // self._index.block_size),
+            root_hash(request.lora, request.cache_salt),
+        )
+
+    # -- callbacks -----------------------------------------------------------------------
+
+    def on_fleet_change(self, event: kvroute.FleetEvent, members: Sequence[kvroute.BackendState]) -> None:
+        self._placer.on_fleet_change(event, members)
+        if event.kind == "removed" and event.backend is not None:
+            with self._index.lock:
+                bit = self._index.bit(event.backend.id)
+                self._recent.drop_bit(bit)
+                self._index.remove_backend(event.backend.id)
+
+    def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        if decision.spilled:
+            self.spill_reasons[str(decision.detail.get("spill_reason", decision.reason))] += 1
+        blocks = self._pending.pop(request.request_id, None)
+        if blocks is None or blocks.block_size != self._index.block_size:
+            blocks = self.prompt_blocks(request)
+        try:
+            blocks.complete()
+        except InvalidRequest:
+            return  # pick() already placed it by its text
+        backend = decision.backend.id
+        with self._index.lock:
+            if self._index.is_exact(backend):
+                self._recent.add(request.request_id, self._index.bit(backend), tuple(blocks.hashes))
+            else:
+                self._index.record(backend, blocks.hashes)
+
+    def on_request_finish(self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome) -> None:
+        if len(self._recent):
+            with self._index.lock:
+                self._recent.discard(request.request_id)
+
+    # -- deciding ------------------------------------------------------------------------
+
+    def _sync_block_size(self, candidates: Sequence[kvroute.BackendState]) -> None:
+        if self.block_size is not None:
+            return
+        load = candidates[0].load
+        reported = load.block_size if load is not None else None
+        if reported and reported != self._index.block_size:
+            log.info("block_size_changed", old=self._index.block_size, new=reported, backend=candidates[0].id)
+            self._index.reset(reported)
+            self._recent = RecentDecisions(self.recent_ttl)
+            self._pending.clear()
+
+    def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks) -> int:
+        if request.affinity_key is not None:
+            return xxhash.xxh3_64_intdigest(request.affinity_key.encode("utf-8", "surrogatepass"), blocks.root)
+        if blocks.hashes:
+            return blocks.hashes[min(self.key_blocks, len(blocks.hashes)) - 1]
+        return blocks.tail_key()
+
+    def _match(self, blocks: PromptBlocks, candidates: Sequence[kvroute.BackendState]) -> list[int]:
+        """Leading blocks held by each candidate (index or recent decisions), hashing only as far as needed."""
+        index = self._index
+        bits = [index.bit(s.id) for s in candidates]
+        alive = 0
+        for bit in bits:
+            alive |= bit
+        matched = [0] * len(candidates)
+        get = index.holders.get
+        recent = self._recent.holders
+        rget = recent.get
+        hashes = blocks.hashes
+        i = 0
+        while alive:
+            if i >= len(hashes):
+                blocks.grow()
+                if i >= len(hashes):
+                    break
+                continue
+            h = hashes[i]
+            now = alive & (get(h, 0) | rget(h, 0)) if recent else alive & get(h, 0)
+            if now != alive:
+                gone = alive & ~now
+                for j, bit in enumerate(bits):
+                    if gone & bit:
+                        matched[j] = i
+                alive = now
+            i += 1
+        if alive:
+            for j, bit in enumerate(bits):
+                if alive & bit:
+                    matched[j] = i
+        return matched
+
+    def _ranks(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> list[int]:
+        placement = self._placer.placement
+        order = placement.ranking(key, model)
+        rank_of = {index: r for r, index in enumerate(order)}
+        ranks = []
+        for state in candidates:
+            member = placement.index(state)
+            r = rank_of.get(member) if member is not None else None
+            if r is None:  # a candidate the placement does not know: rank over the candidates alone
+                alone = Rendezvous(candidates, cache_size=0)
+                position = {index: r for r, index in enumerate(alone.ranking(key, None))}
+                return [position[i] for i in range(len(candidates))]
+            ranks.append(r)
+        return ranks
+
+    def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+        with self._index.lock:
+            self._sync_block_size(candidates)
+            blocks = self.prompt_blocks(request)
+            try:
+                blocks.ensure(self.key_blocks)
+                key = self._key(request, blocks)
+                matched = self._match(blocks, candidates)
+            except InvalidRequest as exc:
+                log.info("tokenize_failed", request_id=request.request_id, error=str(exc))
+                decision = self._placer.pick(request, candidates)
+                self.reasons["untokenizable"] += 1
+                return attrs.evolve(decision, reason="untokenizable", detail={**decision.detail, "error": str(exc)})
+        self._pending[request.request_id] = blocks
+        self._pending.move_to_end(request.request_id)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        bs = blocks.block_size
+        best = max(matched)
+        detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens}
+        self._totals["prompt_tokens"] += blocks.tokens
+        self._totals["available"] += best * bs
+        if best == 0:
+            decision = self._placer.place(key, request.model, candidates)
+            reason = "cold" if decision.reason == "hash" else decision.reason
+            self.reasons[reason] += 1
+            return attrs.evolve(decision, reason=reason, detail={**decision.detail, **detail, "matched_tokens": 0})
+        loads = self._placer.bound.measure(candidates)
+        cost = self.load_cost_tokens
+        scores = [m * bs - cost * loads.load(s) / s.backend.weight for m, s in zip(matched, candidates, strict=True)]
+        ranks = self._ranks(key, request.model, candidates)
+        order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
+        choice = choose((candidates[j] for j in order), loads)
+        chosen = next(j for j in order if candidates[j] is choice.state)
+        first = candidates[order[0]]
+        reason = "prefix" if choice.reason == "first" else choice.reason
+        self.reasons[reason] += 1
+        self._totals["chosen"] += matched[chosen] * bs
+        detail["matched_tokens"] = matched[chosen] * bs
+        if choice.state is not first:
+            detail["preferred"] = first.id
+            detail["spill_reason"] = choice.spill_reason
+        return kvroute.Decision(
+            choice.state.backend, reason=reason, key=key, spilled=choice.state is not first, detail=detail
+        )
+
+
+@kvroute.hookimpl
+def kvroute_register_strategies(register: Callable[..., None]) -> None:
+    register("tokenizer-prefix", TokenizerPrefix)
+
