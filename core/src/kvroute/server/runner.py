@@ -34,7 +34,7 @@ def nodelay_protocol() -> type[asyncio.Protocol]:
     except ImportError:  # httptools not installed: the pure-Python h11 parser
         from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
 
-    class NoDelayProtocol(Base):  # type: ignore[valid-type,misc]
+    class NoDelayProtocol(Base):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             _set_nodelay(transport)
             super().connection_made(transport)
@@ -110,15 +110,22 @@ class ServerThread:
     def start(self) -> ServerThread:
         config = make_uvicorn_config(self.app, self.host, self._requested_port, loop="asyncio")
         self._server = server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
 
         def run() -> None:
             loop = _new_loop()
+            asyncio.set_event_loop(loop)
             self.loop = loop
             try:
                 loop.run_until_complete(server.serve())
             finally:
+                # After kill() the lifespan never ran its shutdown: cancel what is left.
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
                 loop.close()
+                asyncio.set_event_loop(None)
 
         self._thread = threading.Thread(target=run, name=f"uvicorn-{id(self):x}", daemon=True)
         self._thread.start()
