@@ -51,6 +51,16 @@ Endpoint = Literal["chat", "completions"]
 
 _MAX_CACHE_SALT = 128
 
+#: Body fields that change how an engine builds the prompt's tokens (kept in ``prompt_options``).
+_PROMPT_OPTIONS = (
+    "tools",
+    "documents",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+)
+
 
 def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
@@ -158,6 +168,10 @@ class RouteRequest:
     cache_salt: str | None = None
     affinity_key: str | None = None
     max_tokens: int | None = None
+    #: The body's fields that shape the engine's prompt tokens (``tools``, ``documents``,
+    #: ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
+    #: ``add_special_tokens``), for strategies that tokenize like the engine; ``None`` if absent.
+    prompt_options: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def from_text(
@@ -272,4 +286,5 @@ class RouteRequest:
             cache_salt=cache_salt,
             affinity_key=headers.get(AFFINITY_HEADER) or None,
             max_tokens=max_tokens,
+            prompt_options={k: body[k] for k in _PROMPT_OPTIONS if body.get(k) is not None} or None,
         )
