@@ -37,6 +37,7 @@ def _stats(emulator: ServerThread) -> dict[str, int]:
 
 def _backend_state(proxy: ServerThread, backend: str) -> bool:
     status, _, body = http("GET", proxy.url + "/metrics")
+    assert status == 200
     for line in body.decode().splitlines():
         if line.startswith(f'kvroute_backend_healthy{{backend="{backend}"}}'):
             return line.endswith(" 1.0")
