@@ -398,7 +398,7 @@ class ModelTokenizer:
                 param="messages",
             )
         assert request.messages is not None
-        args = dict(getattr(request, "prompt_options", None) or {})
+        args = dict(request.prompt_options or {})
         kwargs = args.pop("chat_template_kwargs", None) or {}
         if not isinstance(kwargs, Mapping):
             raise InvalidRequest(f"'chat_template_kwargs' must be an object (got {type(kwargs).__name__}).", param="chat_template_kwargs")
@@ -415,7 +415,7 @@ class ModelTokenizer:
         if request.token_ids is not None:
             yield token_array(request.token_ids)
         elif request.messages is not None:
-            options = getattr(request, "prompt_options", None) or {}
+            options = request.prompt_options or {}
             yield from self.text_chunks(self.render(request), add_special_tokens=bool(options.get("add_special_tokens", False)))
         else:
             yield from self.text_chunks(request.text, add_special_tokens=True)

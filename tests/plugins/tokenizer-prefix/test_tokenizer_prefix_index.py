@@ -1,0 +1,262 @@
+"""Block hashes, the bounded block index (approximate records and exact KV events), recent decisions."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, RecentDecisions, block_hashes, root_hash
+from kvroute_tokenizer_prefix.tokenizer import token_array
+
+token_lists = st.lists(st.integers(0, (1 << 64) - 1), max_size=80)
+small_tokens = st.lists(st.integers(0, 3), max_size=40)  # few distinct ids: many shared prefixes
+
+
+class TestBlockHashes:
+    @given(tokens=token_lists, extra=token_lists, size=st.integers(1, 8))
+    def test_a_prefix_has_a_prefix_of_hashes(self, tokens: list[int], extra: list[int], size: int) -> None:
+        """Extending a prompt never changes the hashes of its existing full blocks."""
+        short = block_hashes(tokens, size)
+        assert block_hashes(tokens + extra, size)[: len(short)] == short
+        assert len(short) == len(tokens) // size
+
+    @given(a=small_tokens, b=small_tokens, size=st.integers(1, 4))
+    def test_equal_hash_means_equal_prefix(self, a: list[int], b: list[int], size: int) -> None:
+        """Block i has the same hash in two prompts exactly when their first i+1 blocks are equal."""
+        ha, hb = block_hashes(a, size), block_hashes(b, size)
+        for i in range(min(len(ha), len(hb))):
+            assert (ha[i] == hb[i]) == (a[: (i + 1) * size] == b[: (i + 1) * size])
+
+    @given(tokens=token_lists.filter(lambda t: len(t) >= 4), cut=st.integers(1, 20))
+    def test_continuation_from_parent_equals_whole(self, tokens: list[int], cut: int) -> None:
+        """Hashing a continuation from its parent's hash gives the whole prompt's hashes (as KV events chain)."""
+        size = 2
+        cut = min(cut, len(tokens) // size) * size
+        head = block_hashes(tokens[:cut], size)
+        tail = block_hashes(tokens[cut:], size, parent=head[-1] if head else None)
+        assert head + tail == block_hashes(tokens, size)
+
+    def test_lora_and_cache_salt_change_every_block(self) -> None:
+        """Different LoRA adapters or cache salts never share a block hash."""
+        tokens = list(range(64))
+        plain = set(block_hashes(tokens, 16))
+        assert plain.isdisjoint(block_hashes(tokens, 16, lora="adapter-a"))
+        assert plain.isdisjoint(block_hashes(tokens, 16, cache_salt="tenant-1"))
+        assert set(block_hashes(tokens, 16, cache_salt="tenant-1")).isdisjoint(block_hashes(tokens, 16, cache_salt="tenant-2"))
+        assert root_hash(None, None) == root_hash()
+
+    def test_bad_block_size(self) -> None:
+        """A block size below 1 is a ValueError that says so."""
+        with pytest.raises(ValueError, match="'block_size' must be >= 1"):
+            block_hashes([1, 2], 0)
+
+    @given(chunks=st.lists(token_lists, max_size=6), size=st.integers(1, 8), max_blocks=st.integers(1, 30))
+    def test_lazy_blocks_equal_eager(self, chunks: list[list[int]], size: int, max_blocks: int) -> None:
+        """PromptBlocks fed in any chunking gives the first max_blocks hashes of the whole prompt."""
+        whole = [t for c in chunks for t in c]
+        blocks = PromptBlocks(iter(token_array(c) for c in chunks), size, max_blocks, root_hash())
+        assert blocks.complete() == block_hashes(whole, size)[:max_blocks]
+        assert blocks.done
+
+
+class TestBlockIndex:
+    def test_match_counts_leading_blocks(self) -> None:
+        """match() returns, per backend, the number of leading blocks it holds."""
+        index = BlockIndex(block_size=2)
+        hashes = block_hashes(range(20), 2)
+        index.record("a", hashes[:6])
+        index.record("b", hashes[:2])
+        index.record("c", hashes[1:])  # no first block: matches nothing
+        assert index.match(hashes, ["a", "b", "c", "d"]) == {"a": 6, "b": 2, "c": 0, "d": 0}
+
+    def test_capacity_evicts_the_tail_first(self) -> None:
+        """A backend over capacity forgets its least recent blocks, a prompt's tail before its head."""
+        index = BlockIndex(block_size=1, capacity_blocks=4)
+        hashes = block_hashes(range(6), 1)
+        index.record("a", hashes)
+        assert index.blocks("a") == 4
+        assert index.match(hashes, ["a"]) == {"a": 4}
+        assert index.evictions == 2
+
+    def test_set_capacity_evicts_at_once(self) -> None:
+        """Lowering a backend's capacity evicts down to it immediately."""
+        index = BlockIndex(block_size=1)
+        index.record("a", block_hashes(range(10), 1))
+        index.set_capacity("a", 3)
+        assert index.blocks("a") == 3 and index.capacity("a") == 3
+
+    def test_exact_events_chain_through_engine_hashes(self) -> None:
+        """A stored event whose parent is an engine hash continues the router's chain from that block."""
+        index = BlockIndex(block_size=2)
+        tokens = list(range(8))
+        index.blocks_stored("a", tokens[:4], block_size=2, engine_hashes=[101, 102])
+        stored = index.blocks_stored("a", tokens[4:], block_size=2, parent_engine_hash=102, engine_hashes=[103, 104])
+        assert stored == block_hashes(tokens, 2)[2:]
+        assert index.match(block_hashes(tokens, 2), ["a"]) == {"a": 4}
+
+    def test_removed_event_names_engine_hashes(self) -> None:
+        """A removed event drops the router blocks its engine hashes map to."""
+        index = BlockIndex(block_size=2)
+        tokens = list(range(8))
+        index.blocks_stored("a", tokens, block_size=2, engine_hashes=[1, 2, 3, 4])
+        assert index.blocks_removed("a", [3, 99]) == 1
+        assert index.match(block_hashes(tokens, 2), ["a"]) == {"a": 2}
+
+    def test_all_cleared(self) -> None:
+        """An all-cleared event empties one backend only."""
+        index = BlockIndex(block_size=2)
+        hashes = block_hashes(range(8), 2)
+        index.record("a", hashes)
+        index.record("b", hashes)
+        index.all_cleared("a")
+        assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 4}
+
+    def test_orphan_event_is_skipped_and_counted(self) -> None:
+        """A stored event whose parent the index never saw stores nothing and is counted."""
+        index = BlockIndex(block_size=2)
+        assert index.blocks_stored("a", [1, 2, 3, 4], block_size=2, parent_engine_hash=77) == []
+        assert index.orphan_events == 1 and len(index) == 0
+
+    def test_event_lora_and_salt_key_the_first_block(self) -> None:
+        """A stored event for an adapter and salt matches only prompts with that adapter and salt."""
+        index = BlockIndex(block_size=2)
+        index.blocks_stored("a", [1, 2, 3, 4], block_size=2, lora="x", cache_salt="s")
+        assert index.match(block_hashes([1, 2, 3, 4], 2, lora="x", cache_salt="s"), ["a"]) == {"a": 2}
+        assert index.match(block_hashes([1, 2, 3, 4], 2), ["a"]) == {"a": 0}
+
+    def test_block_size_mismatch_is_rejected(self) -> None:
+        """An event with another block size is a ValueError telling what to configure."""
+        index = BlockIndex(block_size=16)
+        with pytest.raises(ValueError, match="set the strategy's 'block_size'"):
+            index.blocks_stored("a", list(range(32)), block_size=32)
+
+    def test_engine_hash_count_must_match_blocks(self) -> None:
+        """An event naming a different number of hashes than full blocks is a ValueError."""
+        index = BlockIndex(block_size=2)
+        with pytest.raises(ValueError, match="names 1 block hashes for 2 full blocks"):
+            index.blocks_stored("a", [1, 2, 3, 4], block_size=2, engine_hashes=[9])
+
+    def test_set_exact_forgets_approximate_records(self) -> None:
+        """Switching a backend to exact mode drops what was only guessed."""
+        index = BlockIndex(block_size=1)
+        index.record("a", block_hashes(range(3), 1))
+        index.set_exact("a")
+        assert index.is_exact("a") and index.blocks("a") == 0
+
+    def test_removed_backend_frees_its_bit(self) -> None:
+        """A removed backend's blocks vanish and its bit is reused by the next new backend."""
+        index = BlockIndex(block_size=1)
+        hashes = block_hashes(range(3), 1)
+        index.record("a", hashes)
+        bit = index.bit("a")
+        index.remove_backend("a")
+        assert len(index) == 0
+        assert index.bit("z") == bit
+        assert index.match(hashes, ["z"]) == {"z": 0}
+
+    def test_reset_changes_block_size(self) -> None:
+        """reset() forgets everything and hashes blocks of the new size."""
+        index = BlockIndex(block_size=1)
+        index.record("a", block_hashes(range(3), 1))
+        index.reset(4)
+        assert index.block_size == 4 and len(index) == 0
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random records and exact events against a simple model: per backend, an LRU list of hashes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capacity = 6
+        self.index = BlockIndex(block_size=2, capacity_blocks=self.capacity)
+        self.model: dict[str, OrderedDict[int, None]] = {}
+
+    def _touch(self, backend: str, hashes: list[int]) -> None:
+        lru = self.model.setdefault(backend, OrderedDict())
+        for h in hashes:
+            lru.pop(h, None)
+            lru[h] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    @rule(backend=st.sampled_from("abc"), tokens=small_tokens)
+    def record(self, backend: str, tokens: list[int]) -> None:
+        hashes = block_hashes(tokens, 2)
+        self.index.record(backend, hashes)
+        self._touch(backend, list(reversed(hashes)))
+
+    @rule(backend=st.sampled_from("abc"), tokens=small_tokens)
+    def stored(self, backend: str, tokens: list[int]) -> None:
+        hashes = self.index.blocks_stored(backend, tokens, block_size=2)
+        assert hashes == block_hashes(tokens, 2)
+        self._touch(backend, hashes)
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data())
+    def removed(self, data: Any) -> None:
+        backend = data.draw(st.sampled_from(sorted(b for b, lru in self.model.items() if lru)))
+        h = data.draw(st.sampled_from(list(self.model[backend])))
+        assert self.index.blocks_removed(backend, hashes=[h]) == 1
+        del self.model[backend][h]
+
+    @rule(backend=st.sampled_from("abc"))
+    def cleared(self, backend: str) -> None:
+        self.index.all_cleared(backend)
+        self.model.pop(backend, None)
+
+    @invariant()
+    def holders_agree_with_the_model(self) -> None:
+        expected: dict[int, set[str]] = {}
+        for backend, lru in self.model.items():
+            assert self.index.blocks(backend) == len(lru) <= self.capacity
+            for h in lru:
+                expected.setdefault(h, set()).add(backend)
+        assert set(self.index.holders) == set(expected)
+        for h, backends in expected.items():
+            assert {b for b in "abc" if self.index.holds(b, h)} == backends
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30)
+
+
+class TestRecentDecisions:
+    def test_expires_after_ttl(self) -> None:
+        """A recent decision is forgotten once its time to live has passed."""
+        now = [0.0]
+        recent = RecentDecisions(ttl_s=5.0, clock=lambda: now[0])
+        recent.add("r1", 1, [10, 11])
+        assert recent.holders == {10: 1, 11: 1}
+        now[0] = 6.0
+        recent.expire()
+        assert recent.holders == {} and len(recent) == 0
+
+    def test_overlapping_requests_are_counted(self) -> None:
+        """A block stays held while any recent request on that backend still has it."""
+        recent = RecentDecisions()
+        recent.add("r1", 2, [10, 11])
+        recent.add("r2", 2, [10])
+        recent.add("r3", 4, [10])
+        recent.discard("r1")
+        assert recent.holders == {10: 6}
+        recent.discard("r2")
+        assert recent.holders == {10: 4}
+
+    def test_bounded_entries(self) -> None:
+        """At most max_entries requests are remembered; the oldest go first."""
+        recent = RecentDecisions(max_entries=2)
+        for i in range(3):
+            recent.add(f"r{i}", 1, [i])
+        assert len(recent) == 2 and 0 not in recent.holders
+
+    def test_drop_bit(self) -> None:
+        """Dropping a backend's bit forgets its entries only."""
+        recent = RecentDecisions()
+        recent.add("r1", 1, [5])
+        recent.add("r2", 2, [5])
+        recent.drop_bit(1)
+        assert recent.holders == {5: 2}

@@ -1,0 +1,285 @@
+"""The tokenizer-prefix strategy through the real Router: affinity by KV blocks, load bounds, bursts, scaling."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvroute_tokenizer_prefix import TokenizerPrefix, block_hashes, prompt_ids
+
+import kvroute
+from kvroute.errors import ConfigError
+from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance
+
+SYSTEM = "You are a careful assistant. Answer briefly and cite the document you used. " * 12
+
+
+def chat(*turns: str, system: str = SYSTEM) -> dict[str, Any]:
+    """A chat body: the system prompt, then alternating user/assistant turns."""
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": messages}
+
+
+def conversation_turn(conv: int, turn: int) -> dict[str, Any]:
+    """Turn ``turn`` of conversation ``conv``: its whole history plus a new question."""
+    turns: list[str] = []
+    for t in range(turn + 1):
+        turns.append(f"Conversation {conv} question {t}: tell me about topic {conv * 100 + t} in detail please.")
+        if t < turn:
+            turns.append(f"Answer {t} for conversation {conv}: " + "some words " * 40)
+    return chat(*turns)
+
+
+def make_router(strategy: TokenizerPrefix, count: int = 4) -> kvroute.Router:
+    fleet = kvroute.Fleet([kvroute.Backend(f"b{i}") for i in range(count)])
+    return kvroute.Router(fleet, strategy, strategy_name="tokenizer-prefix")
+
+
+def request(body: dict[str, Any], **kw: Any) -> kvroute.RouteRequest:
+    return kvroute.RouteRequest.from_openai(body, **kw)
+
+
+@pytest.fixture
+def strategy(model_dir: Path) -> TokenizerPrefix:
+    return TokenizerPrefix(tokenizer=str(model_dir))
+
+
+class TestOptions:
+    def test_installed_under_its_name(self, model_dir: Path) -> None:
+        """The plugin registers as 'tokenizer-prefix' and takes its options by name."""
+        fleet = kvroute.Fleet([kvroute.Backend("a")])
+        router = kvroute.Router.create(fleet, "tokenizer-prefix", {"tokenizer": str(model_dir), "block-size": "32"})
+        assert isinstance(router.strategy, TokenizerPrefix)
+        assert router.strategy.current_block_size == 32
+
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            ({"block_size": 0}, "'block_size' must be between 1 and 4096"),
+            ({"max_prefix_tokens": "lots"}, "'max_prefix_tokens': expected an integer"),
+            ({"load_factor": 0.5}, "'load_factor' must be between 1.0 and 100.0"),
+            ({"content_format": "xml"}, "'content_format' must be one of auto, string, openai"),
+            ({"tokenizer": "/nowhere/tokenizer.json"}, "must be a tokenizer.json file"),
+            ({"colour": "blue"}, "has no option 'colour'"),
+        ],
+    )
+    def test_bad_options_are_config_errors(self, options: dict[str, Any], message: str) -> None:
+        """A bad option value is a ConfigError saying what was expected and what was got."""
+        with pytest.raises(ConfigError, match=message):
+            kvroute.PluginManager().create_strategy("tokenizer-prefix", options)
+
+
+class TestAffinity:
+    def test_multi_turn_stays_on_one_backend(self, strategy: TokenizerPrefix) -> None:
+        """Every turn of a conversation goes where its history is, while loads allow."""
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {c: set() for c in range(6)}
+        for turn in range(4):
+            for conv in range(6):
+                with router.route(request(conversation_turn(conv, turn))) as lease:
+                    homes[conv].add(lease.backend.id)
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert strategy.reasons["prefix"] >= 18
+
+    def test_conversations_sharing_a_system_prompt_may_split(self, strategy: TokenizerPrefix) -> None:
+        """A conversation that only shares the system prompt goes to an idle backend rather than a busier one."""
+        router = make_router(strategy, 2)
+        busy = [router.acquire(request(conversation_turn(0, 0))) for _ in range(3)]
+        home = busy[0].backend.id
+        other = router.acquire(request(conversation_turn(1, 0)))
+        assert other.backend.id != home
+        assert other.decision.detail["best_matched_tokens"] > 0
+
+    def test_long_history_outweighs_small_load_differences(self, strategy: TokenizerPrefix) -> None:
+        """A conversation with a long cached history stays home when its backend is only a little busier."""
+        router = make_router(strategy, 2)
+        with router.route(request(conversation_turn(0, 3))) as first:
+            home = first.backend.id
+        # One unrelated request in flight at home, none elsewhere.
+        cold = [router.acquire(request(chat(f"unrelated {i} " * 50, system=f"other system {i} " * 40))) for i in range(6)]
+        loads = {s.id: s.in_flight for s in router.fleet}
+        assert loads[home] >= 1
+        lease = router.acquire(request(conversation_turn(0, 4)))
+        assert lease.backend.id == home, (loads, lease.decision.explain())
+        for lease_ in cold:
+            router.release(lease_)
+
+    def test_hot_system_prompt_never_exceeds_the_cap(self, strategy: TokenizerPrefix) -> None:
+        """Requests that all share one hot prefix spread once its home is at the load_factor cap."""
+        router = make_router(strategy, 4)
+        leases = [router.acquire(request(chat(f"question {i}"))) for i in range(40)]
+        loads = sorted(s.in_flight for s in router.fleet)
+        # ceil(1.25 * 40 / 4) = 13: no backend above the cap, spills counted.
+        assert max(loads) <= 13 and sum(loads) == 40
+        assert strategy.reasons["spilled"] > 0
+        for lease in leases:
+            router.release(lease)
+
+    def test_cold_prompts_spread_by_their_first_blocks(self, strategy: TokenizerPrefix) -> None:
+        """Prompts nobody has seen spread over the fleet by consistent hashing, not onto the first backend."""
+        counts: Counter[str] = Counter()
+        fleet = kvroute.Fleet([kvroute.Backend(f"b{i}") for i in range(4)])
+        router = kvroute.Router(fleet, strategy)
+        for i in range(400):
+            decision, _ = router.decide(request(chat(f"q {i}", system=f"system prompt number {i} " * 10)))
+            counts[decision.backend.id] += 1
+            assert decision.reason == "cold"
+        assert set(counts) == {"b0", "b1", "b2", "b3"}
+        assert max(counts.values()) < 400 * 0.25 + 6 * (400 * 0.25 * 0.75) ** 0.5
+
+    def test_replicas_agree_on_cold_prompts(self, model_dir: Path) -> None:
+        """Two strategy instances over the same members place every cold prompt identically."""
+        a = make_router(TokenizerPrefix(tokenizer=str(model_dir)))
+        b = make_router(TokenizerPrefix(tokenizer=str(model_dir)))
+        for i in range(50):
+            r = request(chat(f"q {i}", system=f"sys {i} " * 30))
+            assert a.decide(r)[0].backend.id == b.decide(r)[0].backend.id
+
+    def test_lora_and_cache_salt_do_not_share_blocks(self, strategy: TokenizerPrefix) -> None:
+        """The same prompt under another cache_salt or LoRA adapter matches nothing."""
+        router = make_router(strategy)
+        with router.route(request(chat("hello"))):
+            pass
+        salted = router.decide(request({**chat("hello"), "cache_salt": "tenant-b"}))[0]
+        adapted = router.decide(request({**chat("hello"), "lora_adapter": "sql"}))[0]
+        assert salted.detail["best_matched_tokens"] == 0 and adapted.detail["best_matched_tokens"] == 0
+        assert router.decide(request(chat("hello")))[0].detail["best_matched_tokens"] > 0
+
+    def test_token_prompts_match_their_text_twin(self, strategy: TokenizerPrefix) -> None:
+        """A prompt sent as token ids matches the blocks of the same prompt sent as text."""
+        router = make_router(strategy)
+        text = "A long completion prompt about routing. " * 40
+        with router.route(request({"model": "m", "prompt": text}, endpoint="completions")) as lease:
+            home = lease.backend.id
+        ids = prompt_ids(strategy.prompt_tokenizer, request({"model": "m", "prompt": text}, endpoint="completions"))
+        decision = router.decide(request({"model": "m", "prompt": ids + [5, 6]}, endpoint="completions"))[0]
+        assert decision.backend.id == home and decision.reason == "prefix"
+        assert decision.detail["matched_tokens"] == len(ids) // 16 * 16
+
+    def test_untokenizable_request_is_still_routed(self, strategy: TokenizerPrefix) -> None:
+        """A chat the template rejects is placed by its text and says why."""
+        router = make_router(strategy)
+        decision = router.decide(request({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}))[0]
+        assert decision.reason == "untokenizable" and "Unknown role" in decision.detail["error"]
+
+    def test_max_prefix_tokens_bounds_hashing(self, model_dir: Path) -> None:
+        """At most max_prefix_tokens tokens are hashed for a long prompt."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), max_prefix_tokens=64)
+        blocks = strategy.prompt_blocks(request(chat("x " * 5000)))
+        assert len(blocks.complete()) == 4
+
+    def test_decision_explains_reuse(self, strategy: TokenizerPrefix) -> None:
+        """Decisions carry matched and best-available tokens; stats add them up."""
+        router = make_router(strategy)
+        with router.route(request(conversation_turn(0, 0))):
+            pass
+        with router.route(request(conversation_turn(0, 1))) as lease:
+            detail = lease.decision.detail
+        assert detail["matched_tokens"] == detail["best_matched_tokens"] > 0
+        stats = strategy.stats()
+        assert stats["reuse_chosen_tokens"] == stats["reuse_available_tokens"] == detail["matched_tokens"]
+
+
+class TestBursts:
+    def test_burst_co_locates_before_any_finishes(self, strategy: TokenizerPrefix) -> None:
+        """Siblings sharing a new prefix, all in flight at once, land together while the cap allows."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, load_factor=None, concurrency_threshold=8)
+        router = make_router(strategy)
+        doc = "A brand new document nobody has seen. " * 60
+        leases = [router.acquire(request(chat(f"{doc} Question {i}?"))) for i in range(6)]
+        assert len({lease.backend.id for lease in leases}) == 1
+
+    def test_burst_co_locates_on_exact_backends(self, strategy: TokenizerPrefix) -> None:
+        """With KV events (exact mode) siblings co-locate through recent decisions, before the engine reports."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, load_factor=None, concurrency_threshold=8)
+        router = make_router(strategy)
+        for i in range(4):
+            strategy.index.set_exact(f"b{i}")
+        doc = "Another new document for a fan-out. " * 60
+        leases = [router.acquire(request(chat(f"{doc} Sample {i}?"))) for i in range(5)]
+        assert len({lease.backend.id for lease in leases}) == 1
+        assert len(strategy.index) == 0 and len(strategy.recent) == 5
+        for lease in leases:
+            router.release(lease)
+        assert len(strategy.recent) == 0
+
+    def test_kv_events_feed_exact_matches(self, strategy: TokenizerPrefix) -> None:
+        """Blocks reported by an engine's KV events attract requests with that prefix."""
+        router = make_router(strategy)
+        body = chat("What does the document say?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.set_exact("b2")
+        strategy.index.blocks_stored("b2", ids, block_size=16, engine_hashes=None)
+        decision = router.decide(request(body))[0]
+        assert decision.backend.id == "b2" and decision.detail["matched_tokens"] == len(ids) // 16 * 16
+        assert strategy.index.match(block_hashes(ids, 16), ["b2"]) == {"b2": len(ids) // 16}
+
+
+class TestFleetAndBlockSize:
+    def test_removed_backend_is_forgotten(self, strategy: TokenizerPrefix) -> None:
+        """A backend removed from the fleet loses its index entries."""
+        router = make_router(strategy)
+        with router.route(request(chat("remember me"))) as lease:
+            home = lease.backend.id
+        assert strategy.index.blocks(home) > 0
+        router.fleet.remove(home)
+        assert strategy.index.blocks(home) == 0
+
+    def test_block_size_follows_the_adapter(self, strategy: TokenizerPrefix) -> None:
+        """Without a block_size option, the engine's reported block size is adopted and the index restarts."""
+        router = make_router(strategy)
+        with router.route(request(chat("before"))):
+            pass
+        router.fleet.update_load("b0", kvroute.EngineLoad(block_size=128))
+        router.decide(request(chat("after")))
+        assert strategy.current_block_size == 128 and len(strategy.index) == 0
+
+    def test_block_size_option_wins(self, model_dir: Path) -> None:
+        """An explicit block_size ignores what adapters report."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), block_size=32)
+        router = make_router(strategy)
+        router.fleet.update_load("b0", kvroute.EngineLoad(block_size=128))
+        router.decide(request(chat("x")))
+        assert strategy.current_block_size == 32
+
+
+@functools.cache
+def _shared_model_dir() -> str:
+    """A fixture model for class-level configuration (conformance, state machine), built once per process."""
+    from conftest import train, write_model
+
+    return str(write_model(Path(tempfile.mkdtemp(prefix="kvroute-tp-")) / "model", train("llama3", vocab_size=600)))
+
+
+def _with_model(**options: Any) -> TokenizerPrefix:
+    return TokenizerPrefix(tokenizer=_shared_model_dir(), **options)
+
+
+class TestConformanceWords(StrategyConformance):
+    strategy = "tokenizer-prefix"
+    deterministic = True
+
+
+class TestConformanceModel(StrategyConformance):
+    strategy = "tokenizer-prefix"
+    factory = staticmethod(_with_model)
+    deterministic = True
+
+
+TestScalingWords = ScalingStateMachine.for_strategy(
+    "tokenizer-prefix", claims=Claims(load_factor=1.25), max_examples=8, steps=20, keys=400
+).TestCase
+TestScalingSmallBlocks = ScalingStateMachine.for_strategy(
+    "tokenizer-prefix",
+    {"block_size": 2, "key_blocks": 1, "load_factor": 2.0},
+    claims=Claims(load_factor=2.0),
+    max_examples=8,
+    steps=20,
+    keys=400,
+).TestCase
