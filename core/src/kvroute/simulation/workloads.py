@@ -198,7 +198,10 @@ class LongPrefix(_Open):
 
     Parameters: ``groups`` (number of distinct prefixes), ``prefix_tokens``,
     ``question_tokens`` and ``output_tokens`` ranges, ``rate`` (requests per second,
-    Poisson), ``requests``/``duration``, ``seed``.
+    Poisson), ``requests``/``duration``, ``seed``. With ``concurrency`` set, the load is a
+    closed loop instead, as a benchmark client with that many users makes it: user ``i %
+    concurrency`` sends request ``i`` as soon as its previous request finished (``follows``
+    names it; every ``time`` is 0 and ``rate`` and ``duration`` are unused).
     """
 
     name: ClassVar[str] = "long-prefix"
@@ -209,6 +212,12 @@ class LongPrefix(_Open):
     output_tokens: Length = attrs.field(default=(100, 300), converter=_to_length, validator=_length)
     rate: float = attrs.field(default=7.0, validator=_positive)
     requests: int | None = attrs.field(default=2000, validator=_positive)
+    concurrency: int | None = attrs.field(default=None, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.concurrency is not None and self.requests is None:
+            raise ConfigError("a closed-loop workload ('concurrency' set) needs 'requests' to end (got none).")
 
     def _pick(self, rng: random.Random) -> int:
         return rng.randrange(self.groups)
@@ -218,9 +227,12 @@ class LongPrefix(_Open):
         vocab = vocabulary()
         rng = _rng(self.seed, self.name)
         prefixes: dict[int, _Piece] = {}
+        closed = self.concurrency
+        last: dict[int, str] = {}  # closed loop: each user's previous request
         t = 0.0
         for i in itertools.count():
-            t += rng.expovariate(self.rate)
+            if closed is None:
+                t += rng.expovariate(self.rate)
             if self._done(i, t):
                 return
             group = self._pick(rng)
@@ -232,13 +244,19 @@ class LongPrefix(_Open):
             question = _draw(rng, vocab, _uniform(rng, self.question_tokens))
             output_len = _uniform(rng, self.output_tokens)
             messages = [{"role": "system", "content": piece.text}, {"role": "user", "content": vocab.decode(question)}]
+            request_id = f"{self.name}-{i:06d}"
+            follows = None
+            if closed is not None:
+                follows = last.get(i % closed)
+                last[i % closed] = request_id
             yield Arrival(
                 time=t,
-                request_id=f"{self.name}-{i:06d}",
+                request_id=request_id,
                 body=self._body(messages, output_len),
                 prompt=piece.node.extend((USER, *question, END, ASSISTANT)),
                 output_len=output_len,
                 session_id=f"group-{group}",
+                follows=follows,
             )
 
 
