@@ -65,7 +65,7 @@ class TestOptions:
             ({"max_prefix_tokens": "lots"}, "'max_prefix_tokens': expected an integer"),
             ({"load_factor": 0.5}, "'load_factor' must be between 1.0 and 100.0"),
             ({"content_format": "xml"}, "'content_format' must be one of auto, string, openai"),
-            ({"tokenizer": "/nowhere/tokenizer.json"}, "must be a tokenizer.json file"),
+            ({"tokenizer": "/nowhere/tokenizer.json"}, r"must be a tokenizer\.json file"),
             ({"colour": "blue"}, "has no option 'colour'"),
         ],
     )
@@ -158,7 +158,7 @@ class TestAffinity:
         with router.route(request({"model": "m", "prompt": text}, endpoint="completions")) as lease:
             home = lease.backend.id
         ids = prompt_ids(strategy.prompt_tokenizer, request({"model": "m", "prompt": text}, endpoint="completions"))
-        decision = router.decide(request({"model": "m", "prompt": ids + [5, 6]}, endpoint="completions"))[0]
+        decision = router.decide(request({"model": "m", "prompt": [*ids, 5, 6]}, endpoint="completions"))[0]
         assert decision.backend.id == home and decision.reason == "prefix"
         assert decision.detail["matched_tokens"] == len(ids) // 16 * 16
 

@@ -41,7 +41,7 @@ class TestResolveModelFiles:
 
     def test_directory_without_tokenizer_json(self, tmp_path: Path) -> None:
         """A directory without tokenizer.json is a ConfigError naming the directory."""
-        with pytest.raises(ConfigError, match="has no tokenizer.json"):
+        with pytest.raises(ConfigError, match=r"has no tokenizer\.json"):
             resolve_model_files(tmp_path)
 
     def test_hub_id_from_local_cache(self, hf_cache: Path) -> None:
@@ -57,7 +57,7 @@ class TestResolveModelFiles:
 
     def test_nonexistent_path(self) -> None:
         """A path that does not exist is a ConfigError with what was expected."""
-        with pytest.raises(ConfigError, match="must be a tokenizer.json file"):
+        with pytest.raises(ConfigError, match=r"must be a tokenizer\.json file"):
             resolve_model_files("/no/such/tokenizer.json")
 
 
