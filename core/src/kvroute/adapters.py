@@ -13,6 +13,11 @@ the backend's base URL, its credentials and the probe timeout:
 * ``list_models(http) -> list[str]``: served model ids (default: parse ``GET models_path``)
 * ``poll_load(http) -> EngineLoad | None``: the engine's load telemetry, stored with
   ``Fleet.update_load`` so strategies can read it (default: none)
+* ``run_events(http, sink, *, task_status)``: a long-running task that feeds the engine's KV
+  cache events into ``sink`` (a `KvEventSink`, see `kv_event_sink`) until cancelled. The
+  proxy starts it in its task group, once per backend, when the strategy offers a sink;
+  ``http`` may also have ``post`` (`HttpClient`). It handles its own reconnects and never
+  raises except on cancellation.
 
 Transport errors raised from these methods count as a failed probe / a skipped poll.
 """
@@ -20,13 +25,23 @@ Transport errors raised from these methods count as a failed probe / a skipped p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from kvroute.backend import Backend
 
-__all__ = ["BackendAdapter", "HttpGetter", "HttpReply", "OpenAIAdapter", "parse_model_list"]
+__all__ = [
+    "BackendAdapter",
+    "HttpClient",
+    "HttpGetter",
+    "HttpReply",
+    "KvEventSink",
+    "OpenAIAdapter",
+    "kv_event_sink",
+    "parse_model_list",
+]
 
 
 @attrs.frozen
@@ -47,6 +62,62 @@ class HttpGetter(Protocol):
     async def get(self, path: str) -> HttpReply:
         """``GET path``; raises ``OSError`` or ``TimeoutError`` on transport failures."""
         ...
+
+
+class HttpClient(HttpGetter, Protocol):
+    """An `HttpGetter` that can also POST JSON (KV event polling, ``/tokenize``)."""
+
+    async def post(self, path: str, body: object) -> HttpReply:
+        """``POST path`` with ``body`` as JSON; raises ``OSError`` or ``TimeoutError`` on transport failures."""
+        ...
+
+
+@runtime_checkable
+class KvEventSink(Protocol):
+    """Where adapters send an engine's KV cache events, per backend id.
+
+    The tokenizer-prefix strategy's block index follows it. Token ids are the stored blocks'
+    ids, flat; the sink recomputes its own block hashes from them (never the engine's), and
+    keeps the engine's hashes only to resolve later removals and parents.
+    """
+
+    #: Tokens per block the sink hashes with; events of another block size cannot be applied.
+    block_size: int
+
+    def set_exact(self, backend: str, exact: bool = True) -> None:
+        """Mark ``backend`` as fed by KV events (``False``: back to the strategy's own records)."""
+        ...
+
+    def blocks_stored(
+        self,
+        backend: str,
+        token_ids: Sequence[int],
+        *,
+        block_size: int,
+        parent_engine_hash: int | None = None,
+        engine_hashes: Sequence[int] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """Full blocks of ``token_ids`` were stored, continuing the block ``parent_engine_hash``."""
+        ...
+
+    def blocks_removed(self, backend: str, engine_hashes: Iterable[int] = ()) -> int:
+        """Blocks named by the engine's hashes were evicted; returns how many were known."""
+        ...
+
+    def all_cleared(self, backend: str) -> None:
+        """The engine dropped every cached block (cache reset or restart)."""
+        ...
+
+
+def kv_event_sink(strategy: object) -> KvEventSink | None:
+    """The KV event sink a strategy offers: its ``kv_event_sink``, else its ``index``, if a `KvEventSink`."""
+    for name in ("kv_event_sink", "index"):
+        candidate = getattr(strategy, name, None)
+        if candidate is not None and isinstance(candidate, KvEventSink):
+            return candidate
+    return None
 
 
 def parse_model_list(data: object) -> list[str]:
