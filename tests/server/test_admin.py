@@ -81,7 +81,7 @@ class TestAdminChanges:
         result: list[bytes] = []
 
         def long_stream() -> None:
-            status, headers, body = http("POST", proxy.url + "/v1/chat/completions", chat_body("long", max_tokens=400, stream=True), headers={})
+            _, headers, body = http("POST", proxy.url + "/v1/chat/completions", chat_body("long", max_tokens=400, stream=True))
             result.append(headers["x-kvroute-backend"].encode() + b" " + body[-14:])
 
         thread = threading.Thread(target=long_stream)

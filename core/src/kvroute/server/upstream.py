@@ -100,8 +100,8 @@ class UsageSniffer:
     _tail: bytes = b""
 
     def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        self._tail = chunk[-256:]
+        data = self._tail + chunk if self._tail else chunk
+        self._tail = data[-256:]
         if b"prompt_tokens" not in data:
             return
         for match in _PROMPT.finditer(data):
