@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given
@@ -70,7 +71,7 @@ class TestUsageSniffer:
         offset = body.index(USAGE_EVENT)
         points = sorted({0, len(body), *(offset + c for c in cuts)})
         sniffer = UsageSniffer()
-        for start, end in zip(points, points[1:], strict=False):
+        for start, end in itertools.pairwise(points):
             sniffer.feed(body[start:end])
         assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
 
