@@ -16,6 +16,10 @@ process and every router replica computes the same key for the same request.
 
 from __future__ import annotations
 
+import functools
+
+import xxhash
+
 from kvroute.hashing import hash_parts
 from kvroute.request import RouteRequest
 
@@ -33,15 +37,27 @@ MAX_PREFIX_LENGTH = 65536
 
 # Bumped if the key layout ever changes, so that old and new keys never collide by accident.
 _KEY_VERSION = "kvroute-prefix-key/1"
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope(model: str, lora: str | None, cache_salt: str | None, kind: str) -> int:
+    # Everything but the text, hashed once per (model, adapter, salt): the seed of the text's hash.
+    return hash_parts(_KEY_VERSION, model, lora, cache_salt, kind)
 
 
 def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> int:
     """The 64-bit prefix key of ``request``: same request, same key, in every process.
 
     ``prefix_length`` is a number of characters (>= 1); strategies validate their own range.
+    The key is xxh3 of the (UTF-8) text prefix or affinity key, seeded with a hash of the
+    version tag, model, LoRA adapter, ``cache_salt`` and which of the two was used.
     """
     if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
         raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
-    if request.affinity_key is not None:
-        return hash_parts(_KEY_VERSION, request.model, request.lora, request.cache_salt, "affinity", request.affinity_key)
-    return hash_parts(_KEY_VERSION, request.model, request.lora, request.cache_salt, "text", request.text[:prefix_length])
+    affinity = request.affinity_key
+    if affinity is not None:
+        seed = _scope(request.model, request.lora, request.cache_salt, "affinity")
+        return _xxh3(affinity.encode("utf-8", "surrogatepass"), seed)
+    seed = _scope(request.model, request.lora, request.cache_salt, "text")
+    return _xxh3(request.text[:prefix_length].encode("utf-8", "surrogatepass"), seed)

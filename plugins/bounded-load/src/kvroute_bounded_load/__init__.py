@@ -1,0 +1,113 @@
+"""The ``bounded-load`` strategy: consistent hashing with bounded loads.
+
+Each request's prefix key is placed as ``consistent-hash`` places it (weighted rendezvous
+over the whole fleet). If the home has no room under the `LoadBound` (``load_factor``
+relative cap, ``concurrency_threshold`` absolute cap), or cannot take requests at all, the
+request walks the key's own preference order to the first candidate with room, so a
+spilled prefix keeps a stable second home. If every candidate is full, the least loaded
+one gets it: a request is never refused for being busy.
+
+Other strategies reuse the load logic through `LoadBound`, `Loads` and `choose`
+(see `kvroute_bounded_load.capacity`), or place a key of their own with `BoundedLoad.place`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous
+
+import kvroute
+from kvroute.options import bool_option, optional_float_option, optional_int_option
+from kvroute_bounded_load.capacity import Choice, LoadBound, Loads, capacity, choose, engine_adjusted_load
+
+__all__ = ["BoundedLoad", "Choice", "LoadBound", "Loads", "capacity", "choose", "engine_adjusted_load"]
+
+
+@attrs.define
+class BoundedLoad(ConsistentHash):
+    """Consistent hashing with bounded loads, plus SageMaker's concurrency threshold.
+
+    Options (besides ``prefix_length`` and ``cache_size`` from ``consistent-hash``):
+
+    * ``load_factor`` (1.0-100.0 or ``off``, default 1.25): a backend is full when its load
+      reaches ``ceil(load_factor * weight * (total load + 1) / total weight)``.
+    * ``concurrency_threshold`` (1-1024, default unset): a backend is full at that many
+      requests in flight. With both set, a backend must be under both to take a request.
+    * ``engine_load`` (default false): count ``max(in_flight, engine running + waiting)``
+      from fresh engine telemetry, so limits mean the same with several router replicas.
+
+    Decisions: ``hash`` (the home had room), ``spilled`` (a later backend of the key's
+    order; ``spill_reason`` is ``load_factor``, ``concurrency_threshold`` or
+    ``home_unroutable``), ``least_loaded`` (every candidate was full). Started spills are
+    counted in ``spills`` and ``spill_reasons``.
+    """
+
+    load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
+    concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
+    engine_load: bool = bool_option(False)
+    _bound: LoadBound = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load)
+
+    @property
+    def bound(self) -> LoadBound:
+        """The load limits this strategy applies."""
+        return self._bound
+
+    def place(
+        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
+    ) -> kvroute.Decision:
+        """Place an already computed key: its home if it has room, else the next with room, else the least loaded."""
+        loads = self._bound.measure(candidates)
+        placement = self._placement
+        view = CandidateView(placement, candidates)
+        home = placement.home(key, model)
+        home_state = None if home is None else view.get(home)
+        if home_state is not None:
+            hit = loads.limit(home_state)
+            if hit is None:
+                return kvroute.Decision(home_state.backend, reason="hash", key=key, detail={"home": home_state.id})
+        elif home is None or view.foreign:
+            # The snapshot does not cover these candidates: rendezvous over the candidates alone.
+            placement = Rendezvous(candidates, cache_size=0)
+            view = CandidateView(placement, candidates)
+            model = None
+            home = placement.home(key, model)
+            assert home is not None
+            home_state = view.get(home)
+            assert home_state is not None
+            hit = loads.limit(home_state)
+            if hit is None:
+                return kvroute.Decision(home_state.backend, reason="hash", key=key, detail={"home": home_state.id})
+        assert home is not None
+        home_id = placement.states[home].id
+        ranks: dict[int, int] = {}
+
+        def order() -> Iterator[kvroute.BackendState]:
+            for rank, index in enumerate(placement.ranking(key, model)):
+                state = view.get(index)
+                if state is not None:
+                    ranks[id(state)] = rank
+                    yield state
+
+        choice = choose(order(), loads)
+        spill_reason = choice.spill_reason if home_state is not None else "home_unroutable"
+        detail: dict[str, object] = {"home": home_id, "spill_reason": spill_reason, "rank": ranks.get(id(choice.state))}
+        if choice.reason == "least_loaded":
+            return kvroute.Decision(
+                choice.state.backend,
+                reason="least_loaded",
+                key=key,
+                spilled=choice.state is not home_state,
+                detail=detail,
+            )
+        return kvroute.Decision(choice.state.backend, reason="spilled", key=key, spilled=True, detail=detail)
+
+
+@kvroute.hookimpl
+def kvroute_register_strategies(register: Callable[..., None]) -> None:
+    register("bounded-load", BoundedLoad)

@@ -1,0 +1,120 @@
+"""The ``consistent-hash`` strategy: the same prefix goes to the same backend, on every replica.
+
+A request's key is `kvroute.keys.prefix_key` (model, LoRA adapter, ``cache_salt`` and the
+first ``prefix_length`` characters of the routing text, or the caller's affinity key).
+Placement is weighted rendezvous hashing over every member of the fleet (see
+`kvroute_consistent_hash.placement`); when the key's home cannot take requests (unhealthy,
+draining, or already failed for this request) the request goes to the next backend in the
+key's own preference order, so no other key moves. There is no load awareness: use
+``bounded-load`` for that.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import attrs
+
+import kvroute
+from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, prefix_key
+from kvroute.options import int_option
+from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
+
+__all__ = ["CandidateView", "ConsistentHash", "Rendezvous", "backend_seed", "prefix_key"]
+
+#: Fleet events that change placement; the others (health, draining) only change who is routable.
+PLACEMENT_EVENTS = frozenset({"attached", "added", "removed", "weight"})
+
+
+@attrs.define
+class ConsistentHash(kvroute.BaseStrategy):
+    """Rendezvous-hash each request's prefix key onto the fleet.
+
+    Options:
+
+    * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key.
+    * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
+      membership snapshot (0 disables the cache; it only saves time, never changes a pick).
+
+    Decisions: reason ``hash`` (the home), or ``spilled`` with ``spill_reason`` =
+    ``home_unroutable`` when the home is not a candidate. ``spills`` counts spilled requests
+    that were started, by reason in ``spill_reasons``.
+    """
+
+    prefix_length: int = int_option(DEFAULT_PREFIX_LENGTH, min=MIN_PREFIX_LENGTH, max=MAX_PREFIX_LENGTH)
+    cache_size: int = int_option(65536, min=0, max=1 << 24)
+    spills: int = attrs.field(default=0, init=False)
+    spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
+    _placement: Rendezvous = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._placement = Rendezvous((), cache_size=self.cache_size)
+
+    @property
+    def placement(self) -> Rendezvous:
+        """The current membership snapshot and its rendezvous placement."""
+        return self._placement
+
+    # -- callbacks ---------------------------------------------------------------------
+
+    def on_fleet_change(self, event: kvroute.FleetEvent, members: Sequence[kvroute.BackendState]) -> None:
+        current = self._placement
+        if (
+            event.kind not in PLACEMENT_EVENTS
+            and len(members) == len(current.states)
+            and all(a is b for a, b in zip(members, current.states, strict=True))
+        ):
+            return  # health or draining only: placement and its caches stay valid
+        self._placement = Rendezvous(members, cache_size=self.cache_size)
+
+    def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        if decision.spilled:
+            self.spills += 1
+            self.spill_reasons[str(decision.detail.get("spill_reason", decision.reason))] += 1
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def key(self, request: kvroute.RouteRequest) -> int:
+        """The request's prefix key with this strategy's ``prefix_length``."""
+        return prefix_key(request, self.prefix_length)
+
+    def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+        return self.place(self.key(request), request.model, candidates)
+
+    def place(
+        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
+    ) -> kvroute.Decision:
+        """Place an already computed key: its home if that is a candidate, else the next candidate in its order."""
+        placement = self._placement
+        view = CandidateView(placement, candidates)
+        home = placement.home(key, model)
+        if home is not None:
+            state = view.get(home)
+            if state is not None:
+                return kvroute.Decision(state.backend, reason="hash", key=key, detail={"home": state.id})
+            if not view.foreign:
+                home_id = placement.states[home].id
+                for rank, index in enumerate(placement.ranking(key, model)):
+                    state = view.get(index)
+                    if state is not None:
+                        return kvroute.Decision(
+                            state.backend,
+                            reason="spilled",
+                            key=key,
+                            spilled=True,
+                            detail={"home": home_id, "spill_reason": "home_unroutable", "rank": rank},
+                        )
+        # The snapshot does not cover these candidates (the strategy was not told about some
+        # of them, or the host did not filter by model): rendezvous over the candidates alone.
+        return self._place_over_candidates(key, candidates)
+
+    def _place_over_candidates(self, key: int, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+        placement = Rendezvous(candidates, cache_size=0)
+        chosen = placement.states[placement.ranking(key, None)[0]]
+        return kvroute.Decision(chosen.backend, reason="hash", key=key, detail={"home": chosen.id})
+
+
+@kvroute.hookimpl
+def kvroute_register_strategies(register: Callable[..., None]) -> None:
+    register("consistent-hash", ConsistentHash)
