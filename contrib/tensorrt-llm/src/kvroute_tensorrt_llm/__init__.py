@@ -1,0 +1,52 @@
+"""kvroute's ``tensorrt-llm`` backend kind: a ``trtllm-serve`` server's health, models, load and KV cache events.
+
+Public API:
+
+* `TensorRTLLMAdapter`: the adapter (registered as kind ``tensorrt-llm``; options in its module).
+* `merge_iteration_stats`, `parse_prometheus`, `TrtllmStats`: the load telemetry as the router reads it.
+* `parse_events`, `EventFeed`: ``/kv_cache_events`` answers and applying them to a
+  `kvroute.adapters.KvEventSink`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kvroute
+from kvroute_tensorrt_llm.adapter import TensorRTLLMAdapter
+from kvroute_tensorrt_llm.events import (
+    Created,
+    EventFeed,
+    EventFormatError,
+    FeedStats,
+    KvCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+    parse_events,
+)
+from kvroute_tensorrt_llm.metrics import TrtllmStats, merge_iteration_stats, parse_prometheus
+
+__all__ = [
+    "Created",
+    "EventFeed",
+    "EventFormatError",
+    "FeedStats",
+    "KvCacheEvent",
+    "Removed",
+    "Stored",
+    "StoredBlock",
+    "TensorRTLLMAdapter",
+    "TrtllmStats",
+    "Updated",
+    "kvroute_register_backend_kinds",
+    "merge_iteration_stats",
+    "parse_events",
+    "parse_prometheus",
+]
+
+
+@kvroute.hookimpl
+def kvroute_register_backend_kinds(register: Callable[..., None]) -> None:
+    register("tensorrt-llm", TensorRTLLMAdapter.create)

@@ -1,0 +1,289 @@
+"""The ``vllm`` backend kind: health, models, load from ``/metrics``, KV events over ZMQ.
+
+Configure a backend with ``kind = "vllm"``; options go in its ``adapter_options`` table
+(all optional, see docs/adapters.md):
+
+=====================  =============  ============================================================
+option                 default        meaning
+=====================  =============  ============================================================
+``health_path``        ``/health``    200 when the engine can serve (vLLM answers 503 once its engine died)
+``models_path``        ``/v1/models`` served model ids
+``metrics_path``       ``/metrics``   Prometheus text (`kvroute_vllm.metrics`)
+``kv_events``          ``auto``       ``auto``: read the publisher endpoints from ``GET /kv_event_sources``;
+                                      ``off``; or the endpoint exactly as in the engine's
+                                      ``--kv-events-config`` (``tcp://*:5557``: the engine binds,
+                                      kvroute connects to the backend's host; ``tcp://10.0.0.2:5557``:
+                                      the engine connects, kvroute binds that address)
+``kv_replay``          none           the engine's ``replay_endpoint`` (with ``kv_events`` given)
+``kv_topic``           ``""``         the engine's ``topic`` (with ``kv_events`` given)
+``kv_bind``            none           bind this address instead, when the engine connects
+``kv_ranks``           ``1``          data-parallel ranks (with ``kv_events`` given; ports offset by rank)
+=====================  =============  ============================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+import attrs
+import structlog
+import zmq
+from anyio.abc import TaskStatus
+
+from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
+from kvroute.backend import Backend, EngineLoad
+from kvroute_vllm.feed import KvEventFeed
+from kvroute_vllm.metrics import VllmMetrics, parse_metrics
+from kvroute_vllm.subscriber import ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
+
+__all__ = ["VllmAdapter"]
+
+log = structlog.get_logger(__name__)
+
+_RETRY_MAX_S = 30.0
+_RECHECK_S = 60.0
+
+
+def _path(value: object, name: str) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"'{name}' must be a path starting with '/' (got {value!r}).")
+    return value
+
+
+def _endpoint(value: object, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"'{name}' must be a ZMQ endpoint such as 'tcp://*:5557' (got {value!r}).")
+    return value
+
+
+def _kv_events(value: object) -> str:
+    if value in ("auto", "off"):
+        return str(value)
+    endpoint = _endpoint(value, "kv_events")
+    assert endpoint is not None
+    return endpoint
+
+
+def _ranks(value: object) -> int:
+    try:
+        ranks = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"'kv_ranks' must be an integer >= 1 (got {value!r}).") from None
+    if ranks < 1 or isinstance(value, bool):
+        raise ValueError(f"'kv_ranks' must be an integer >= 1 (got {value!r}).")
+    return ranks
+
+
+def _offset_port(endpoint: str, rank: int) -> str:
+    """vLLM's per-rank endpoint: the TCP port plus the rank (``inproc``: a ``_dp<rank>`` suffix)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    head, _, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and port.isdigit() and int(port):
+        return f"{head}:{int(port) + rank}"
+    return endpoint
+
+
+@attrs.define
+class VllmAdapter:
+    """Everything engine-specific about one vLLM server (see the module docstring for options)."""
+
+    backend: Backend
+    health_path: str = attrs.field(default="/health", converter=lambda v: _path(v, "health_path"))
+    models_path: str = attrs.field(default="/v1/models", converter=lambda v: _path(v, "models_path"))
+    metrics_path: str = attrs.field(default="/metrics", converter=lambda v: _path(v, "metrics_path"))
+    kv_events: str = attrs.field(default="auto", converter=_kv_events)
+    kv_replay: str | None = attrs.field(default=None, converter=lambda v: _endpoint(v, "kv_replay"))
+    kv_topic: str = attrs.field(default="", converter=str)
+    kv_bind: str | None = attrs.field(default=None, converter=lambda v: _endpoint(v, "kv_bind"))
+    kv_ranks: int = attrs.field(default=1, converter=_ranks)
+    #: The last scrape of ``/metrics`` (``None`` until one succeeded).
+    metrics: VllmMetrics | None = attrs.field(default=None, init=False)
+    feeds: list[KvEventFeed] = attrs.field(factory=list, init=False)
+    subscribers: list[ZmqSubscriber] = attrs.field(factory=list, init=False)
+    _epoch: int = attrs.field(default=0, init=False)
+
+    @classmethod
+    def create(cls, backend: Backend, **options: Any) -> VllmAdapter:
+        """Factory registered for kind ``vllm``."""
+        known = {a.name for a in attrs.fields(cls) if a.init and a.name != "backend"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+        return cls(backend, **options)
+
+    # -- health, models, load -----------------------------------------------------------
+
+    async def probe(self, http: HttpGetter) -> bool:
+        """Healthy when ``health_path`` answers 200 (vLLM: 503 once the engine died)."""
+        return (await http.get(self.health_path)).status == 200
+
+    async def list_models(self, http: HttpGetter) -> list[str]:
+        """The served model ids; ``ValueError`` on a non-200 or a malformed body."""
+        reply = await http.get(self.models_path)
+        if reply.status != 200:
+            raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
+        return parse_model_list(reply.json())
+
+    async def poll_load(self, http: HttpGetter) -> EngineLoad:
+        """Scrape ``metrics_path`` into an `EngineLoad` stamped now; ``ValueError`` when it cannot be read."""
+        reply = await http.get(self.metrics_path)
+        if reply.status != 200:
+            raise ValueError(f"{self.metrics_path} answered {reply.status}, expected 200.")
+        try:
+            text = reply.body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.metrics_path} is not UTF-8 text: {exc}.") from None
+        metrics = parse_metrics(text)
+        previous = self.metrics
+        if previous is not None and metrics.started_at is not None and previous.started_at not in (None, metrics.started_at):
+            self._epoch += 1
+            log.warning("engine_restarted", backend=self.backend.id, started_at=metrics.started_at)
+        self.metrics = metrics
+        return metrics.to_load()
+
+    # -- KV events ---------------------------------------------------------------------
+
+    async def sources(self, http: HttpGetter) -> list[ZmqSource] | None:
+        """Where this server publishes KV events: ``[]`` when it does not, ``None`` when it cannot say."""
+        if self.kv_events == "off":
+            return []
+        if self.kv_events != "auto":
+            endpoint = self.kv_events
+            out = []
+            for rank in range(self.kv_ranks):
+                configured = _offset_port(endpoint, rank)
+                binds = engine_binds(configured)
+                local = resolve_endpoint(configured, self.backend.url) if binds else (self.kv_bind or configured)
+                replay = resolve_endpoint(_offset_port(self.kv_replay, rank), self.backend.url) if self.kv_replay else None
+                out.append(ZmqSource(local, self.kv_topic, replay, bind=not binds, rank=rank))
+            return out
+        reply = await http.get("/kv_event_sources")
+        if reply.status == 404:
+            return None
+        if reply.status != 200:
+            raise ValueError(f"/kv_event_sources answered {reply.status}, expected 200.")
+        data = reply.json()
+        if not isinstance(data, dict):
+            raise ValueError(f"/kv_event_sources: expected an object keyed by data-parallel rank, got {type(data).__name__}.")
+        out = []
+        for rank_text, config in sorted(data.items(), key=lambda kv: str(kv[0])):
+            if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher", "zmq") != "zmq":
+                continue
+            endpoint = config.get("endpoint")
+            if not isinstance(endpoint, str):
+                raise ValueError(f"/kv_event_sources[{rank_text!r}]: expected an 'endpoint' string, got {endpoint!r}.")
+            try:
+                rank = int(rank_text)
+            except ValueError:
+                raise ValueError(f"/kv_event_sources: expected integer rank keys, got {rank_text!r}.") from None
+            binds = engine_binds(endpoint)
+            local = resolve_endpoint(endpoint, self.backend.url) if binds else (self.kv_bind or endpoint)
+            replay = config.get("replay_endpoint")
+            replay = resolve_endpoint(replay, self.backend.url) if isinstance(replay, str) and replay else None
+            topic = config.get("topic") or ""
+            out.append(ZmqSource(local, str(topic), replay, bind=not binds, rank=rank))
+        return out
+
+    async def _discover(self, http: HttpGetter) -> list[ZmqSource]:
+        delay = 1.0
+        quiet = False
+        while True:
+            try:
+                found = await self.sources(http)
+            except (OSError, TimeoutError, ValueError) as exc:
+                log.info("kv_event_sources_unreadable", backend=self.backend.id, error=f"{type(exc).__name__}: {exc}")
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX_S)
+                continue
+            if found is None:
+                log.warning(
+                    "kv_event_sources_missing",
+                    backend=self.backend.id,
+                    hint="this vLLM has no /kv_event_sources; set adapter option kv_events to its KV events endpoint",
+                )
+                return []
+            if found:
+                return found
+            if not quiet:
+                log.info("kv_events_disabled", backend=self.backend.id, hint="start vLLM with --kv-events-config to feed the exact index")
+                quiet = True
+            await anyio.sleep(_RECHECK_S)
+
+    async def run_events(
+        self, http: HttpGetter, sink: KvEventSink, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Feed this server's KV events into ``sink`` until cancelled (see `kvroute.adapters`)."""
+        task_status.started()
+        if self.kv_events == "off":
+            return
+        sources = await self._discover(http)
+        if not sources:
+            return
+        backend = self.backend.id
+        self.feeds = [KvEventFeed(backend, sink, rank=s.rank) for s in sources]
+        self.subscribers = [ZmqSubscriber(s) for s in sources]
+        try:
+            async with anyio.create_task_group() as tg:
+                for subscriber, feed in zip(self.subscribers, self.feeds, strict=True):
+                    tg.start_soon(self._follow, subscriber, feed, sink)
+        finally:
+            sink.set_exact(backend, False)
+
+    async def _follow(self, subscriber: ZmqSubscriber, feed: KvEventFeed, sink: KvEventSink) -> None:
+        backend = self.backend.id
+        seen_epoch = self._epoch
+        capacity: int | None = None
+
+        def wake() -> None:
+            nonlocal seen_epoch, capacity
+            if self._epoch != seen_epoch:
+                seen_epoch = self._epoch
+                feed.restart()
+            if feed.holding:
+                feed.resume()
+            blocks = self.metrics.num_gpu_blocks if self.metrics is not None else None
+            set_capacity = getattr(sink, "set_capacity", None)
+            if blocks and blocks != capacity and set_capacity is not None:
+                capacity = blocks
+                set_capacity(backend, blocks)
+
+        delay = 1.0
+        while True:
+            try:
+                await subscriber.run(feed, on_wake=wake, on_connected=lambda: sink.set_exact(backend, True))
+            except zmq.ZMQError as exc:
+                log.error(
+                    "kv_events_socket_failed", backend=backend, endpoint=subscriber.source.endpoint,
+                    bind=subscriber.source.bind, error=str(exc), retry_in_s=delay,
+                )
+                with contextlib.suppress(Exception):
+                    sink.set_exact(backend, False)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX_S)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for operators: the last metrics and each event feed's counters."""
+        return {
+            "metrics": attrs.asdict(self.metrics) if self.metrics is not None else None,
+            "kv_events": [
+                {
+                    "endpoint": sub.source.endpoint,
+                    "rank": sub.source.rank,
+                    "connected": sub.connected,
+                    "expected_seq": feed.expected,
+                    "holding": feed.holding,
+                    "replays": sub.replays,
+                    "replay_failures": sub.replay_failures,
+                    "decode_errors": sub.decode_errors,
+                    **attrs.asdict(feed.stats),
+                }
+                for sub, feed in zip(self.subscribers, self.feeds, strict=True)
+            ],
+        }

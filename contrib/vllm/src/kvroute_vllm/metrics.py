@@ -1,0 +1,156 @@
+"""vLLM's Prometheus ``/metrics``: the few families a router reads, parsed with prometheus-client's parser.
+
+Read (current name, then the older name accepted in its place):
+
+=================================  ==========================================  ==============================
+field                              metric                                      older name
+=================================  ==========================================  ==============================
+``running``                        ``vllm:num_requests_running``
+``waiting``                        ``vllm:num_requests_waiting``
+``kv_usage`` (0..1)                ``vllm:kv_cache_usage_perc``                ``vllm:gpu_cache_usage_perc``
+``prefix_cache_queries`` (tokens)  ``vllm:prefix_cache_queries_total``          ``vllm:gpu_prefix_cache_queries``
+``prefix_cache_hits`` (tokens)     ``vllm:prefix_cache_hits_total``            ``vllm:gpu_prefix_cache_hits``
+``block_size``, ``num_gpu_blocks`` labels of ``vllm:cache_config_info``
+``started_at``                     ``process_start_time_seconds``
+=================================  ==========================================  ==============================
+
+A data-parallel server reports one sample per engine (label ``engine``); counts and blocks
+are summed over engines, KV usage is their mean. The oldest servers have no ``engine`` label:
+every sample of a name is one engine then. ``_created`` series are ignored.
+
+Only the lines of these families go through the parser (a whole vLLM exposition is ~600
+lines and ~10 ms to parse; the filtered one well under 1 ms).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.backend import EngineLoad
+
+__all__ = ["VllmMetrics", "parse_metrics"]
+
+_RUNNING = ("vllm:num_requests_running",)
+_WAITING = ("vllm:num_requests_waiting",)
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+_INFO = "vllm:cache_config_info"
+_START = "process_start_time_seconds"
+
+#: Sample names we keep: counters may be exposed with or without ``_total``.
+_WANTED = frozenset(
+    [*_RUNNING, *_WAITING, *_USAGE, _INFO, _START]
+    + [name + suffix for name in (*_QUERIES, *_HITS) for suffix in ("", "_total")]
+)
+_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+@attrs.frozen
+class VllmMetrics:
+    """What one scrape of a vLLM server's ``/metrics`` says, summed over its engines; ``None`` = not reported."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_caching: bool | None = None
+    started_at: float | None = None
+    engines: int = 0
+
+    def to_load(self, observed_at: float | None = None) -> EngineLoad:
+        """The core's `EngineLoad` (``observed_at``: a ``time.monotonic()`` reading, default now)."""
+        return EngineLoad(
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            block_size=self.block_size,
+            observed_at=time.monotonic() if observed_at is None else observed_at,
+        )
+
+
+def _relevant_lines(text: str) -> str:
+    """The exposition restricted to the families we read (HELP/TYPE lines included)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED:
+                out.append(line)
+            continue
+        m = _NAME.match(line)
+        if m is not None and m.group(0) in _WANTED:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _values(samples: dict[str, list[float]], names: Iterable[str], *, counter: bool = False) -> list[float] | None:
+    """The samples of the first of ``names`` that is present (counters: ``_total`` first)."""
+    for name in names:
+        for candidate in (name + "_total", name) if counter else (name,):
+            found = samples.get(candidate)
+            if found:
+                return found
+    return None
+
+
+def _int_label(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> VllmMetrics:
+    """Parse a vLLM ``/metrics`` body; ``ValueError`` when it is not Prometheus text or not vLLM's."""
+    samples: dict[str, list[float]] = {}
+    infos: list[dict[str, str]] = []
+    try:
+        families = list(text_string_to_metric_families(_relevant_lines(text)))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ValueError(f"expected Prometheus text format from vLLM's /metrics, but it does not parse: {exc}") from None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == _INFO:
+                infos.append(dict(sample.labels))
+            elif sample.name in _WANTED:
+                samples.setdefault(sample.name, []).append(float(sample.value))
+    running = _values(samples, _RUNNING)
+    waiting = _values(samples, _WAITING)
+    usage = _values(samples, _USAGE)
+    queries = _values(samples, _QUERIES, counter=True)
+    hits = _values(samples, _HITS, counter=True)
+    if running is None and waiting is None and usage is None and queries is None and not infos:
+        head = text.strip().splitlines()[:1]
+        raise ValueError(
+            "expected vLLM's Prometheus metrics (vllm:num_requests_running, vllm:kv_cache_usage_perc...) "
+            f"but found none of them (first line: {head[0][:120] if head else 'empty body'!r})."
+        )
+    block_sizes = [b for b in (_int_label(i.get("block_size")) for i in infos) if b]
+    gpu_blocks = [b for b in (_int_label(i.get("num_gpu_blocks")) for i in infos) if b is not None]
+    caching = [i["enable_prefix_caching"] == "True" for i in infos if "enable_prefix_caching" in i]
+    start = samples.get(_START)
+    return VllmMetrics(
+        running=round(sum(running)) if running is not None else None,
+        waiting=round(sum(waiting)) if waiting is not None else None,
+        kv_usage=sum(usage) / len(usage) if usage else None,
+        prefix_cache_queries=sum(queries) if queries is not None else None,
+        prefix_cache_hits=sum(hits) if hits is not None else None,
+        block_size=block_sizes[0] if block_sizes else None,
+        num_gpu_blocks=sum(gpu_blocks) if gpu_blocks else None,
+        prefix_caching=all(caching) if caching else None,
+        started_at=min(start) if start else None,
+        engines=max(len(running or ()), len(usage or ()), len(infos)),
+    )
