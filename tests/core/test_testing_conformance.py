@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import pytest
 
@@ -13,7 +14,7 @@ from kvroute.testing import StrategyConformance, varied_requests
 
 class TestRandomConformance(StrategyConformance):
     strategy = "random"
-    options = {"seed": 1}
+    options: ClassVar[dict[str, object]] = {"seed": 1}
 
 
 class TestLeastOutstandingConformance(StrategyConformance):
