@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, RecentDecisions, block_hashes, root_hash
+from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, RecentDecisions, block_hashes, prompt_ids, root_hash
 from kvroute_tokenizer_prefix.tokenizer import token_array
+
+import kvroute
 
 token_lists = st.lists(st.integers(0, (1 << 64) - 1), max_size=80)
 small_tokens = st.lists(st.integers(0, 3), max_size=40)  # few distinct ids: many shared prefixes
@@ -61,6 +63,26 @@ class TestBlockHashes:
         blocks = PromptBlocks(iter(token_array(c) for c in chunks), size, max_blocks, root_hash())
         assert blocks.complete() == block_hashes(whole, size)[:max_blocks]
         assert blocks.done
+
+
+    @settings(max_examples=100)
+    @given(
+        shared=st.text(" abcXY\n.é", max_size=120),
+        tails=st.lists(st.text(" abcXY\n.é", max_size=60), min_size=1, max_size=4),
+        size=st.integers(1, 8),
+        max_blocks=st.integers(1, 64),
+        salt=st.sampled_from([None, "tenant"]),
+    )
+    def test_memoized_pieces_give_the_same_hashes(
+        self, tok: Any, shared: str, tails: list[str], size: int, max_blocks: int, salt: str | None
+    ) -> None:
+        """Prompts sharing a prefix, hashed through one memo, get exactly their own block hashes."""
+        memo: OrderedDict[int, Any] = OrderedDict()
+        for tail in tails:
+            request = kvroute.RouteRequest.from_text(shared + tail, cache_salt=salt)
+            expected = block_hashes(prompt_ids(tok, request), size, cache_salt=salt)[:max_blocks]
+            blocks = PromptBlocks(tok.chunks(request), size, max_blocks, root_hash(None, salt), memo)
+            assert blocks.complete() == expected
 
 
 class TestBlockIndex:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvroute_tokenizer_prefix.tokenizer import (
     ModelTokenizer,
     WordTokenizer,
+    chunk_ids,
     load_tokenizer,
     prompt_ids,
     resolve_model_files,
@@ -74,20 +75,20 @@ class TestModelTokenizer:
     @given(text=texts)
     def test_pieces_equal_whole_text_llama3(self, tok: ModelTokenizer, text: str) -> None:
         """Piece-wise ids equal the whole text's ids (Llama-3-style split regex)."""
-        pieces = [t for chunk in tok.text_chunks(text, add_special_tokens=False) for t in chunk]
+        pieces = [t for chunk in tok.text_chunks(text, add_special_tokens=False) for t in chunk_ids(chunk)]
         assert pieces == tok.encode_text(text)
 
     @settings(max_examples=300)
     @given(text=texts)
     def test_pieces_equal_whole_text_gpt2(self, gpt2: ModelTokenizer, text: str) -> None:
         """Piece-wise ids equal the whole text's ids (GPT-2-style byte-level regex)."""
-        pieces = [t for chunk in gpt2.text_chunks(text, add_special_tokens=False) for t in chunk]
+        pieces = [t for chunk in gpt2.text_chunks(text, add_special_tokens=False) for t in chunk_ids(chunk)]
         assert pieces == gpt2.encode_text(text)
 
     @given(text=texts)
     def test_whole_text_fallback_equals_encoding(self, metaspace: ModelTokenizer, text: str) -> None:
         """An unsplittable tokenizer still yields exactly the library's ids."""
-        ids = [t for chunk in metaspace.text_chunks(text, add_special_tokens=True) for t in chunk]
+        ids = [t for chunk in metaspace.text_chunks(text, add_special_tokens=True) for t in chunk_ids(chunk)]
         assert ids == metaspace.encode_text(text, add_special_tokens=True)
 
     @given(text=texts)
@@ -102,9 +103,9 @@ class TestModelTokenizer:
         shared = " ".join(f"word{i} and more text" for i in range(200))
         first = shared + " first question?"
         second = shared + " second question?"
-        assert list(tok.text_chunks(first, add_special_tokens=False)) and tok.hits == 0
+        assert [chunk_ids(c) for c in tok.text_chunks(first, add_special_tokens=False)] and tok.hits == 0
         misses = tok.misses
-        ids = [t for chunk in tok.text_chunks(second, add_special_tokens=False) for t in chunk]
+        ids = [t for chunk in tok.text_chunks(second, add_special_tokens=False) for t in chunk_ids(chunk)]
         assert ids == tok.encode_text(second)
         assert tok.hits >= misses - 2
         assert tok.misses - misses <= 2
@@ -112,7 +113,7 @@ class TestModelTokenizer:
     def test_cache_is_bounded(self, model_dir: Path) -> None:
         """The piece cache never holds more than ``cache_tokens`` ids."""
         tok = load_tokenizer(model_dir, piece_bytes=16, cache_tokens=50)
-        list(tok.text_chunks(" ".join(f"w{i}" for i in range(500)), add_special_tokens=False))
+        [chunk_ids(c) for c in tok.text_chunks(" ".join(f"w{i}" for i in range(500)), add_special_tokens=False)]
         assert 0 < tok.cached_tokens <= 50
 
     def test_token_ids_are_used_as_they_are(self, tok: ModelTokenizer) -> None:

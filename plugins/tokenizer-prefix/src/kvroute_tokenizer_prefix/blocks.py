@@ -13,7 +13,8 @@ KV events are mapped onto them by recomputing from the events' token ids.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -56,16 +57,35 @@ def block_hashes(
     return out
 
 
+#: Memo of hashed pieces: chain key -> (hashes of the blocks the piece completes, leftover bytes, ids in it).
+Memo = "OrderedDict[int, tuple[tuple[int, ...], bytes, int]]"
+
+
 class PromptBlocks:
     """One request's block hashes, computed lazily from a stream of token chunks.
 
     ``hashes`` grows as :meth:`grow` pulls chunks; ``tokens`` counts the ids seen so far.
     Hashing stops at ``max_blocks`` full blocks (the ``max_prefix_tokens`` bound).
+
+    With a ``memo``, keyed pieces (see `kvroute_tokenizer_prefix.tokenizer.Keyed`) are looked
+    up by a chain key (the root, the block size and every piece's key so far): a prefix seen
+    before costs a dictionary lookup per piece, neither tokenization nor hashing.
     """
 
-    __slots__ = ("_chunks", "_done", "_h", "_step", "_tail", "block_size", "hashes", "max_blocks", "root", "tokens")
+    __slots__ = (
+        "_chain", "_chunks", "_done", "_h", "_memo", "_memo_size", "_step", "_tail",
+        "block_size", "hashes", "max_blocks", "root", "tokens",
+    )
 
-    def __init__(self, chunks: Iterator[array[int]], block_size: int, max_blocks: int, root: int) -> None:
+    def __init__(
+        self,
+        chunks: Iterator[array[int] | tuple[int, Callable[[], array[int]]]],
+        block_size: int,
+        max_blocks: int,
+        root: int,
+        memo: OrderedDict[int, tuple[tuple[int, ...], bytes, int]] | None = None,
+        memo_size: int = 32_768,
+    ) -> None:
         self._chunks = chunks
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -74,6 +94,9 @@ class PromptBlocks:
         self._h = root
         self._tail = b""
         self._done = False
+        self._memo = memo
+        self._memo_size = memo_size
+        self._chain: int | None = hash_parts(_ROOT_TAG, root, block_size) if memo is not None else None
         self.hashes: list[int] = []
         self.tokens = 0
 
@@ -90,20 +113,48 @@ class PromptBlocks:
         if chunk is None:
             self._done = True
             return False
-        self.tokens += len(chunk)
-        data = self._tail + token_bytes(chunk) if self._tail else token_bytes(chunk)
+        chain: int | None = None
+        if isinstance(chunk, tuple):
+            key, load = chunk
+            if self._chain is not None:
+                chain = self._chain = xxhash.xxh3_64_intdigest(key.to_bytes(8, "little"), self._chain)
+                hit = self._memo.get(chain) if self._memo is not None else None
+                if hit is not None:
+                    new, tail, count = hit
+                    self.tokens += count
+                    if new:
+                        self.hashes.extend(new)
+                        self._h = new[-1]
+                    self._tail = tail
+                    if len(self.hashes) >= self.max_blocks:
+                        del self.hashes[self.max_blocks :]
+                        self._done = True
+                    return not self._done
+            ids = load()
+        else:
+            self._chain = None  # plain ids have no key: nothing after them is memoized
+            ids = chunk
+        self.tokens += len(ids)
+        data = self._tail + token_bytes(ids) if self._tail else token_bytes(ids)
         view = memoryview(data)
         step = self._step
         room = (self.max_blocks - len(self.hashes)) * step
-        usable = min(len(data) - len(data) % step, room)
+        full = len(data) - len(data) % step
+        usable = min(full, room)
         h = self._h
         digest = xxhash.xxh3_64_intdigest
+        first = len(self.hashes)
         append = self.hashes.append
         for offset in range(0, usable, step):
             h = digest(view[offset : offset + step], h)
             append(h)
         self._h = h
         self._tail = bytes(view[usable:])
+        if chain is not None and usable == full and self._memo is not None:
+            memo = self._memo
+            memo[chain] = (tuple(self.hashes[first:]), self._tail, len(ids))
+            if len(memo) > self._memo_size:
+                memo.popitem(last=False)
         if len(self.hashes) >= self.max_blocks:
             self._done = True
             self._tail = b""

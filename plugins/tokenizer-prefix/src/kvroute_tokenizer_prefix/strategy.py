@@ -98,6 +98,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _placer: BoundedLoad = attrs.field(init=False)
     _pending: OrderedDict[str, PromptBlocks] = attrs.field(init=False, factory=OrderedDict)
     _totals: Counter[str] = attrs.field(factory=Counter, init=False)
+    _memo: OrderedDict[int, tuple[tuple[int, ...], bytes, int]] = attrs.field(init=False, factory=OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         if self.tokenizer is None or self.tokenizer.strip().lower() in _WORDS:
@@ -157,6 +158,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._index.block_size,
             max(1, self.max_prefix_tokens // self._index.block_size),
             root_hash(request.lora, request.cache_salt),
+            self._memo,
         )
 
     # -- callbacks -----------------------------------------------------------------------
@@ -203,6 +205,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._index.reset(reported)
             self._recent = RecentDecisions(self.recent_ttl)
             self._pending.clear()
+            self._memo.clear()
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks) -> int:
         if request.affinity_key is not None:

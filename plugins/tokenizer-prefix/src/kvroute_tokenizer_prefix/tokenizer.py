@@ -21,6 +21,7 @@ whose normalizer or pre-tokenizer could make a piece depend on its neighbours (S
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -29,7 +30,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +45,7 @@ __all__ = [
     "ModelTokenizer",
     "PromptTokenizer",
     "WordTokenizer",
+    "chunk_ids",
     "load_tokenizer",
     "resolve_model_files",
     "split_points",
@@ -87,14 +89,23 @@ def token_bytes(ids: array[int]) -> bytes:
     return ids.tobytes()
 
 
+#: A chunk whose ids are computed on demand: ``(stable 64-bit key of its text, loader)``.
+Keyed = tuple[int, Callable[[], "array[int]"]]
+
+
+def chunk_ids(chunk: array[int] | Keyed) -> array[int]:
+    """The ids of a chunk, loading a keyed piece."""
+    return chunk[1]() if isinstance(chunk, tuple) else chunk
+
+
 class PromptTokenizer(Protocol):
     """What the strategy needs: a request's prompt ids, lazily, in chunks."""
 
     #: A short description for decision details and logs (``model:/path``, ``words``).
     name: str
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
-        """Yield the prompt's token ids in order, in chunks of any size."""
+    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
+        """Yield the prompt's token ids in order, in chunks of any size (ids, or keyed pieces)."""
         ...
 
 
@@ -102,7 +113,7 @@ def prompt_ids(tokenizer: PromptTokenizer, request: RouteRequest) -> list[int]:
     """All prompt ids of ``request`` as one list (tests, parity checks)."""
     out: list[int] = []
     for chunk in tokenizer.chunks(request):
-        out.extend(chunk)
+        out.extend(chunk_ids(chunk))
     return out
 
 
@@ -355,8 +366,15 @@ class ModelTokenizer:
         """The reference: the whole text through ``tokenizers`` (no pieces, no cache)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def _encode_piece(self, piece: bytes) -> array[int]:
+    @staticmethod
+    def keyed(piece: bytes, encode: Callable[[bytes, int], array[int]]) -> Keyed:
+        """A piece as ``(key, loader)``: consumers that memoize by key only call ``loader`` on a miss."""
         key = xxhash.xxh3_64_intdigest(piece)
+        return key, functools.partial(encode, piece, key)
+
+    def _encode_piece(self, piece: bytes, key: int | None = None) -> array[int]:
+        if key is None:
+            key = xxhash.xxh3_64_intdigest(piece)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
@@ -374,7 +392,7 @@ class ModelTokenizer:
                     self._cached_tokens -= len(old)
         return ids
 
-    def text_chunks(self, text: str, *, add_special_tokens: bool) -> Iterator[array[int]]:
+    def text_chunks(self, text: str, *, add_special_tokens: bool) -> Iterator[array[int] | Keyed]:
         """Yield the ids of ``text`` piece by piece (equal, concatenated, to encoding it whole)."""
         if add_special_tokens and self.prefix_ids:
             yield array("Q", self.prefix_ids)
@@ -383,8 +401,9 @@ class ModelTokenizer:
         elif text:
             data = text.encode("utf-8", "surrogatepass")
             start = 0
+            encode = self._encode_piece
             for end in split_points(data, self.piece_bytes, self._unsafe):
-                yield self._encode_piece(data[start:end])
+                yield self.keyed(data[start:end], encode)
                 start = end
         if add_special_tokens and self.suffix_ids:
             yield array("Q", self.suffix_ids)
@@ -411,7 +430,7 @@ class ModelTokenizer:
             **kwargs,
         )
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
+    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
         if request.token_ids is not None:
             yield token_array(request.token_ids)
         elif request.messages is not None:
@@ -430,7 +449,7 @@ class ModelTokenizer:
         try:
             for text in _probe_texts(extra, rng):
                 whole = self.encode_text(text)
-                pieces = [t for chunk in self.text_chunks(text, add_special_tokens=False) for t in chunk]
+                pieces = [t for chunk in self.text_chunks(text, add_special_tokens=False) for t in chunk_ids(chunk)]
                 if pieces != whole:
                     return False, f"piece-wise tokenization differs from whole-text tokenization on {text!r:.80}"
         finally:
