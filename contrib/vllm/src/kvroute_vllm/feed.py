@@ -133,8 +133,17 @@ class KvEventFeed:
         self._accept(batch)
         return None
 
-    def replayed(self, batches: Iterable[EventBatch]) -> None:
-        """Batches from the replay socket, in order (duplicates skipped, holes counted as lost)."""
+    def replayed(self, batches: Iterable[EventBatch], *, complete: bool = False) -> None:
+        """Batches from the replay socket, in order (duplicates skipped, holes counted as lost).
+
+        ``complete``: the replay ended with the end marker, so the next live batch follows the
+        last one replayed; an empty complete replay means the publisher has sent nothing yet
+        (the next batch is 0). Joining a publisher whose buffer no longer reaches batch 0 is
+        not a loss: the first batch replayed is where this feed starts.
+        """
+        batches = list(batches)
+        if complete and not batches and self.expected is None:
+            self.expected = 0
         for batch in batches:
             self.stats.replayed += 1
             if self.expected is not None and batch.seq > self.expected:

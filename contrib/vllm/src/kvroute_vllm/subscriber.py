@@ -78,6 +78,8 @@ class ZmqSubscriber:
         self.replays = 0
         self.replay_failures = 0
         self.connected = False
+        #: The address actually bound (bind mode, after `run` started; resolves ``tcp://host:*``).
+        self.bound_endpoint: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
 
     async def replay(self, start: int) -> tuple[list[EventBatch], bool]:
@@ -117,8 +119,8 @@ class ZmqSubscriber:
             dealer.close(linger=0)
 
     async def _fill(self, feed: KvEventFeed, start: int) -> None:
-        batches, _complete = await self.replay(start)
-        feed.replayed(batches)
+        batches, complete = await self.replay(start)
+        feed.replayed(batches, complete=complete)
 
     async def run(
         self,
@@ -136,6 +138,7 @@ class ZmqSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             if self.source.bind:
                 sub.bind(self.source.endpoint)
+                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 sub.connect(self.source.endpoint)
             self.connected = True
@@ -144,8 +147,6 @@ class ZmqSubscriber:
                 on_connected()
             # What the engine published before we came (as far as its replay buffer reaches).
             await self._fill(feed, 0)
-            if feed.expected is None and self.source.replay is not None and self.replays and not self.replay_failures:
-                feed.expected = 0  # an empty buffer: the engine has published nothing yet
             while True:
                 frames: list[bytes] = []
                 with anyio.move_on_after(self.wake_every):
