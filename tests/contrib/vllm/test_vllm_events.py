@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
 from kvroute_vllm import AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, decode_batch, decode_message
+
 from tests.contrib.vllm.vllm_fakes import as_positional, captured_messages, kv_events
 
 

@@ -6,8 +6,8 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 from kvroute_tokenizer_prefix import BlockIndex, block_hashes, root_hash
-
 from kvroute_vllm import EventBatch, Gap, KvEventFeed, decode_batch
+
 from tests.contrib.vllm.vllm_fakes import RecordingSink, captured_payloads, kv_events, model_router_hashes
 
 BS = 128

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from kvroute_vllm import parse_metrics
+
 from tests.contrib.vllm.vllm_fakes import fixture_text
 
 CURRENT = """\

@@ -198,16 +198,16 @@ class FakeVllmPublisher:
         payload = dict(self.buffer)[seq]
         await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
 
-    async def send_until(self, seq: int, done: Callable[[], bool], timeout: float = 10.0) -> None:
+    async def send_until(self, seq: int, done: Callable[[], bool], limit_s: float = 10.0) -> None:
         """Send ``seq`` again and again until ``done()`` (a subscriber may not have joined yet)."""
-        with anyio.fail_after(timeout):
+        with anyio.fail_after(limit_s):
             while not done():
                 await self.send(seq)
                 await anyio.sleep(0.02)
 
     async def _serve_replay(self) -> None:
         while True:
-            client, empty, start = await self.router.recv_multipart()
+            client, _empty, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_requests.append(first)
             for seq, payload in self.buffer:
@@ -216,8 +216,8 @@ class FakeVllmPublisher:
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``condition`` until true (bounded)."""
-    with anyio.fail_after(timeout):
-        while not condition():
+async def wait_for(condition: Callable[[], bool], limit_s: float = 10.0) -> None:
+    """Poll ``condition`` until true (bounded): the state it reads has no event to wait on."""
+    with anyio.fail_after(limit_s):
+        while not condition():  # noqa: ASYNC110 - polling state owned by the code under test
             await anyio.sleep(0.01)

@@ -1,0 +1,200 @@
+"""The ``vllm`` backend kind: options, health, models, load telemetry, event source discovery and the event task."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from kvroute_vllm import VllmAdapter, ZmqSource
+
+from kvroute import Backend
+from kvroute.adapters import HttpReply, kv_event_sink
+from kvroute.plugins import PluginManager
+from tests.contrib.vllm.vllm_fakes import (
+    FakeHttp,
+    FakeVllmPublisher,
+    RecordingSink,
+    captured_payloads,
+    fixture_text,
+    json_reply,
+    model_router_hashes,
+    wait_for,
+)
+
+pytestmark = pytest.mark.anyio
+
+URL = "http://127.0.0.1:8000"
+
+
+def _adapter(**options: object) -> VllmAdapter:
+    return VllmAdapter.create(Backend(id="b0", url=URL, kind="vllm"), **options)
+
+
+def _sources(endpoint: str, replay: str | None, topic: str = "kv") -> dict[str, object]:
+    """vLLM 0.32's /kv_event_sources answer (seen on a live server, see docs/e2e-vllm.md)."""
+    return {
+        "0": {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+            "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": topic,
+        }
+    }
+
+
+def _metrics_http() -> FakeHttp:
+    return FakeHttp({("GET", "/metrics"): HttpReply(200, fixture_text("metrics_busy.txt").encode())})
+
+
+class TestVllmAdapter:
+    def test_registered_as_kind_vllm(self) -> None:
+        """The entry point registers kind 'vllm' whose factory builds this adapter."""
+        registration = PluginManager().backend_kinds["vllm"]
+        adapter = registration.factory(Backend(id="b", url=URL, kind="vllm"))
+        assert isinstance(adapter, VllmAdapter) and registration.plugin.distribution == "kvroute-vllm"
+
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            ({"kv_events": "udp://x"}, "ZMQ endpoint"),
+            ({"kv_replay": 5558}, "ZMQ endpoint"),
+            ({"metrics_path": "metrics"}, "starting with '/'"),
+            ({"kv_ranks": 0}, "kv_ranks"),
+            ({"kv_rank": 1}, "unknown option"),
+        ],
+    )
+    def test_bad_options_are_rejected_clearly(self, options: dict[str, object], message: str) -> None:
+        """Options the adapter cannot use raise ValueError saying what was expected."""
+        with pytest.raises(ValueError, match=message):
+            _adapter(**options)
+
+    @pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False), (500, False)])
+    async def test_probe_follows_health_status(self, status: int, healthy: bool) -> None:
+        """Healthy only on 200; vLLM answers 503 once its engine died."""
+        http = FakeHttp({("GET", "/health"): HttpReply(status)})
+        assert await _adapter().probe(http) is healthy
+
+    async def test_models(self) -> None:
+        """Served model ids come from /v1/models."""
+        body = {"object": "list", "data": [{"id": "tiny-llama", "object": "model", "owned_by": "vllm", "root": "/m", "max_model_len": 8192}]}
+        http = FakeHttp({("GET", "/v1/models"): json_reply(body)})
+        assert await _adapter().list_models(http) == ["tiny-llama"]
+
+    async def test_poll_load_reads_the_captured_metrics(self) -> None:
+        """The load telemetry equals what the captured /metrics body says, stamped with a fresh time."""
+        adapter = _adapter()
+        load = await adapter.poll_load(_metrics_http())
+        assert (load.running, load.waiting, load.block_size) == (2, 1, 128)
+        assert (load.prefix_cache_queries, load.prefix_cache_hits) == (11955.0, 3200.0)
+        assert load.age() < 60 and adapter.metrics is not None and adapter.metrics.num_gpu_blocks == 72
+
+    @pytest.mark.parametrize(("reply", "message"), [(HttpReply(500, b"boom"), "answered 500"), (HttpReply(200, b"\xff"), "UTF-8")])
+    async def test_poll_load_failures_raise_value_error(self, reply: HttpReply, message: str) -> None:
+        """An unreadable /metrics raises ValueError (the health checker counts a skipped poll, the old load goes stale)."""
+        with pytest.raises(ValueError, match=message):
+            await _adapter().poll_load(FakeHttp({("GET", "/metrics"): reply}))
+
+    async def test_restart_is_noticed_from_process_start_time(self) -> None:
+        """A new process_start_time_seconds between two scrapes counts as an engine restart."""
+        adapter = _adapter()
+        http = _metrics_http()
+        await adapter.poll_load(http)
+        await adapter.poll_load(http)
+        assert adapter._epoch == 0
+        text = fixture_text("metrics_busy.txt").replace("process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09")
+        assert text != fixture_text("metrics_busy.txt")
+        http.set("GET", "/metrics", HttpReply(200, text.encode()))
+        await adapter.poll_load(http)
+        assert adapter._epoch == 1
+
+    async def test_sources_discovered_from_the_engine(self) -> None:
+        """A bound wildcard endpoint is reached at the backend's host, with its replay endpoint and topic."""
+        http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources("tcp://*:40161", "tcp://*:41237"))})
+        assert await _adapter().sources(http) == [ZmqSource("tcp://127.0.0.1:40161", "kv", "tcp://127.0.0.1:41237", bind=False)]
+
+    async def test_sources_of_an_engine_that_connects(self) -> None:
+        """A concrete endpoint means the engine connects: kvroute binds it (or the kv_bind address)."""
+        http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources("tcp://10.0.0.9:5557", None))})
+        assert await _adapter().sources(http) == [ZmqSource("tcp://10.0.0.9:5557", "kv", None, bind=True)]
+        assert (await _adapter(kv_bind="tcp://*:5557").sources(http))[0].endpoint == "tcp://*:5557"
+
+    async def test_sources_disabled_or_unsupported(self) -> None:
+        """Events off gives no source; a server without /kv_event_sources gives None (configure kv_events)."""
+        off = FakeHttp({("GET", "/kv_event_sources"): json_reply({})})
+        assert await _adapter().sources(off) == []
+        assert await _adapter().sources(FakeHttp()) is None
+        assert await _adapter(kv_events="off").sources(off) == []
+
+    async def test_manual_sources_offset_ports_per_rank(self) -> None:
+        """Given endpoints are used without asking the engine; data-parallel ranks get vLLM's port offsets."""
+        adapter = _adapter(kv_events="tcp://*:5557", kv_replay="tcp://*:5600", kv_topic="kv", kv_ranks=2)
+        http = FakeHttp()
+        assert await adapter.sources(http) == [
+            ZmqSource("tcp://127.0.0.1:5557", "kv", "tcp://127.0.0.1:5600", bind=False, rank=0),
+            ZmqSource("tcp://127.0.0.1:5558", "kv", "tcp://127.0.0.1:5601", bind=False, rank=1),
+        ]
+        assert http.calls == []
+
+    async def test_malformed_sources_are_errors(self) -> None:
+        """An answer that is not vLLM's shape raises ValueError naming the problem."""
+        http = FakeHttp({("GET", "/kv_event_sources"): json_reply({"0": {"enable_kv_cache_events": True, "endpoint": 5}})})
+        with pytest.raises(ValueError, match="'endpoint' string"):
+            await _adapter().sources(http)
+
+    async def test_run_events_feeds_the_index(self) -> None:
+        """The event task discovers the publisher, replays its history, follows it live, and marks the backend exact."""
+        payloads = captured_payloads()[:10]
+        sink = RecordingSink()
+        async with FakeVllmPublisher() as pub:
+            port = pub.endpoint.rsplit(":", 1)[1]
+            replay_port = (pub.replay_endpoint or "").rsplit(":", 1)[1]
+            http = _metrics_http()
+            http.set("GET", "/kv_event_sources", json_reply(_sources(f"tcp://*:{port}", f"tcp://*:{replay_port}")))
+            adapter = _adapter()
+            await adapter.poll_load(http)
+            for payload in payloads[:2]:
+                pub.store(payload)
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(adapter.run_events, http, sink)
+                    await wait_for(lambda: bool(adapter.feeds) and adapter.feeds[0].expected == 2)
+                    for payload in payloads[2:]:
+                        seq = pub.store(payload)
+                        await pub.send_until(seq, lambda s=seq: adapter.feeds[0].expected == s + 1)
+                    assert sink.exact == {"b0": True} and sink.capacity == {"b0": 72}
+                    tg.cancel_scope.cancel()
+        assert sink.exact == {"b0": False}  # cancelled: back to the strategy's own records
+        assert set(sink.index.holders) == model_router_hashes(payloads)
+        assert adapter.stats()["kv_events"][0]["batches"] == 10
+
+    async def test_run_events_restart_clears(self) -> None:
+        """When the engine's start time changes, the event task forgets the backend's blocks."""
+        payloads = captured_payloads()
+        sink = RecordingSink()
+        async with FakeVllmPublisher() as pub:
+            port = pub.endpoint.rsplit(":", 1)[1]
+            http = _metrics_http()
+            http.set("GET", "/kv_event_sources", json_reply(_sources(f"tcp://*:{port}", None)))
+            adapter = _adapter()
+            await adapter.poll_load(http)
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(adapter.run_events, http, sink)
+                    await wait_for(lambda: bool(adapter.subscribers) and adapter.subscribers[0].connected)
+                    await pub.send_until(pub.store(payloads[0]), lambda: adapter.feeds[0].expected == 1)
+                    assert sink.index.blocks("b0") == 16
+                    text = fixture_text("metrics_busy.txt").replace("process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09")
+                    http.set("GET", "/metrics", HttpReply(200, text.encode()))
+                    await adapter.poll_load(http)
+                    await wait_for(lambda: sink.index.blocks("b0") == 0)
+                    tg.cancel_scope.cancel()
+        assert "all_cleared" in sink.names()
+
+    async def test_run_events_without_sources_returns(self) -> None:
+        """With kv_events off the task returns at once and never touches the sink."""
+        sink = RecordingSink()
+        with anyio.fail_after(5):
+            await _adapter(kv_events="off").run_events(FakeHttp(), sink)
+        assert sink.calls == []
+
+    def test_tokenizer_prefix_offers_a_sink(self) -> None:
+        """The tokenizer-prefix strategy's index is what the proxy hands to run_events."""
+        strategy = PluginManager().create_strategy("tokenizer-prefix", {})
+        assert kv_event_sink(strategy) is getattr(strategy, "index", None) is not None
