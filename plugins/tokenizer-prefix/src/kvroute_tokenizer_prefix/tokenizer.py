@@ -136,16 +136,29 @@ class WordTokenizer:
 
         self._vocab = vocabulary()
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
+    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
         if request.token_ids is not None:
             yield token_array(request.token_ids)
         elif request.messages is not None:
-            try:
-                yield token_array(self._vocab.render_chat(request.messages))
-            except (ValueError, AttributeError) as exc:
-                raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
+            # One keyed chunk per message, so that a history seen before is a memo hit, not re-tokenized.
+            for message in request.messages:
+                if not isinstance(message, Mapping):
+                    raise InvalidRequest(f"a message must be an object (got {type(message).__name__}).", param="messages")
+                role, content = str(message.get("role", "")), message.get("content")
+                try:
+                    text = self._vocab.content_text(content)
+                except ValueError as exc:
+                    raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
+                key = xxhash.xxh3_64_intdigest(f"{role}\0{text}".encode("utf-8", "surrogatepass"))
+                yield key, functools.partial(self._message, role, text)
+            options = request.prompt_options or {}
+            if options.get("add_generation_prompt", True):
+                yield array("Q", self._vocab.render_chat([], add_generation_prompt=True))
         else:
             yield token_array(self._vocab.encode(request.text))
+
+    def _message(self, role: str, text: str) -> array[int]:
+        return token_array(self._vocab.render_message(role, text))
 
 
 # -- model files -----------------------------------------------------------------------
