@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -390,7 +390,7 @@ class ProxyApp:
                 request_id = value.decode("latin-1")[:200] or None
             elif name in _ROUTE_HEADERS:
                 route_headers[_ROUTE_HEADERS[name]] = value.decode("latin-1")
-        ex = _Exchange(request_id or uuid.uuid4().hex, started)
+        ex = _Exchange(request_id or os.urandom(16).hex(), started)
         id_header = (_REQUEST_ID, ex.request_id.encode("latin-1"))
         try:
             raw = await read_body(receive, self.config.max_body_bytes, declared)

@@ -27,8 +27,60 @@ def _set_nodelay(transport: Any) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _CoalescingTransport:
+    """Holds a response's status line and headers until its first body bytes, then writes both at once.
+
+    uvicorn writes the head on ``http.response.start`` and the body on the next message: two
+    syscalls and, with TCP_NODELAY, two packets, so the client waits for the second one. The
+    ASGI app sends both in the same event-loop tick, so the head is held at most until the end
+    of that tick (a ``call_soon`` flush keeps any other app's timing unchanged). Interim 1xx
+    responses are never held. Everything else is delegated to the real transport.
+    """
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if len(data) > 65536:
+                self._transport.writelines([held, data])
+            else:
+                self._transport.write(held + data)
+            return
+        if data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1") and data.endswith(b"\r\n\r\n"):
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def writelines(self, lines: Any) -> None:
+        self.write(b"".join(lines))
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def nodelay_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's fastest available HTTP protocol class, with TCP_NODELAY set on connect."""
+    """uvicorn's fastest available HTTP protocol class: TCP_NODELAY set on connect, head and body coalesced."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # httptools not installed: the pure-Python h11 parser
@@ -38,6 +90,7 @@ def nodelay_protocol() -> type[asyncio.Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             _set_nodelay(transport)
             super().connection_made(transport)
+            self.transport = _CoalescingTransport(transport, asyncio.get_running_loop())  # type: ignore[assignment]
 
     return NoDelayProtocol
 
@@ -181,7 +234,7 @@ class ServerThread:
         out = []
         for conn in list(self.server.server_state.connections):
             transport = getattr(conn, "transport", None)
-            sock = transport.get_extra_info("socket") if transport is not None else None
+            sock = transport.get_extra_info("socket") if transport is not None else None  # delegated
             if sock is not None:
                 out.append(bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
         return out

@@ -1,0 +1,214 @@
+"""Added latency and throughput of `kvroute serve` over talking to an engine emulator directly.
+
+Method (recorded with the figures in docs/performance.md, section "Proxy overhead"):
+
+* One emulator (``kvroute emulate``, time scale 1e-4 so the engine's own time is tiny and
+  constant) and one proxy (``kvroute serve``, default options: access log on, health checks
+  on, strategy least-outstanding) run as separate processes on loopback, as in production.
+* The client is aiohttp on uvloop in this process. Each measured request is sent twice over:
+  straight to the emulator and through the proxy, alternating in batches so drift hits both.
+* Non-streaming: time from sending to the whole response read. Streaming: time to the first
+  SSE event (the first chunk a user would see), and to the end of the stream.
+* Concurrency 1 gives the added latency a single user feels (p50/p99 of via-proxy minus the
+  same percentile direct); concurrency 32 gives requests per second and tail latency.
+
+Run: ``python benchmarks/bench_proxy.py`` (about a minute on 2 cores), ``--quick`` for a
+smoke run, ``--json`` for machine-readable output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+import aiohttp
+
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+@contextlib.contextmanager
+def process(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server process in its own group, wait for it, and stop it (by its pid) afterwards."""
+    proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(ready_url)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def emulator_and_proxy(extra_proxy_args: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """An emulator and a proxy in front of it; yields (direct URL, proxy URL)."""
+    e_port, p_port = free_port(), free_port()
+    direct = f"http://127.0.0.1:{e_port}"
+    via = f"http://127.0.0.1:{p_port}"
+    emulator = [PYTHON, "-m", "kvroute", "emulate", "--port", str(e_port), "--model", "m", "--time-scale", "0.0001", "--num-gpu-blocks", "4096"]
+    proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--backend", f"e0={direct}", *extra_proxy_args]
+    with process(emulator, direct + "/health"), process(proxy, via + "/health"):
+        yield direct, via
+
+
+def body(i: int, stream: bool) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"benchmark request {i % 64} " + "word " * 200}],
+        "max_tokens": 16,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+
+
+async def one(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> tuple[float, float]:
+    """Returns (seconds to first body chunk, seconds to the end)."""
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body(i, stream)) as response:
+        first = None
+        async for _ in response.content.iter_any():
+            if first is None:
+                first = time.perf_counter() - t0
+        if response.status != 200:
+            raise RuntimeError(f"{url}: status {response.status}")
+    end = time.perf_counter() - t0
+    return (first if first is not None else end), end
+
+
+async def measure(url: str, count: int, concurrency: int, stream: bool) -> tuple[list[float], list[float], float]:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i in range(min(50, count)):  # warm the connection pools and the engine's cache
+            await one(session, url, i, stream)
+        firsts: list[float] = []
+        ends: list[float] = []
+        next_i = 0
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < count:
+                i = next_i
+                next_i += 1
+                first, end = await one(session, url, i, stream)
+                firsts.append(first)
+                ends.append(end)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return firsts, ends, count / elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def compare(direct: str, via: str, count: int, concurrency: int, stream: bool, rounds: int) -> dict[str, float]:
+    d_first: list[float] = []
+    d_end: list[float] = []
+    v_first: list[float] = []
+    v_end: list[float] = []
+    d_rps: list[float] = []
+    v_rps: list[float] = []
+    for _ in range(rounds):  # alternate so that drift affects both
+        f, e, r = await measure(direct, count // rounds, concurrency, stream)
+        d_first += f
+        d_end += e
+        d_rps.append(r)
+        f, e, r = await measure(via, count // rounds, concurrency, stream)
+        v_first += f
+        v_end += e
+        v_rps.append(r)
+    ms = 1000.0
+    out = {
+        "direct_p50_ms": pct(d_end, 0.5) * ms,
+        "proxy_p50_ms": pct(v_end, 0.5) * ms,
+        "added_p50_ms": (pct(v_end, 0.5) - pct(d_end, 0.5)) * ms,
+        "added_p99_ms": (pct(v_end, 0.99) - pct(d_end, 0.99)) * ms,
+        "direct_rps": statistics.median(d_rps),
+        "proxy_rps": statistics.median(v_rps),
+    }
+    if stream:
+        out["added_first_chunk_p50_ms"] = (pct(v_first, 0.5) - pct(d_first, 0.5)) * ms
+        out["added_first_chunk_p99_ms"] = (pct(v_first, 0.99) - pct(d_first, 0.99)) * ms
+    return out
+
+
+def run(count: int, rounds: int, extra_proxy_args: Sequence[str]) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    with emulator_and_proxy(extra_proxy_args) as (direct, via):
+        for stream in (False, True):
+            for concurrency in (1, 32):
+                n = count if concurrency == 1 else count * 2
+                key = f"{'stream' if stream else 'whole'} c{concurrency}"
+                results[key] = asyncio.run(compare(direct, via, n, concurrency, stream, rounds))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="requests per configuration at concurrency 1 (x2 at 32)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating direct/proxy rounds")
+    parser.add_argument("--quick", action="store_true", help="a smoke run (200 requests)")
+    parser.add_argument("--no-access-log", action="store_true", help="run the proxy with --no-access-log")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    count = 200 if args.quick else args.requests
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    extra = ["--no-access-log"] if args.no_access_log else []
+    results = run(count, args.rounds, extra)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if extra else 'on'})")
+    header = f"{'case':<12} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'proxy rps':>10}"
+    print(header)
+    for key, r in results.items():
+        first = f"{r['added_first_chunk_p50_ms']:.3f} ms" if "added_first_chunk_p50_ms" in r else "-"
+        print(
+            f"{key:<12} {r['direct_p50_ms']:>7.3f} ms {r['proxy_p50_ms']:>7.3f} ms {r['added_p50_ms']:>7.3f} ms "
+            f"{r['added_p99_ms']:>7.3f} ms {first:>15} {r['direct_rps']:>11.0f} {r['proxy_rps']:>10.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
