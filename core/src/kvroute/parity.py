@@ -379,6 +379,8 @@ async def startup_check(
     targets: Iterable[tuple[str, str, HttpClient]],
     *,
     kinds: Mapping[str, Callable[..., Any]] | None = None,
+    prompts: Sequence[tuple[str, str]] | None = None,
+    chats: Sequence[tuple[str, list[dict[str, Any]]]] | None = None,
 ) -> list[ParityReport]:
     """The proxy's check at startup: each ``(backend id, url, client)`` against the strategy's tokenizer.
 
@@ -396,7 +398,13 @@ async def startup_check(
             log.warning("tokenizer_parity_unchecked", backend=backend_id, reason="the HTTP client cannot POST")
             continue
         report = await check_backend(
-            http, tokenizer, backend=url, router_block_size=fixed if isinstance(fixed, int) else None, kinds=kinds
+            http,
+            tokenizer,
+            backend=url,
+            prompts=prompts,
+            chats=chats,
+            router_block_size=fixed if isinstance(fixed, int) else None,
+            kinds=kinds,
         )
         reports.append(report)
         if report.ok:
