@@ -356,7 +356,9 @@ def simulate(
         f"kvroute simulate: {workload}, {len(arrivals):,} requests, {instances} instances, seed {seed} ({wall:.1f} s)"
     )
     console = Console()
-    console.print(render_table(comparison, title), width=max(console.width, 180) if not console.is_terminal else None)
+    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
+        console = Console(width=180)
+    console.print(render_table(comparison, title))
     if json_path is not None:
         shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
         data = _finite(to_json(comparison, workload_options=shown, seed=seed, wall=wall))
