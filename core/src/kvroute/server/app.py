@@ -446,9 +446,7 @@ class ProxyApp:
 
     def _finish(self, ex: _Exchange) -> None:
         duration = time.perf_counter() - ex.started
-        self.metrics.request_done(ex.backend, ex.outcome)
-        if ex.backend != "none":
-            self.metrics.duration.labels(ex.backend).observe(duration)
+        self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
         if self.config.access_log:
             log.info(
                 "request",
@@ -570,7 +568,7 @@ class ProxyApp:
             sse = response.content_type == _SSE
             if sse and status < 400:
                 ex.ttft = time.perf_counter() - sent_at
-                self.metrics.ttft.labels(backend_id).observe(ex.ttft)
+                self.metrics.child(self.metrics.ttft, backend_id).observe(ex.ttft)
                 return await self._stream(response, first, send, ex, id_header)
             # A complete (non-streamed) body: read it all, then answer or retry.
             parts = [first]
@@ -688,10 +686,11 @@ class ProxyApp:
         return None
 
     def _record_usage(self, backend_id: str, sniffer: UsageSniffer) -> None:
+        metrics = self.metrics
         if sniffer.prompt_tokens is not None:
-            self.metrics.prompt_tokens.labels(backend_id).inc(sniffer.prompt_tokens)
+            metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
         if sniffer.cached_tokens is not None:
-            self.metrics.cached_tokens.labels(backend_id).inc(sniffer.cached_tokens)
+            metrics.child(metrics.cached_tokens, backend_id).inc(sniffer.cached_tokens)
 
 
 async def _watch_disconnect(receive: Receive, ex: _Exchange, task: asyncio.Task[Any]) -> None:

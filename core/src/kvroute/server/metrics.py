@@ -7,6 +7,7 @@ fleet state (in flight, healthy, draining) are read from the fleet at scrape tim
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -90,13 +91,23 @@ class ProxyMetrics:
         )
         r.register(_FleetCollector(fleet))
         self._decision = self.decision_seconds.labels(strategy)
-        self._children: dict[tuple[str, str], object] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: prometheus-client's lookup costs microseconds per call."""
+        key = (metric, *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def observe_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)
 
-    def request_done(self, backend: str, outcome: str) -> None:
-        self.requests.labels(backend, self.strategy, outcome).inc()
+    def request_done(self, backend: str, outcome: str, duration: float | None) -> None:
+        self.child(self.requests, backend, self.strategy, outcome).inc()
+        if duration is not None:
+            self.child(self.duration, backend).observe(duration)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
