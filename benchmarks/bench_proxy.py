@@ -12,8 +12,14 @@ Method (recorded with the figures in docs/performance.md, section "Proxy overhea
 * Concurrency 1 gives the added latency a single user feels (p50/p99 of via-proxy minus the
   same percentile direct); concurrency 32 gives requests per second and tail latency.
 
-Run: ``python benchmarks/bench_proxy.py`` (about a minute on 2 cores), ``--quick`` for a
-smoke run, ``--json`` for machine-readable output.
+A second part (``--routing``, also run by default) shows routing quality end to end: four
+emulators (time scale 0.5, 2,048 KV blocks each) behind the proxy, 8 shared 2,000-token prefixes
+with a unique question each, 320 streamed requests at concurrency 8, once per strategy with fresh
+emulators. It reports the TTFT the client measured and the fleet's prefix-cache hit rate read from
+the emulators' own ``vllm:prefix_cache_*`` counters.
+
+Run: ``python benchmarks/bench_proxy.py`` (about two minutes on 2 cores), ``--quick`` for a
+smoke run, ``--json`` for machine-readable output, ``--only overhead|routing`` for one part.
 """
 
 from __future__ import annotations
@@ -179,6 +185,92 @@ def run(count: int, rounds: int, extra_proxy_args: Sequence[str]) -> dict[str, d
     return results
 
 
+ROUTING_STRATEGIES = (
+    ("random", ["--option", "seed=0"]),
+    ("least-outstanding", []),
+    ("consistent-hash", ["--option", "prefix_length=1024"]),
+    ("bounded-load", ["--option", "prefix_length=1024"]),
+)
+
+
+def _prefix_body(i: int, groups: int) -> dict[str, object]:
+    group = (i * 7919) % groups  # a fixed, well-mixed order of groups
+    prefix = f"shared document {group} " + " ".join(f"w{group}x{k}" for k in range(2000))
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": f"question number {i}"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+
+
+def _scrape(url: str, names: Sequence[str]) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+async def _ttfts(url: str, count: int, concurrency: int, groups: int) -> list[float]:
+    out: list[float] = []
+    next_i = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < count:
+                i = next_i
+                next_i += 1
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", json=_prefix_body(i, groups)) as response:
+                    first = None
+                    async for _ in response.content.iter_any():
+                        if first is None:
+                            first = time.perf_counter() - t0
+                    if response.status != 200 or first is None:
+                        raise RuntimeError(f"request {i}: status {response.status}")
+                out.append(first)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def routing_quality(count: int, concurrency: int = 8, groups: int = 8) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    for strategy, options in ROUTING_STRATEGIES:
+        ports = [free_port() for _ in range(4)]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        p_port = free_port()
+        via = f"http://127.0.0.1:{p_port}"
+        with contextlib.ExitStack() as stack:
+            for i, port in enumerate(ports):
+                args = [PYTHON, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.5", "--num-gpu-blocks", "2048"]
+                stack.enter_context(process(args, urls[i] + "/health"))
+            proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--strategy", strategy, *options, "--no-access-log"]
+            for i, url in enumerate(urls):
+                proxy += ["--backend", f"e{i}={url}"]
+            stack.enter_context(process(proxy, via + "/health"))
+            ttft = asyncio.run(_ttfts(via, count, concurrency, groups))
+            hits = queries = 0.0
+            for url in urls:
+                scraped = _scrape(url, ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"])
+                hits += scraped["vllm:prefix_cache_hits_total"]
+                queries += scraped["vllm:prefix_cache_queries_total"]
+        results[strategy] = {
+            "ttft_p50_ms": pct(ttft, 0.5) * 1000,
+            "ttft_p90_ms": pct(ttft, 0.9) * 1000,
+            "ttft_p99_ms": pct(ttft, 0.99) * 1000,
+            "hit_rate": hits / queries if queries else 0.0,
+        }
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per configuration at concurrency 1 (x2 at 32)")
@@ -186,6 +278,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (200 requests)")
     parser.add_argument("--no-access-log", action="store_true", help="run the proxy with --no-access-log")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", choices=["overhead", "routing"], help="run one part")
     args = parser.parse_args()
     count = 200 if args.quick else args.requests
     try:
@@ -195,9 +288,17 @@ def main() -> None:
     except ImportError:
         pass
     extra = ["--no-access-log"] if args.no_access_log else []
-    results = run(count, args.rounds, extra)
+    results = run(count, args.rounds, extra) if args.only != "routing" else {}
+    routing = routing_quality(80 if args.quick else 320) if args.only != "overhead" else {}
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({"overhead": results, "routing": routing}, indent=2))
+        return
+    if routing:
+        print("routing quality through the proxy (4 emulators, 8 prefixes of 2,000 tokens, streamed, concurrency 8)")
+        print(f"{'strategy':<18} {'TTFT p50':>9} {'TTFT p90':>9} {'TTFT p99':>9} {'hit rate':>9}")
+        for strategy, r in routing.items():
+            print(f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms {r['hit_rate']:>8.1%}")
+    if not results:
         return
     print(f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if extra else 'on'})")
     header = f"{'case':<12} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'proxy rps':>10}"
