@@ -37,6 +37,9 @@ class Servers:
             config["backends"] = tuple(BackendConfig(id=f"e{i}", url=b.url) for i, b in enumerate(backends))
         config.setdefault("health", HealthConfig(interval=0.2, timeout=1.0, unhealthy_threshold=2, healthy_threshold=1))
         config.setdefault("access_log", False)
+        config.setdefault("strategy", "least-outstanding")
+        if config["strategy"] in ("least-outstanding", "random"):
+            config.setdefault("options", {"seed": 0})  # deterministic tie-breaks
         server = ServerThread(ProxyApp(ServerConfig(**config))).start()
         self.started.append(server)
         return server

@@ -77,7 +77,7 @@ class TestAdminChanges:
     def test_drain_then_remove_when_idle(self, servers: Servers) -> None:
         """A drained backend takes no new requests, finishes its stream, then is removed."""
         a, b = servers.emulators(2)
-        proxy = servers.proxy([a, b], admin_token=TOKEN, strategy="least-outstanding")
+        proxy = servers.proxy([a, b], admin_token=TOKEN, strategy="least-outstanding", options={"seed": 2})
         result: list[bytes] = []
 
         def long_stream() -> None:

@@ -118,7 +118,7 @@ class TestKillAndRestart:
     def test_killed_backend_is_ejected_retried_and_restored(self, servers: Servers) -> None:
         """Killing a backend under load loses no request that had not started streaming; it returns after restart."""
         a, b = servers.emulators(2)
-        proxy = servers.proxy([a, b], strategy="least-outstanding", health=HealthConfig(interval=0.1, timeout=0.5, unhealthy_threshold=1, healthy_threshold=2))
+        proxy = servers.proxy([a, b], strategy="least-outstanding", options={"seed": 1}, health=HealthConfig(interval=0.1, timeout=0.5, unhealthy_threshold=1, healthy_threshold=2))
         a_port = a.port
         outcomes: list[tuple[str, int, bytes]] = []
         lock = threading.Lock()

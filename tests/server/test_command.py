@@ -1,0 +1,124 @@
+"""The real commands as processes: `kvroute serve` from a TOML file in front of `kvroute emulate` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server.harness import chat_body, http
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if http("GET", url, timeout=2)[0] == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+
+
+@contextlib.contextmanager
+def _process(args: list[str], ready: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a command in its own process group and stop it (by its pid) at the end."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(ready)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+
+
+def _emulate(port: int) -> list[str]:
+    return [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.02", "--num-gpu-blocks", "2048"]
+
+
+class TestCommands:
+    def test_serve_from_toml_fronts_emulators(self, tmp_path: Path) -> None:
+        """kvroute serve --config works with the openai SDK and logs one JSON line per request."""
+        e_ports = [_free_port(), _free_port()]
+        p_port = _free_port()
+        config = tmp_path / "kvroute.toml"
+        config.write_text(
+            f'[server]\nport = {p_port}\n[routing]\nstrategy = "consistent-hash"\n[routing.options]\nprefix_length = 1024\n'
+            + "".join(f'[[backends]]\nid = "e{i}"\nurl = "http://127.0.0.1:{p}"\n' for i, p in enumerate(e_ports))
+        )
+        with contextlib.ExitStack() as stack:
+            for i, port in enumerate(e_ports):
+                stack.enter_context(_process(_emulate(port), f"http://127.0.0.1:{port}/health", tmp_path / f"e{i}.log"))
+            proxy_log = tmp_path / "proxy.log"
+            stack.enter_context(
+                _process([sys.executable, "-m", "kvroute", "serve", "--config", str(config)], f"http://127.0.0.1:{p_port}/health", proxy_log)
+            )
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{p_port}/v1", api_key="k", max_retries=0, timeout=30)
+            reply = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hello " * 300}], max_tokens=3)
+            assert reply.headers["x-kvroute-backend"] in ("e0", "e1")
+            assert reply.parse().usage.completion_tokens == 3
+        lines = [json.loads(line) for line in proxy_log.read_text().splitlines() if line.startswith("{")]
+        requests = [line for line in lines if line["event"] == "request"]
+        assert len(requests) == 1
+        assert requests[0]["strategy"] == "consistent-hash" and requests[0]["key"] is not None
+
+    def test_killed_emulator_process_is_survived_and_rejoins(self, tmp_path: Path) -> None:
+        """SIGKILL on one emulator process under load: every non-streamed request succeeds; it rejoins after restart."""
+        e_ports = [_free_port(), _free_port()]
+        p_port = _free_port()
+        proxy_url = f"http://127.0.0.1:{p_port}"
+        with contextlib.ExitStack() as stack:
+            victim = stack.enter_context(_process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0.log"))
+            stack.enter_context(_process(_emulate(e_ports[1]), f"http://127.0.0.1:{e_ports[1]}/health", tmp_path / "e1.log"))
+            stack.enter_context(
+                _process(
+                    [sys.executable, "-m", "kvroute", "serve", "--port", str(p_port), "--strategy", "least-outstanding", "--option", "seed=1",
+                     "--backend", f"e0=http://127.0.0.1:{e_ports[0]}", "--backend", f"e1=http://127.0.0.1:{e_ports[1]}",
+                     "--health-interval", "0.1", "--unhealthy-threshold", "1", "--healthy-threshold", "2", "--no-access-log"],
+                    proxy_url + "/health", tmp_path / "proxy.log",
+                )
+            )
+
+            def one(i: int) -> int:
+                status, _, body = http("POST", proxy_url + "/v1/chat/completions", chat_body(f"kill test {i}", max_tokens=30))
+                return status if status != 200 or json.loads(body)["choices"] else -1
+
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                futures = [pool.submit(one, i) for i in range(150)]
+                time.sleep(0.4)
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.wait(timeout=10)
+                statuses = [f.result(timeout=60) for f in futures]
+            assert statuses == [200] * 150
+            metrics = http("GET", proxy_url + "/metrics")[2].decode()
+            assert 'kvroute_backend_healthy{backend="e0"} 0.0' in metrics
+            stack.enter_context(_process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0-again.log"))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and 'kvroute_backend_healthy{backend="e0"} 1.0' not in http("GET", proxy_url + "/metrics")[2].decode():
+                time.sleep(0.05)
+            backends = {http("POST", proxy_url + "/v1/chat/completions", chat_body(f"back {i}"))[1]["x-kvroute-backend"] for i in range(12)}
+            assert "e0" in backends
