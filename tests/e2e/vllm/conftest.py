@@ -40,5 +40,6 @@ def vllm_servers(
     """Two vLLM servers on loopback, one core each, stopped when the session ends."""
     given = os.environ.get("KVROUTE_VLLM_LOG_DIR")
     logs = Path(given) if given else tmp_path_factory.mktemp("vllm-logs")
-    with start_vllm_servers(vllm_python, tiny_model, 2, log_dir=logs) as servers:
+    # Dev mode adds POST /reset_prefix_cache, which the routing tests use between strategies.
+    with start_vllm_servers(vllm_python, tiny_model, 2, log_dir=logs, extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as servers:
         yield servers
