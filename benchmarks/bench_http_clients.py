@@ -107,15 +107,15 @@ def serve_candidate(kind: str, port: int, upstream: str) -> None:
 
 
 @contextlib.contextmanager
-def candidate(kind: str, upstream: str) -> Iterator[str]:
+def candidate(kind: str, upstream: str) -> Iterator[tuple[str, int]]:
     port = bp.free_port()
     url = f"http://127.0.0.1:{port}"
     if kind == "kvroute":
         args = [bp.PYTHON, "-m", "kvroute", "serve", "--port", str(port), "--backend", f"e0={upstream}", "--no-access-log"]
     else:
         args = [bp.PYTHON, __file__, "--serve", kind, "--port", str(port), "--upstream", upstream]
-    with bp.process(args, url + "/health"):
-        yield url
+    with bp.process(args, url + "/health") as proc:
+        yield url, proc.pid
 
 
 def main() -> None:
@@ -137,18 +137,18 @@ def main() -> None:
     e_port = bp.free_port()
     direct = f"http://127.0.0.1:{e_port}"
     emulator = [bp.PYTHON, "-m", "kvroute", "emulate", "--port", str(e_port), "--model", "m", "--time-scale", "0.0001", "--num-gpu-blocks", "4096"]
-    print(f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'via rps':>8}")
+    print(f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'via rps':>8} {'CPU/req':>9}")
     with bp.process(emulator, direct + "/health"):
         for kind in ("aiohttp", "httpx", "kvroute"):
-            with candidate(kind, direct) as via:
+            with candidate(kind, direct) as (via, pid):
                 for stream in (True, False):
                     for concurrency in (1, 32):
-                        r = asyncio.run(bp.compare(direct, via, count, concurrency, stream, args.rounds))
+                        r = asyncio.run(bp.compare(direct, via, count, concurrency, stream, args.rounds, pid))
                         first = f"{r['added_first_chunk_p50_ms']:.3f} ms" if stream else "-"
                         case = f"{'stream' if stream else 'whole'} c{concurrency}"
                         print(
                             f"{kind:<8} {case:<11} {r['added_p50_ms']:>7.3f} ms {r['added_p99_ms']:>7.3f} ms {first:>15} "
-                            f"{r['direct_rps']:>11.0f} {r['proxy_rps']:>8.0f}",
+                            f"{r['direct_rps']:>11.0f} {r['proxy_rps']:>8.0f} {r['proxy_cpu_us_per_request']:>6.0f} us",
                             flush=True,
                         )
 

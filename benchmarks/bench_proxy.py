@@ -11,9 +11,11 @@ Method (recorded with the figures in docs/performance.md, section "Proxy overhea
   SSE event (the first chunk a user would see), and to the end of the stream.
 * Concurrency 1 gives the added latency a single user feels (p50/p99 of via-proxy minus the
   same percentile direct); concurrency 32 gives requests per second and tail latency.
+* The proxy process's CPU time per request (user + system, from /proc) is reported too: it does
+  not depend on what else the machine is doing, unlike the latencies.
 
 A second part (``--routing``, also run by default) shows routing quality end to end: four
-emulators (time scale 0.5, 2,048 KV blocks each) behind the proxy, 8 shared 2,000-token prefixes
+emulators (time scale 0.5, 512 KV blocks of 16 tokens each: room for four of the prefixes) behind the proxy, 8 shared 2,000-token prefixes
 with a unique question each, 320 streamed requests at concurrency 8, once per strategy with fresh
 emulators. It reports the TTFT the client measured and the fleet's prefix-cache hit rate read from
 the emulators' own ``vllm:prefix_cache_*`` counters.
@@ -67,6 +69,11 @@ def process(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[by
     proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_ready(ready_url)
+        # free_port() can race with other programs: a server that lost its port exits at once,
+        # while whoever took the port answers the readiness check.
+        time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{args[3]} exited with {proc.returncode} (port taken?): {' '.join(args)}")
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -78,16 +85,23 @@ def process(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[by
             proc.wait(timeout=10)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def emulator_and_proxy(extra_proxy_args: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
-    """An emulator and a proxy in front of it; yields (direct URL, proxy URL)."""
+def emulator_and_proxy(extra_proxy_args: Sequence[str] = ()) -> Iterator[tuple[str, str, int]]:
+    """An emulator and a proxy in front of it; yields (direct URL, proxy URL, proxy pid)."""
     e_port, p_port = free_port(), free_port()
     direct = f"http://127.0.0.1:{e_port}"
     via = f"http://127.0.0.1:{p_port}"
     emulator = [PYTHON, "-m", "kvroute", "emulate", "--port", str(e_port), "--model", "m", "--time-scale", "0.0001", "--num-gpu-blocks", "4096"]
     proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--backend", f"e0={direct}", *extra_proxy_args]
-    with process(emulator, direct + "/health"), process(proxy, via + "/health"):
-        yield direct, via
+    with process(emulator, direct + "/health"), process(proxy, via + "/health") as proxy_process:
+        yield direct, via, proxy_process.pid
 
 
 def body(i: int, stream: bool) -> dict[str, object]:
@@ -143,19 +157,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def compare(direct: str, via: str, count: int, concurrency: int, stream: bool, rounds: int) -> dict[str, float]:
+async def compare(
+    direct: str, via: str, count: int, concurrency: int, stream: bool, rounds: int, proxy_pid: int | None = None
+) -> dict[str, float]:
     d_first: list[float] = []
     d_end: list[float] = []
     v_first: list[float] = []
     v_end: list[float] = []
     d_rps: list[float] = []
     v_rps: list[float] = []
+    cpu = 0.0
     for _ in range(rounds):  # alternate so that drift affects both
         f, e, r = await measure(direct, count // rounds, concurrency, stream)
         d_first += f
         d_end += e
         d_rps.append(r)
+        before = cpu_seconds(proxy_pid) if proxy_pid else 0.0
         f, e, r = await measure(via, count // rounds, concurrency, stream)
+        cpu += cpu_seconds(proxy_pid) - before if proxy_pid else 0.0
         v_first += f
         v_end += e
         v_rps.append(r)
@@ -168,6 +187,9 @@ async def compare(direct: str, via: str, count: int, concurrency: int, stream: b
         "direct_rps": statistics.median(d_rps),
         "proxy_rps": statistics.median(v_rps),
     }
+    if proxy_pid:
+        # measure() adds up to 50 warm-up requests per round; they are in the CPU time too.
+        out["proxy_cpu_us_per_request"] = cpu / (count // rounds + min(50, count // rounds)) / rounds * 1e6
     if stream:
         out["added_first_chunk_p50_ms"] = (pct(v_first, 0.5) - pct(d_first, 0.5)) * ms
         out["added_first_chunk_p99_ms"] = (pct(v_first, 0.99) - pct(d_first, 0.99)) * ms
@@ -176,12 +198,12 @@ async def compare(direct: str, via: str, count: int, concurrency: int, stream: b
 
 def run(count: int, rounds: int, extra_proxy_args: Sequence[str]) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
-    with emulator_and_proxy(extra_proxy_args) as (direct, via):
+    with emulator_and_proxy(extra_proxy_args) as (direct, via, pid):
         for stream in (False, True):
             for concurrency in (1, 32):
                 n = count if concurrency == 1 else count * 2
                 key = f"{'stream' if stream else 'whole'} c{concurrency}"
-                results[key] = asyncio.run(compare(direct, via, n, concurrency, stream, rounds))
+                results[key] = asyncio.run(compare(direct, via, n, concurrency, stream, rounds, pid))
     return results
 
 
@@ -250,7 +272,7 @@ def routing_quality(count: int, concurrency: int = 8, groups: int = 8) -> dict[s
         via = f"http://127.0.0.1:{p_port}"
         with contextlib.ExitStack() as stack:
             for i, port in enumerate(ports):
-                args = [PYTHON, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.5", "--num-gpu-blocks", "2048"]
+                args = [PYTHON, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.5", "--num-gpu-blocks", "512"]
                 stack.enter_context(process(args, urls[i] + "/health"))
             proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--strategy", strategy, *options, "--no-access-log"]
             for i, url in enumerate(urls):
@@ -301,13 +323,17 @@ def main() -> None:
     if not results:
         return
     print(f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if extra else 'on'})")
-    header = f"{'case':<12} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'proxy rps':>10}"
+    header = (
+        f"{'case':<12} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} "
+        f"{'direct rps':>11} {'proxy rps':>10} {'proxy CPU/req':>14}"
+    )
     print(header)
     for key, r in results.items():
         first = f"{r['added_first_chunk_p50_ms']:.3f} ms" if "added_first_chunk_p50_ms" in r else "-"
         print(
             f"{key:<12} {r['direct_p50_ms']:>7.3f} ms {r['proxy_p50_ms']:>7.3f} ms {r['added_p50_ms']:>7.3f} ms "
-            f"{r['added_p99_ms']:>7.3f} ms {first:>15} {r['direct_rps']:>11.0f} {r['proxy_rps']:>10.0f}"
+            f"{r['added_p99_ms']:>7.3f} ms {first:>15} {r['direct_rps']:>11.0f} {r['proxy_rps']:>10.0f} "
+            f"{r['proxy_cpu_us_per_request']:>11.0f} us"
         )
 
 

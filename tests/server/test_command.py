@@ -45,6 +45,8 @@ def _process(args: list[str], ready: str, log: Path) -> Iterator[subprocess.Pope
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_http(ready)
+        time.sleep(0.3)  # a server that lost its port to another program exits at once: notice it
+        assert proc.poll() is None, f"{args} exited with {proc.returncode}; see {log}"
         yield proc
     finally:
         if proc.poll() is None:

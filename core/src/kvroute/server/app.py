@@ -573,7 +573,7 @@ class ProxyApp:
             # A complete (non-streamed) body: read it all, then answer or retry.
             parts = [first]
             try:
-                while first:
+                while first and not response.content.at_eof():
                     async with asyncio.timeout(timeouts.idle):
                         chunk = await response.content.readany()
                     if not chunk:

@@ -121,6 +121,7 @@ def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "war
         access_log=False,
         log_level=log_level,
         server_header=False,
+        proxy_headers=False,  # the proxy does not use the client address; skip uvicorn's middleware
         date_header=False,
         timeout_keep_alive=75,
         backlog=4096,
