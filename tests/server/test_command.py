@@ -110,17 +110,27 @@ class TestCommands:
                 return status if status != 200 or json.loads(body)["choices"] else -1
 
             with ThreadPoolExecutor(max_workers=8) as pool:
-                futures = [pool.submit(one, i) for i in range(150)]
-                time.sleep(0.4)
-                os.killpg(victim.pid, signal.SIGKILL)
+                futures = [pool.submit(one, i) for i in range(200)]
+                deadline = time.monotonic() + 30
+                while sum(f.done() for f in futures) < 40 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                os.killpg(victim.pid, signal.SIGKILL)  # mid-run: 40 done, the rest queued or in flight
                 victim.wait(timeout=10)
                 statuses = [f.result(timeout=60) for f in futures]
-            assert statuses == [200] * 150
-            metrics = http("GET", proxy_url + "/metrics")[2].decode()
-            assert 'kvroute_backend_healthy{backend="e0"} 0.0' in metrics
+            assert statuses == [200] * 200
+
+            def e0_healthy() -> str:
+                metrics = http("GET", proxy_url + "/metrics")[2].decode()
+                return "1" if 'kvroute_backend_healthy{backend="e0"} 1.0' in metrics else "0"
+
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and e0_healthy() != "0":
+                time.sleep(0.05)
+            assert e0_healthy() == "0"
             stack.enter_context(_process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0-again.log"))
             deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and 'kvroute_backend_healthy{backend="e0"} 1.0' not in http("GET", proxy_url + "/metrics")[2].decode():
+            while time.monotonic() < deadline and e0_healthy() != "1":
                 time.sleep(0.05)
+            assert e0_healthy() == "1"
             backends = {http("POST", proxy_url + "/v1/chat/completions", chat_body(f"back {i}"))[1]["x-kvroute-backend"] for i in range(12)}
             assert "e0" in backends

@@ -131,8 +131,10 @@ class TestKillAndRestart:
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             futures = [pool.submit(one, i) for i in range(120)]
-            time.sleep(0.3)
-            a.kill()
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in futures) < 30 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            a.kill()  # mid-run: 30 done, the rest queued or in flight
             servers.started.remove(a)
             for future in futures:
                 future.result(timeout=60)
