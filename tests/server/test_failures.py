@@ -147,6 +147,13 @@ class TestKillAndRestart:
             if kind == "stream":
                 assert body.endswith(b"data: [DONE]\n\n")
         assert _wait_for(lambda: not _backend_state(proxy, "e0"))
+        # The kill did hit requests on e0: retried (not yet streaming) or ended with an SSE error.
+        metrics = http("GET", proxy.url + "/metrics")[2].decode()
+        hit = [
+            line for line in metrics.splitlines()
+            if line.startswith(('kvroute_retries_total{backend="e0"', 'kvroute_requests_total{backend="e0",outcome="stream_error"'))
+        ]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in hit) > 0
         restarted = ServerThread(a.app.__class__(a.app.config), port=a_port).start()
         servers.started.append(restarted)
         assert _wait_for(lambda: _backend_state(proxy, "e0"))
