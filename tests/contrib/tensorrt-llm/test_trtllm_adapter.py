@@ -115,7 +115,7 @@ class TestTensorRTLLMAdapter:
         assert adapter.stats()["kv_events"]["blocks_stored"] == 4  # 2 + 1 + 1, of which 2 were removed later
 
     async def test_events_unsupported_or_unreachable(self, trtllm: Any) -> None:
-        """404 ends the task; other failures are retried; a client that cannot POST ends it too."""
+        """404 ends the task; other failures are retried without leaving exact mode; a client that cannot POST ends it."""
         server, http = trtllm
         server.events_status = 404
         with anyio.fail_after(10):
@@ -129,6 +129,10 @@ class TestTensorRTLLMAdapter:
                 await _until(lambda: server.calls.count("kv_cache_events") >= 3)
                 server.events_status = 200
                 await _until(lambda: index.is_exact("t0"))
+                server.events_status = 500  # a transient failure: the server keeps its events, the index stays exact
+                calls = server.calls.count("kv_cache_events")
+                await _until(lambda: server.calls.count("kv_cache_events") >= calls + 2)
+                assert index.is_exact("t0")
                 tg.cancel_scope.cancel()
 
     async def test_events_off(self, trtllm: Any) -> None:

@@ -187,6 +187,26 @@ class TestVllmAdapter:
                     tg.cancel_scope.cancel()
         assert "all_cleared" in sink.names()
 
+    async def test_socket_errors_are_retried(self) -> None:
+        """An endpoint that cannot be bound yet is logged and retried; once free, the subscription starts."""
+        import socket
+
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        adapter = _adapter(kv_events=f"tcp://127.0.0.1:{port}")  # concrete: the engine connects, kvroute binds
+        sink = RecordingSink()
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await tg.start(adapter.run_events, FakeHttp(), sink)
+                await wait_for(lambda: sink.exact.get("b0") is False)  # the bind failed: back to approximate
+                assert not adapter.subscribers[0].connected
+                holder.close()
+                await wait_for(lambda: adapter.subscribers[0].connected)
+                assert sink.exact["b0"] is True
+                tg.cancel_scope.cancel()
+
     async def test_run_events_without_sources_returns(self) -> None:
         """With kv_events off the task returns at once and never touches the sink."""
         sink = RecordingSink()

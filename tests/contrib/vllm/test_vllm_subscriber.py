@@ -87,6 +87,27 @@ class TestZmqSubscriber:
         assert set(index.holders) == model_router_hashes(payloads)
         assert subscriber.replays >= 2 and subscriber.decode_errors == 0
 
+    async def test_first_replay_unanswered_then_caught_up(self) -> None:
+        """When the first replay gets no answer (engine still starting), the first live batch past 0 triggers one."""
+        payloads = captured_payloads()[:4]
+        index = BlockIndex(128)
+        feed = KvEventFeed("a", index)
+        async with FakeVllmPublisher(ignore_replays=1) as pub:
+            for payload in payloads[:3]:
+                pub.store(payload)
+            subscriber = ZmqSubscriber(ZmqSource(pub.endpoint, "kv", pub.replay_endpoint), replay_timeout=0.3)
+
+            async def scenario() -> None:
+                await wait_for(lambda: subscriber.replay_failures == 1)
+                assert feed.expected is None
+                seq = pub.store(payloads[3])
+                await pub.send_until(seq, lambda: feed.expected == 4)
+
+            with anyio.fail_after(30):
+                await _follow(subscriber, feed, scenario())
+        assert pub.replay_requests[:2] == [0, 0] and feed.stats.lost_batches == 0
+        assert set(index.holders) == model_router_hashes(payloads)
+
     async def test_without_replay_a_gap_is_counted(self) -> None:
         """With no replay endpoint the subscriber skips a gap, counts it, and keeps applying."""
         payloads = captured_payloads()

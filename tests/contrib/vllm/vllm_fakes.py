@@ -152,8 +152,11 @@ class FakeVllmPublisher:
     puts a buffered batch on the wire; the replay socket answers like vLLM's.
     """
 
-    def __init__(self, topic: bytes = b"kv", *, replay: bool = True, connect_to: str | None = None) -> None:
+    def __init__(
+        self, topic: bytes = b"kv", *, replay: bool = True, connect_to: str | None = None, ignore_replays: int = 0
+    ) -> None:
         self.topic = topic
+        self.ignore_replays = ignore_replays
         self.with_replay = replay
         self.connect_to = connect_to
         self.buffer: list[tuple[int, bytes]] = []
@@ -210,6 +213,9 @@ class FakeVllmPublisher:
             client, _empty, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_requests.append(first)
+            if self.ignore_replays:
+                self.ignore_replays -= 1  # as if the engine were not up yet
+                continue
             for seq, payload in self.buffer:
                 if seq >= first:
                     await self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])

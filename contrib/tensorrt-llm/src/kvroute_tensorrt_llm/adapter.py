@@ -176,9 +176,7 @@ class TensorRTLLMAdapter:
                         raise ValueError(f"{self.kv_events_path} answered {reply.status}, expected 200.")
                     items = parse_events(reply.json())
                 except (OSError, TimeoutError, ValueError) as exc:
-                    if exact:
-                        sink.set_exact(backend, False)
-                        exact = False
+                    # The server buffers its events meanwhile: the index stays exact (a restart sends 'created').
                     kind = "kv_events_unreadable" if not isinstance(exc, EventFormatError) else "kv_events_malformed"
                     log.info(kind, backend=backend, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
                     await anyio.sleep(delay)
@@ -192,9 +190,12 @@ class TensorRTLLMAdapter:
                     set_capacity = getattr(sink, "set_capacity", None)
                     if max_blocks and set_capacity is not None:
                         set_capacity(backend, max_blocks)
-                feed.receive(items)
-                if feed.holding:
-                    feed.resume()
+                try:
+                    feed.receive(items)
+                    if feed.holding:
+                        feed.resume()
+                except Exception:  # a bug must not take the proxy down; cancellation passes
+                    log.exception("kv_events_failed", backend=backend)
                 await anyio.sleep(self.kv_events_interval)
         finally:
             if exact:

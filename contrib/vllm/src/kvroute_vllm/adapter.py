@@ -256,13 +256,18 @@ class VllmAdapter:
 
         delay = 1.0
         while True:
+            # A new subscription starts from the replay buffer: the index is rebuilt from what it holds.
+            feed.reset()
             try:
                 await subscriber.run(feed, on_wake=wake, on_connected=lambda: sink.set_exact(backend, True))
-            except zmq.ZMQError as exc:
-                log.error(
-                    "kv_events_socket_failed", backend=backend, endpoint=subscriber.source.endpoint,
-                    bind=subscriber.source.bind, error=str(exc), retry_in_s=delay,
-                )
+            except Exception as exc:  # never let one backend's events take the proxy down; cancellation passes
+                if isinstance(exc, zmq.ZMQError):
+                    log.error(
+                        "kv_events_socket_failed", backend=backend, endpoint=subscriber.source.endpoint,
+                        bind=subscriber.source.bind, error=str(exc), retry_in_s=delay,
+                    )
+                else:
+                    log.exception("kv_events_failed", backend=backend, endpoint=subscriber.source.endpoint, retry_in_s=delay)
                 with contextlib.suppress(Exception):
                     sink.set_exact(backend, False)
                 await anyio.sleep(delay)

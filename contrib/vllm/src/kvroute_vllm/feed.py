@@ -155,10 +155,16 @@ class KvEventFeed:
 
     def skip_gap(self, gap: Gap) -> None:
         """Give up on a gap that could not be replayed."""
-        if self.expected is not None and self.expected == gap.start:
+        if self.expected is None or self.expected == gap.start:
             self.stats.lost_batches += gap.end - gap.start
             log.warning("kv_events_lost", backend=self.backend, rank=self.rank, first=gap.start, count=gap.end - gap.start)
             self.expected = gap.end
+
+    def reset(self) -> None:
+        """Forget the sequence (a new subscription replays from the start); the sink is left as it is."""
+        self.expected = None
+        self._last_live = None
+        self._held.clear()
 
     def restart(self) -> None:
         """The engine restarted (or will be re-read from its first batch): forget its blocks and sequence."""

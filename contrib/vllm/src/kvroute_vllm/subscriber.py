@@ -161,6 +161,8 @@ class ZmqSubscriber:
                     self.decode_errors += 1
                     log.warning("kv_event_undecodable", endpoint=self.source.endpoint, error=str(exc))
                     continue
+                if feed.expected is None and batch.seq > 0 and self.source.replay is not None:
+                    await self._fill(feed, 0)  # the first replay failed (engine not up yet): catch up now
                 gap = feed.receive(batch)
                 if gap is None:
                     continue
