@@ -76,7 +76,7 @@ class TestAdminChanges:
 
     def test_drain_then_remove_when_idle(self, servers: Servers) -> None:
         """A drained backend takes no new requests, finishes its stream, then is removed."""
-        a, b = servers.emulators(2)
+        a, b = servers.emulators(2, time_scale=0.2)  # the long stream lasts 400 x 3 ms = 1.2 s
         proxy = servers.proxy([a, b], admin_token=TOKEN, strategy="least-outstanding", options={"seed": 2})
         result: list[bytes] = []
 

@@ -58,19 +58,18 @@ class TestOpenAISdk:
 
     def test_stream_is_passed_through_not_buffered(self, servers: Servers) -> None:
         """The first streamed event reaches the client while the backend is still generating."""
-        emulator = servers.emulator(time_scale=1.0)  # 100 decode steps of 15 ms: 1.5 s of generation
+        emulator = servers.emulator(time_scale=1.0)  # 1,000 decode steps of 15 ms: 15 s of generation
         proxy = servers.proxy([emulator])
         conn = httplib.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(chat_body("go", max_tokens=100, stream=True)), {"content-type": "application/json"})
+            conn.request("POST", "/v1/chat/completions", json.dumps(chat_body("go", max_tokens=1000, stream=True)), {"content-type": "application/json"})
             response = conn.getresponse()
             assert response.status == 200
             assert response.read1(65536).startswith(b"data: ")
             stats = json.loads(http("GET", emulator.url + "/emulator/stats")[2])
             assert stats["running"] == 1 and stats["completed"] == 0
-            assert response.read().endswith(b"data: [DONE]\n\n")
         finally:
-            conn.close()
+            conn.close()  # leave early: the rest of the test suite need not wait 15 s
 
     def test_completions_both_modes(self, servers: Servers) -> None:
         """Legacy completions work streamed and not, and give the same text for the same prompt."""
