@@ -46,6 +46,27 @@ class TestBadInput:
             assert error["param"] == param
         assert headers["x-request-id"]
 
+    def test_oversized_chunked_body(self, servers: Servers) -> None:
+        """A body without Content-Length is cut off at the limit with 413 as well."""
+        import socket
+
+        proxy = servers.proxy(servers.emulators(1), max_body_bytes=1024)
+        chunk = b"x" * 4096
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(chunk) + chunk + b"\r\n0\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                data = sock.recv(65536)
+                if not data:
+                    break
+                reply += data
+        assert reply.startswith(b"HTTP/1.1 413 ")
+        assert b'"request_too_large"' in reply
+
     def test_routes_and_methods(self, servers: Servers) -> None:
         """Unknown routes get 404 and known routes with a wrong method get 405, both in OpenAI's shape."""
         proxy = servers.proxy(servers.emulators(1))

@@ -233,10 +233,14 @@ class TestObservability:
         proxy = servers.proxy(servers.emulators(1), access_log=True)
         with structlog.testing.capture_logs() as logs:
             http("POST", proxy.url + "/v1/chat/completions", chat_body("log me"), headers={"x-request-id": "rid-1"})
+            http("POST", proxy.url + "/v1/chat/completions", raw=b"{oops", headers={"x-request-id": "rid-2"})
         lines = [entry for entry in logs if entry.get("event") == "request"]
-        assert len(lines) == 1
+        assert len(lines) == 2
         line = lines[0]
         for key in ("model", "strategy", "backend", "reason", "key", "status", "ttft_s", "duration_s"):
             assert key in line
         assert line["request_id"] == "rid-1" and line["backend"] == "e0" and line["status"] == 200
-        assert Counter(e["event"] for e in logs)["request"] == 1
+        bad = lines[1]
+        assert (bad["request_id"], bad["status"], bad["outcome"], bad["backend"]) == ("rid-2", 400, "rejected", "none")
+        assert "not valid JSON" in bad["error"]
+        assert Counter(e["event"] for e in logs)["request"] == 2

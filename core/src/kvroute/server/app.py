@@ -318,8 +318,11 @@ class ProxyApp:
         code: str | None = None,
         param: str | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
+        ex: _Exchange | None = None,
     ) -> None:
-        self.metrics.rejected.labels(str(status)).inc()
+        self.metrics.child(self.metrics.rejected, str(status)).inc()
+        if ex is not None and not ex.status:
+            ex.status, ex.outcome, ex.error = status, "rejected", message
         await send_error(send, status, message, code=code, param=param, headers=headers or ())
 
     # -- simple routes ----------------------------------------------------------------
@@ -391,20 +394,36 @@ class ProxyApp:
             elif name in _ROUTE_HEADERS:
                 route_headers[_ROUTE_HEADERS[name]] = value.decode("latin-1")
         ex = _Exchange(request_id or os.urandom(16).hex(), started)
+        try:
+            await self._handle(scope, receive, send, endpoint, ex, declared, route_headers)
+        finally:
+            self._finish(ex)
+
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        endpoint: Endpoint | None,
+        ex: _Exchange,
+        declared: int | None,
+        route_headers: dict[str, str],
+    ) -> None:
         id_header = (_REQUEST_ID, ex.request_id.encode("latin-1"))
         try:
             raw = await read_body(receive, self.config.max_body_bytes, declared)
         except BodyTooLarge as exc:
-            await self._reject(send, 413, str(exc), code="request_too_large", headers=[id_header])
+            await self._reject(send, 413, str(exc), code="request_too_large", headers=[id_header], ex=ex)
             return
         except ClientGone:
+            ex.outcome = "cancelled"
             return
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             await self._reject(
                 send, 400, f"The request body must be UTF-8 encoded JSON (invalid byte at offset {exc.start}).",
-                code="invalid_encoding", headers=[id_header],
+                code="invalid_encoding", headers=[id_header], ex=ex,
             )
             return
         try:
@@ -412,13 +431,13 @@ class ProxyApp:
         except json.JSONDecodeError as exc:
             await self._reject(
                 send, 400, f"The request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.",
-                code="invalid_json", headers=[id_header],
+                code="invalid_json", headers=[id_header], ex=ex,
             )
             return
         try:
             request = self._route_request(body, endpoint, route_headers, ex.request_id)
         except InvalidRequest as exc:
-            await self._reject(send, 400, str(exc), code="invalid_value", param=exc.param, headers=[id_header])
+            await self._reject(send, 400, str(exc), code="invalid_value", param=exc.param, headers=[id_header], ex=ex)
             return
         ex.model = request.model
         ex.stream = request.stream
@@ -426,7 +445,7 @@ class ProxyApp:
         if excluded is None:
             await self._reject(
                 send, 404, f"The model {request.model!r} does not exist (served: {', '.join(self.all_models()) or 'none'}).",
-                code="model_not_found", param="model", headers=[id_header],
+                code="model_not_found", param="model", headers=[id_header], ex=ex,
             )
             return
 
@@ -442,7 +461,6 @@ class ProxyApp:
             ex.outcome = "cancelled"
         finally:
             watcher.cancel()
-            self._finish(ex)
 
     def _finish(self, ex: _Exchange) -> None:
         duration = time.perf_counter() - ex.started
