@@ -82,8 +82,9 @@ class RealTimeEngine:
                 await self._wake.wait()
                 continue
             delay = t * self.time_scale - (time.monotonic() - self._start)
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # Sleep even when late (sleep(0) yields): when steps take longer to compute than
+            # they last in scaled time, requests must still be accepted between catch-ups.
+            await asyncio.sleep(max(delay, 0.0))
             self._catch_up(self.now())
 
     def _catch_up(self, now: float) -> None:
