@@ -55,12 +55,13 @@ class TestTensorRTLLMAdapter:
             _adapter(**options)
 
     async def test_health_and_models(self, trtllm: Any) -> None:
-        """200 is healthy, 503 'LLM is unavailable' is not; models come from /v1/models."""
+        """200 is healthy; 503 fails the probe with the engine's reason 'LLM is unavailable'; models come from /v1/models."""
         server, http = trtllm
         adapter = _adapter(server.url)
         assert await adapter.probe(http) is True
         server.health_status = 503
-        assert await adapter.probe(http) is False
+        with pytest.raises(ValueError, match="/health answered 503: LLM is unavailable"):
+            await adapter.probe(http)
         assert await adapter.list_models(http) == ["llama"]
 
     async def test_load_over_successive_polls(self, trtllm: Any) -> None:

@@ -65,11 +65,13 @@ class TestVllmAdapter:
         with pytest.raises(ValueError, match=message):
             _adapter(**options)
 
-    @pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False), (500, False)])
-    async def test_probe_follows_health_status(self, status: int, healthy: bool) -> None:
-        """Healthy only on 200; vLLM answers 503 once its engine died."""
-        http = FakeHttp({("GET", "/health"): HttpReply(status)})
-        assert await _adapter().probe(http) is healthy
+    async def test_probe_follows_health_status(self) -> None:
+        """Healthy on 200; any other status (vLLM: 503 once its engine died) fails the probe with that status."""
+        assert await _adapter().probe(FakeHttp({("GET", "/health"): HttpReply(200)})) is True
+        with pytest.raises(ValueError, match=r"/health answered 503$"):
+            await _adapter().probe(FakeHttp({("GET", "/health"): HttpReply(503)}))
+        with pytest.raises(ValueError, match="answered 500: engine error"):
+            await _adapter().probe(FakeHttp({("GET", "/health"): HttpReply(500, b"engine error")}))
 
     async def test_models(self) -> None:
         """Served model ids come from /v1/models."""

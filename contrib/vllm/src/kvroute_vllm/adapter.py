@@ -121,8 +121,16 @@ class VllmAdapter:
     # -- health, models, load -----------------------------------------------------------
 
     async def probe(self, http: HttpGetter) -> bool:
-        """Healthy when ``health_path`` answers 200 (vLLM: 503 once the engine died)."""
-        return (await http.get(self.health_path)).status == 200
+        """True when ``health_path`` answers 200; otherwise ``ValueError`` carrying the engine's status and reason.
+
+        (vLLM: 503 once the engine died.) The health checker counts the error as a failed probe and logs its text
+        when it ejects the backend.
+        """
+        reply = await http.get(self.health_path)
+        if reply.status == 200:
+            return True
+        reason = reply.body[:200].decode("utf-8", "replace").strip()
+        raise ValueError(f"{self.health_path} answered {reply.status}{': ' + reason if reason else ''}")
 
     async def list_models(self, http: HttpGetter) -> list[str]:
         """The served model ids; ``ValueError`` on a non-200 or a malformed body."""
