@@ -70,19 +70,37 @@ def _interval(value: object) -> float:
     return number
 
 
+def _health_path(value: object) -> str:
+    return _path(value, "health_path")
+
+
+def _models_path(value: object) -> str:
+    return _path(value, "models_path")
+
+
+def _metrics_path(value: object) -> str:
+    return _path(value, "metrics_path", allow_empty=True)
+
+
+def _prometheus_path(value: object) -> str:
+    return _path(value, "prometheus_path", allow_empty=True)
+
+
+def _kv_events_path(value: object) -> str:
+    return _path(value, "kv_events_path")
+
+
 @attrs.define
 class TensorRTLLMAdapter:
     """Everything engine-specific about one ``trtllm-serve`` server (options in the module docstring)."""
 
     backend: Backend
-    health_path: str = attrs.field(default="/health", converter=lambda v: _path(v, "health_path"))
-    models_path: str = attrs.field(default="/v1/models", converter=lambda v: _path(v, "models_path"))
-    metrics_path: str = attrs.field(default="/metrics", converter=lambda v: _path(v, "metrics_path", allow_empty=True))
-    prometheus_path: str = attrs.field(
-        default="/prometheus/metrics", converter=lambda v: _path(v, "prometheus_path", allow_empty=True)
-    )
+    health_path: str = attrs.field(default="/health", converter=_health_path)
+    models_path: str = attrs.field(default="/v1/models", converter=_models_path)
+    metrics_path: str = attrs.field(default="/metrics", converter=_metrics_path)
+    prometheus_path: str = attrs.field(default="/prometheus/metrics", converter=_prometheus_path)
     kv_events: bool = attrs.field(default=True, converter=_bool)
-    kv_events_path: str = attrs.field(default="/kv_cache_events", converter=lambda v: _path(v, "kv_events_path"))
+    kv_events_path: str = attrs.field(default="/kv_cache_events", converter=_kv_events_path)
     kv_events_interval: float = attrs.field(default=0.25, converter=_interval)
     #: Load as last read (JSON stats folded together, Prometheus gauges on top).
     stats_seen: TrtllmStats | None = attrs.field(default=None, init=False)
@@ -145,10 +163,8 @@ class TensorRTLLMAdapter:
             stats = merge_iteration_stats(stats, reply.json())
         gauges = await self._prometheus(http)
         if gauges:
-            stats = attrs.evolve(
-                stats or TrtllmStats(),
-                **{k: (round(v) if k in ("running", "waiting", "block_size") else v) for k, v in gauges.items()},
-            )
+            changes: dict[str, Any] = {k: (round(v) if k in ("running", "waiting", "block_size") else v) for k, v in gauges.items()}
+            stats = attrs.evolve(stats or TrtllmStats(), **changes)
         self.stats_seen = stats
         if stats is None or stats == TrtllmStats():
             return None

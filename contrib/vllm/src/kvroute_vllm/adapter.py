@@ -69,13 +69,30 @@ def _kv_events(value: object) -> str:
 
 
 def _ranks(value: object) -> int:
-    try:
-        ranks = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"'kv_ranks' must be an integer >= 1 (got {value!r}).") from None
-    if ranks < 1 or isinstance(value, bool):
+    ranks = int(value) if isinstance(value, int | str) and not isinstance(value, bool) and str(value).isdigit() else 0
+    if ranks < 1:
         raise ValueError(f"'kv_ranks' must be an integer >= 1 (got {value!r}).")
     return ranks
+
+
+def _health_path(value: object) -> str:
+    return _path(value, "health_path")
+
+
+def _models_path(value: object) -> str:
+    return _path(value, "models_path")
+
+
+def _metrics_path(value: object) -> str:
+    return _path(value, "metrics_path")
+
+
+def _kv_replay(value: object) -> str | None:
+    return _endpoint(value, "kv_replay")
+
+
+def _kv_bind(value: object) -> str | None:
+    return _endpoint(value, "kv_bind")
 
 
 def _offset_port(endpoint: str, rank: int) -> str:
@@ -95,13 +112,13 @@ class VllmAdapter:
     """Everything engine-specific about one vLLM server (see the module docstring for options)."""
 
     backend: Backend
-    health_path: str = attrs.field(default="/health", converter=lambda v: _path(v, "health_path"))
-    models_path: str = attrs.field(default="/v1/models", converter=lambda v: _path(v, "models_path"))
-    metrics_path: str = attrs.field(default="/metrics", converter=lambda v: _path(v, "metrics_path"))
+    health_path: str = attrs.field(default="/health", converter=_health_path)
+    models_path: str = attrs.field(default="/v1/models", converter=_models_path)
+    metrics_path: str = attrs.field(default="/metrics", converter=_metrics_path)
     kv_events: str = attrs.field(default="auto", converter=_kv_events)
-    kv_replay: str | None = attrs.field(default=None, converter=lambda v: _endpoint(v, "kv_replay"))
+    kv_replay: str | None = attrs.field(default=None, converter=_kv_replay)
     kv_topic: str = attrs.field(default="", converter=str)
-    kv_bind: str | None = attrs.field(default=None, converter=lambda v: _endpoint(v, "kv_bind"))
+    kv_bind: str | None = attrs.field(default=None, converter=_kv_bind)
     kv_ranks: int = attrs.field(default=1, converter=_ranks)
     #: The last scrape of ``/metrics`` (``None`` until one succeeded).
     metrics: VllmMetrics | None = attrs.field(default=None, init=False)
@@ -184,17 +201,21 @@ class VllmAdapter:
         for rank_text, config in sorted(data.items(), key=lambda kv: str(kv[0])):
             if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher", "zmq") != "zmq":
                 continue
-            endpoint = config.get("endpoint")
-            if not isinstance(endpoint, str):
-                raise ValueError(f"/kv_event_sources[{rank_text!r}]: expected an 'endpoint' string, got {endpoint!r}.")
+            published = config.get("endpoint")
+            if not isinstance(published, str):
+                raise ValueError(f"/kv_event_sources[{rank_text!r}]: expected an 'endpoint' string, got {published!r}.")
             try:
                 rank = int(rank_text)
             except ValueError:
                 raise ValueError(f"/kv_event_sources: expected integer rank keys, got {rank_text!r}.") from None
-            binds = engine_binds(endpoint)
-            local = resolve_endpoint(endpoint, self.backend.url) if binds else (self.kv_bind or endpoint)
-            replay = config.get("replay_endpoint")
-            replay = resolve_endpoint(replay, self.backend.url) if isinstance(replay, str) and replay else None
+            binds = engine_binds(published)
+            local = resolve_endpoint(published, self.backend.url) if binds else (self.kv_bind or published)
+            configured_replay = config.get("replay_endpoint")
+            replay = (
+                resolve_endpoint(configured_replay, self.backend.url)
+                if isinstance(configured_replay, str) and configured_replay
+                else None
+            )
             topic = config.get("topic") or ""
             out.append(ZmqSource(local, str(topic), replay, bind=not binds, rank=rank))
         return out
