@@ -50,6 +50,17 @@ class Servers:
         self.started.clear()
 
 
+def in_loop(server: ServerThread, function: Any, *args: Any) -> Any:
+    """Call ``function(*args)`` inside a task on the server's event loop (as the admin API does)."""
+    import asyncio
+
+    async def call() -> Any:
+        return function(*args)
+
+    assert server.loop is not None
+    return asyncio.run_coroutine_threadsafe(call(), server.loop).result(timeout=10)
+
+
 def http(
     method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 30.0
 ) -> tuple[int, dict[str, str], bytes]:

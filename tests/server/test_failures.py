@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvroute.server import HealthConfig, ServerThread, TimeoutConfig
-from tests.server.harness import MODEL, Servers, chat_body, http
+from tests.server.harness import MODEL, Servers, chat_body, http, in_loop
 
 pytestmark = pytest.mark.e2e
 
@@ -79,8 +79,8 @@ class TestRetries:
         from kvroute.server import BackendConfig
 
         app = proxy.app
-        app.add_backend(BackendConfig(id="dead", url=dead_url))
-        app.add_backend(BackendConfig(id="good", url=good.url))
+        in_loop(proxy, app.add_backend, BackendConfig(id="dead", url=dead_url))
+        in_loop(proxy, app.add_backend, BackendConfig(id="good", url=good.url))
         for i in range(10):
             status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", chat_body(f"r{i}"))
             assert status == 200 and headers["x-kvroute-backend"] == "good"

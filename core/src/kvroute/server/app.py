@@ -23,6 +23,7 @@ import attrs
 import structlog
 from anyio.abc import TaskGroup
 
+from kvroute.adapters import KvEventSink, kv_event_sink
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError, InvalidRequest, NoBackendAvailable, UnknownBackend
 from kvroute.fleet import Fleet
@@ -65,6 +66,8 @@ _ROUTE_HEADERS = {
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
 _CONTENT_LENGTH = b"content-length"
 _SSE = "text/event-stream"
+#: Timeout of one HTTP call made by an adapter's event feed or the parity check (seconds).
+_EVENTS_HTTP_TIMEOUT = 10.0
 #: Transport failures. ``TimeoutError`` is an ``OSError``; `_is_timeout` tells our own
 #: timeouts (first byte, idle) from aiohttp's connect timeouts, which are connection errors.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
@@ -144,6 +147,8 @@ class ProxyApp:
         )
         self._session: aiohttp.ClientSession | None = None
         self._task_group: TaskGroup | None = None
+        self._sink: KvEventSink | None = None
+        self._event_scopes: dict[str, anyio.CancelScope] = {}
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
         self._created = int(time.time())
         from kvroute.server.admin import AdminApi
@@ -178,14 +183,22 @@ class ProxyApp:
         return backend
 
     def add_backend(self, config: BackendConfig) -> Backend:
-        """Add a backend at runtime; probed at once when health checks are on."""
+        """Add a backend at runtime; probed at once when health checks are on.
+
+        Call it (and `remove_backend`, `drain_backend`) from a task on the proxy's event loop,
+        as the admin API does.
+        """
         backend = self._register(config)
         self.health.wake()
+        self._start_events(config.id)
         return backend
 
     def remove_backend(self, backend_id: str) -> None:
         """Remove a backend now; requests already on it finish."""
         self.fleet.remove(backend_id)
+        scope = self._event_scopes.pop(backend_id, None)
+        if scope is not None:
+            scope.cancel()
         self.backend_configs.pop(backend_id, None)
         self.adapters.pop(backend_id, None)
         self.discovered_models.pop(backend_id, None)
@@ -245,11 +258,54 @@ class ProxyApp:
         self._exclusions[model] = result
         return result
 
-    def _http_for(self, backend_id: str) -> BackendHttp:
+    def _http_for(self, backend_id: str, timeout: float | None = None) -> BackendHttp:
         assert self._session is not None, "the proxy is not running (no upstream session)"
         config = self.backend_configs[backend_id]
         headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        return BackendHttp(self._session, config.url, self.config.health.timeout, headers)
+        return BackendHttp(self._session, config.url, timeout or self.config.health.timeout, headers)
+
+    # -- adapters' background work: KV event feeds, tokenizer parity -------------------
+
+    def _start_events(self, backend_id: str) -> None:
+        """Run the backend's adapter ``run_events`` feeding the strategy's sink, until removal."""
+        if self._task_group is None or self._sink is None:
+            return
+        adapter = self.adapters.get(backend_id)
+        run_events = getattr(adapter, "run_events", None)
+        if run_events is None:
+            return
+        http = self._http_for(backend_id, max(self.config.health.timeout, _EVENTS_HTTP_TIMEOUT))
+        sink = self._sink
+
+        async def follow() -> None:
+            with anyio.CancelScope() as scope:
+                if self.adapters.get(backend_id) is not adapter:
+                    return  # removed before the task started
+                self._event_scopes[backend_id] = scope
+                try:
+                    await run_events(http, sink)
+                except Exception as exc:  # an adapter bug must not take the proxy down
+                    _events.error("kv_events_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
+
+        self._task_group.start_soon(follow, name=f"kv-events {backend_id}")
+
+    async def _check_parity(self) -> None:
+        """After the first health round, compare the strategy's tokenizer with each backend's."""
+        if getattr(self.router.strategy, "prompt_tokenizer", None) is None:
+            return
+        from kvroute.parity import startup_check
+
+        if self.config.health.enabled:
+            await self.health.first_round.wait()
+        targets = [
+            (state.id, self.backend_configs[state.id].url, self._http_for(state.id, _EVENTS_HTTP_TIMEOUT))
+            for state in self.fleet
+            if state.routable and state.id in self.backend_configs
+        ]
+        try:
+            await startup_check(self.router.strategy, targets)
+        except Exception as exc:
+            _events.error("tokenizer_parity_failed", error=f"{type(exc).__name__}: {exc}")
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -262,12 +318,17 @@ class ProxyApp:
                 self._task_group = tg
                 if self.config.health.enabled:
                     await tg.start(self.health.run)
+                self._sink = kv_event_sink(self.router.strategy)
+                for backend_id in list(self.adapters):
+                    self._start_events(backend_id)
+                tg.start_soon(self._check_parity)
                 try:
                     yield self
                 finally:
                     tg.cancel_scope.cancel()
         finally:
             self._task_group = None
+            self._event_scopes.clear()
             await self._session.close()
             self._session = None
             self.router.close()

@@ -60,6 +60,8 @@ class HealthChecker:
         self._counts: dict[str, _Counts] = {}
         self._wake = anyio.Event()
         self.rounds = 0
+        #: Set once the first round is over (the proxy's tokenizer parity check waits for it).
+        self.first_round = anyio.Event()
 
     def _count(self, backend_id: str) -> _Counts:
         counts = self._counts.get(backend_id)
@@ -117,6 +119,7 @@ class HealthChecker:
             for state in self.fleet:
                 tg.start_soon(self.check, state.id)
         self.rounds += 1
+        self.first_round.set()
 
     async def check(self, backend_id: str) -> bool:
         """Probe one backend and apply the thresholds; returns the probe's result."""

@@ -136,7 +136,7 @@ def create_session(connect_timeout: float, *, pool_limit: int = 0, keepalive_s: 
 
 @attrs.define
 class BackendHttp:
-    """`kvroute.adapters.HttpGetter` for one backend, used by health probes and telemetry polls."""
+    """`kvroute.adapters.HttpClient` for one backend: health probes, telemetry polls, KV events, parity."""
 
     session: aiohttp.ClientSession
     base_url: str
@@ -144,11 +144,19 @@ class BackendHttp:
     headers: Mapping[str, str] = attrs.field(factory=dict)
 
     async def get(self, path: str) -> HttpReply:
+        return await self._call("GET", path, None)
+
+    async def post(self, path: str, body: object) -> HttpReply:
+        """``POST path`` with ``body`` as JSON (`kvroute.adapters.HttpClient`)."""
+        return await self._call("POST", path, body)
+
+    async def _call(self, method: str, path: str, body: object) -> HttpReply:
         url = self.base_url + (path if path.startswith("/") else "/" + path)
         try:
-            async with self.session.get(
-                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
+            async with self.session.request(
+                method, url, headers=self.headers, json=body if method == "POST" else None,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as response:
                 return HttpReply(response.status, await response.read())
         except aiohttp.ClientError as exc:
-            raise OSError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
+            raise OSError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from exc
