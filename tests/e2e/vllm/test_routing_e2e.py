@@ -345,14 +345,11 @@ class TestRoutingThroughProxy:
 
 
 class TestProxyWiring:
-    @pytest.mark.xfail(
-        strict=True,
-        reason="kvroute serve does not start adapters' run_events nor kvroute.parity.startup_check yet "
-        "(docs/adapters.md says what the proxy must call); remove this marker once it does",
-    )
     def test_proxy_follows_kv_events_and_checks_parity(self) -> None:
         """In the tokenizer-prefix run, the proxy subscribed to both engines' KV events and found their tokens identical."""
         run = RESULTS.get("tokenizer-prefix")
         if run is None:
             pytest.skip("the routing test did not run")
-        assert {"kv_events_subscribed", "tokenizer_parity_ok"} <= set(run["proxy_log_events"])
+        events = set(run["proxy_log_events"])
+        assert {"kv_events_subscribed", "tokenizer_parity_ok"} <= events, sorted(events)
+        assert "tokenizer_parity_mismatch" not in events and "kv_events_failed" not in events, sorted(events)
