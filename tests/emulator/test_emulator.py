@@ -113,6 +113,13 @@ def _families(url: str) -> dict[str, object]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+class TestMediaType:
+    def test_json_content_type_required(self, emulator: ServerThread) -> None:
+        """Like vLLM, a POST without Content-Type application/json is refused with 400."""
+        status, _, raw = http("POST", emulator.url + "/tokenize", raw=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+        assert status == 400 and "Only 'application/json' is allowed" in json.loads(raw)["error"]["message"]
+
+
 class TestMetrics:
     def test_vllm_names_types_and_labels(self, emulator: ServerThread) -> None:
         """/metrics has vLLM's families with their types and model_name/engine labels."""

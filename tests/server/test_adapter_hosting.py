@@ -184,6 +184,8 @@ class TestBackendHttp:
             assert (await client.get("/health")).status == 200
             reply = await client.post("tokenize", {"prompt": "a b"})
             assert isinstance(reply, HttpReply) and reply.json()["count"] == 2
+            echo = await client.post("/emulator/faults", {})  # answers with the JSON it parsed
+            assert echo.status == 200
             dead = BackendHttp(session, "http://127.0.0.1:9", 1.0)
             with pytest.raises(OSError, match=r"GET http://127\.0\.0\.1:9/health failed"):
                 await dead.get("/health")

@@ -219,7 +219,11 @@ class EmulatorApp:
 
     # -- helpers ----------------------------------------------------------------------
 
-    async def _json(self, receive: Receive) -> dict[str, Any]:
+    async def _json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+        if not content_type.split(b";")[0].strip().lower() == b"application/json":
+            # vLLM (FastAPI) refuses any other media type the same way.
+            raise _BadRequest("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed")
         try:
             raw = await read_body(receive, _MAX_BODY)
         except BodyTooLarge as exc:
@@ -245,13 +249,13 @@ class EmulatorApp:
     # -- generation -------------------------------------------------------------------
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._json(receive)
+        body = await self._json(scope, receive)
         self._check_model(body)
         prompt = tokenize_chat(body.get("messages"), self.vocab)
         await self._generate(scope, receive, send, body, prompt, chat=True)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._json(receive)
+        body = await self._json(scope, receive)
         self._check_model(body)
         await self._generate(scope, receive, send, body, _prompt_tokens(body, self.vocab), chat=False)
 
@@ -427,7 +431,7 @@ class EmulatorApp:
         await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE)
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._json(receive)
+        body = await self._json(scope, receive)
         self._check_model(body)
         if "messages" in body:
             tokens = tokenize_chat(body["messages"], self.vocab, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
@@ -436,7 +440,7 @@ class EmulatorApp:
         await send_json(send, 200, {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": list(tokens), "token_strs": None})
 
     async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._json(receive)
+        body = await self._json(scope, receive)
         self._check_model(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < self.vocab.size for t in tokens):
@@ -453,7 +457,7 @@ class EmulatorApp:
         await send_json(send, 200, attrs.asdict(self.faults))
 
     async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._json(receive)
+        body = await self._json(scope, receive)
         fields = {f.name: f.type for f in attrs.fields(Faults)}
         for key, value in body.items():
             if key not in fields:

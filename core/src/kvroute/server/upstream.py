@@ -6,6 +6,7 @@ aiohttp was chosen over httpx after measuring streaming pass-through
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from collections.abc import Iterable, Mapping
@@ -152,10 +153,16 @@ class BackendHttp:
 
     async def _call(self, method: str, path: str, body: object) -> HttpReply:
         url = self.base_url + (path if path.startswith("/") else "/" + path)
+        data = None
+        headers = self.headers
+        if method == "POST":
+            # The shared session skips automatic headers (the proxy forwards the client's own),
+            # so the JSON content type is set here: engines reject a POST without it.
+            data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+            headers = {**headers, "content-type": "application/json"}
         try:
             async with self.session.request(
-                method, url, headers=self.headers, json=body if method == "POST" else None,
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                method, url, headers=headers, data=data, timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as response:
                 return HttpReply(response.status, await response.read())
         except aiohttp.ClientError as exc:
