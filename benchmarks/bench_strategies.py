@@ -1,0 +1,365 @@
+"""Benchmark strategy pick latency, membership-change cost and hash placements (not a test).
+
+Usage: python benchmarks/bench_strategies.py [--quick] [--only pick,change,placement,fleet7] [--json FILE]
+
+Sections (numbers go to docs/performance.md, "Strategy pick latency"):
+
+* ``pick``: ``strategy.pick(request, candidates)`` for every installed strategy that builds with
+  its default options, at 8, 64 and 1,024 backends, with 32 KB of routing text per request
+  (the key hashes the first 4,096 characters). ``cold``: every request has a prefix never
+  seen (no memoized placement); ``warm``: requests cycle over 200 prefixes. Backends carry a
+  random in-flight load so bounded-load computes its caps. Median and p99 in microseconds.
+* ``change``: cost of one membership change (add, then remove, a backend) at 1,024 backends,
+  through a `Router` (so it includes the strategy's ``on_fleet_change``), and of the first pick after it.
+* ``placement``: the three hash placements considered for consistent-hash, on equal weights:
+  a ring with 256 virtual nodes per backend (KubeAI's setting), Maglev (table size a prime
+  >= 100 x backends, kept when one backend comes or goes) and weighted rendezvous (the one
+  shipped). Balance: the exact share of the key space each backend owns (ring arcs, Maglev
+  slots; rendezvous is exactly 1/N by construction), largest and smallest over the mean, and
+  the same measured over 100,000 random keys (whose own sampling deviation is shown); keys
+  moved by adding and by removing a backend, and how many of them moved between *other*
+  backends; lookup time; build time.
+* ``fleet7``: consistent-hash over 7 instances (SageMaker's published setup): spread of shares
+  over 140,000 prompts, keys moved on 7 -> 8 and 7 -> 6, and how the orphans spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import xxhash
+from kvroute_consistent_hash import Rendezvous
+
+import kvroute
+from kvroute import Backend, BackendState, Fleet, PluginManager, Router, RouteRequest
+from kvroute.testing import Movement, assign, sample_requests
+
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+SIZES = (8, 64, 1024)
+TEXT_CHARS = 32 * 1024
+_h = xxhash.xxh3_64_intdigest
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(samples_ns: Sequence[int]) -> dict[str, float]:
+    us = [s / 1000 for s in samples_ns]
+    return {"median_us": round(statistics.median(us), 2), "p99_us": round(percentile(us, 0.99), 2), "n": len(us)}
+
+
+def base_text(seed: int = 1) -> str:
+    rng = random.Random(seed)
+    words = ["the", "model", "cache", "prefix", "router", "token", "request", "system", "you", "are", "a", "helpful"]
+    out: list[str] = []
+    size = 0
+    while size < TEXT_CHARS:
+        w = rng.choice(words)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:TEXT_CHARS]
+
+
+# -- pick ------------------------------------------------------------------------------
+
+
+def fleet_of(n: int, seed: int = 0) -> Fleet:
+    rng = random.Random(seed)
+    fleet = Fleet([Backend(f"backend-{i:04d}") for i in range(n)])
+    for state in fleet:
+        state.in_flight = rng.randrange(0, 8)
+    return fleet
+
+
+def bench_pick(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]:
+    plugins = PluginManager()
+    text = base_text()
+    rows: list[dict[str, Any]] = []
+    for name in strategies:
+        for n in SIZES:
+            fleet = fleet_of(n)
+            try:
+                router = Router(fleet, plugins.create_strategy(name), strategy_name=name)
+            except kvroute.KvrouteError as exc:
+                print(f"skip {name}: {exc}", file=sys.stderr)
+                break
+            candidates = fleet.candidates()
+            strategy = router.strategy
+            for mode in ("cold", "warm"):
+                count = (600 if n == 1024 else 3000) if quick else (3000 if n == 1024 else 20000)
+                pool = 200
+                samples: list[int] = []
+                for i in range(count):
+                    tag = f"{mode}-{i if mode == 'cold' else i % pool:08d}|"
+                    request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id="r")
+                    t0 = time.perf_counter_ns()
+                    strategy.pick(request, candidates)
+                    samples.append(time.perf_counter_ns() - t0)
+                if mode == "warm":
+                    samples = samples[pool:]  # the first sighting of each warm prefix is a cold pick
+                rows.append({"strategy": name, "backends": n, "mode": mode, **summary(samples)})
+            router.close()
+    return rows
+
+
+# -- membership change -----------------------------------------------------------------
+
+
+def bench_change(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]:
+    plugins = PluginManager()
+    text = base_text(2)
+    rows: list[dict[str, Any]] = []
+    rounds = 10 if quick else 40
+    for name in strategies:
+        fleet = fleet_of(1024)
+        try:
+            router = Router(fleet, plugins.create_strategy(name), strategy_name=name)
+        except kvroute.KvrouteError:
+            continue
+        strategy = router.strategy
+        add: list[int] = []
+        remove: list[int] = []
+        first: list[int] = []
+        for i in range(rounds):
+            t0 = time.perf_counter_ns()
+            fleet.add(Backend(f"extra-{i}"))
+            add.append(time.perf_counter_ns() - t0)
+            request = RouteRequest.from_text(f"{i}|" + text, model="model", request_id="r")
+            candidates = fleet.candidates()
+            t0 = time.perf_counter_ns()
+            strategy.pick(request, candidates)
+            first.append(time.perf_counter_ns() - t0)
+            t0 = time.perf_counter_ns()
+            fleet.remove(f"extra-{i}")
+            remove.append(time.perf_counter_ns() - t0)
+        rows.append(
+            {
+                "strategy": name,
+                "add_median_us": summary(add)["median_us"],
+                "add_p99_us": summary(add)["p99_us"],
+                "remove_median_us": summary(remove)["median_us"],
+                "first_pick_median_us": summary(first)["median_us"],
+            }
+        )
+        router.close()
+    return rows
+
+
+# -- placement comparison --------------------------------------------------------------
+
+
+class Ring:
+    """Consistent hashing ring, ``vnodes`` points per backend; lookup by bisection."""
+
+    def __init__(self, ids: Sequence[str], vnodes: int = 256) -> None:
+        points = sorted((_h(f"{b}#{v}".encode()), b) for b in ids for v in range(vnodes))
+        self.points = [p for p, _ in points]
+        self.owners = [b for _, b in points]
+
+    def expected_shares(self) -> dict[str, float]:
+        """Each backend's exact share of the key space: the arcs ending at its points."""
+        out: Counter[str] = Counter()
+        previous = self.points[-1] - 2**64
+        for point, owner in zip(self.points, self.owners, strict=True):
+            out[owner] += (point - previous) / 2**64
+            previous = point
+        return dict(out)
+
+    def lookup(self, key: int) -> str:
+        i = bisect.bisect(self.points, key)
+        return self.owners[i if i < len(self.points) else 0]
+
+
+def _next_prime(n: int) -> int:
+    def prime(m: int) -> bool:
+        return m > 1 and all(m % d for d in range(2, int(m**0.5) + 1))
+
+    while not prime(n):
+        n += 1
+    return n
+
+
+class Maglev:
+    """Maglev hashing (Eisenbud et al., 2016): a lookup table filled by per-backend permutations."""
+
+    def __init__(self, ids: Sequence[str], size: int | None = None) -> None:
+        m = size or _next_prime(max(65537, 100 * len(ids)))
+        ordered = sorted(ids)
+        offsets = [_h(b.encode(), 1) % m for b in ordered]
+        skips = [_h(b.encode(), 2) % (m - 1) + 1 for b in ordered]
+        nexts = [0] * len(ordered)
+        table: list[int] = [-1] * m
+        filled = 0
+        while True:
+            for i in range(len(ordered)):
+                c = (offsets[i] + nexts[i] * skips[i]) % m
+                while table[c] >= 0:
+                    nexts[i] += 1
+                    c = (offsets[i] + nexts[i] * skips[i]) % m
+                table[c] = i
+                nexts[i] += 1
+                filled += 1
+                if filled == m:
+                    self.table = [ordered[t] for t in table]
+                    self.m = m
+                    return
+
+    def lookup(self, key: int) -> str:
+        return self.table[key % self.m]
+
+    def expected_shares(self) -> dict[str, float]:
+        """Each backend's exact share: its table slots."""
+        return {b: n / self.m for b, n in Counter(self.table).items()}
+
+
+class Hrw:
+    """The shipped placement (kvroute_consistent_hash.Rendezvous), without its memo cache."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.placement = Rendezvous([BackendState(Backend(b)) for b in ids], cache_size=0)
+
+    def lookup(self, key: int) -> str:
+        home = self.placement.home(key)
+        assert home is not None
+        return self.placement.states[home].id
+
+    def expected_shares(self) -> dict[str, float]:
+        """Exactly weight / total weight for every backend (the minimum of exponentials)."""
+        return {s.id: 1 / len(self.placement) for s in self.placement.states}
+
+
+def bench_placement(quick: bool) -> list[dict[str, Any]]:
+    rng = random.Random(11)
+    count = 20000 if quick else 100000
+    keys = [rng.getrandbits(64) for _ in range(count)]
+    rows: list[dict[str, Any]] = []
+    for n in SIZES:
+        ids = [f"backend-{i:04d}" for i in range(n)]
+        table_size = _next_prime(max(65537, 100 * n))  # Maglev keeps its table size when one backend comes or goes
+        builders: dict[str, Callable[[Sequence[str]], Any]] = {
+            "ring-256": Ring,
+            "maglev": lambda members, m=table_size: Maglev(members, m),
+            "rendezvous": Hrw,
+        }
+        for name, build in builders.items():
+            t0 = time.perf_counter()
+            placement = build(ids)
+            build_ms = (time.perf_counter() - t0) * 1000
+            lookup = placement.lookup
+            t0 = time.perf_counter_ns()
+            base = [lookup(k) for k in keys]
+            lookup_us = (time.perf_counter_ns() - t0) / count / 1000
+            shares = Counter(base)
+            mean = count / n
+            exact = placement.expected_shares()
+            grown_lookup = build([*ids, "backend-new"]).lookup
+            shrunk_lookup = build(ids[1:]).lookup
+            grown = [grown_lookup(k) for k in keys]
+            shrunk = [shrunk_lookup(k) for k in keys]
+            out = Movement(tuple(base), tuple(grown))
+            in_ = Movement(tuple(base), tuple(shrunk))
+            rows.append(
+                {
+                    "placement": name,
+                    "backends": n,
+                    "max_share_over_mean": round(max(shares[b] for b in ids) / mean, 3),
+                    "min_share_over_mean": round(min(shares[b] for b in ids) / mean, 3),
+                    "exact_max_over_mean": round(max(exact.values()) * n, 3),
+                    "exact_min_over_mean": round(min(exact.get(b, 0.0) for b in ids) * n, 3),
+                    "sampling_sd": round((1 / mean) ** 0.5, 3),
+                    "add_moved": round(out.fraction, 4),
+                    "add_ideal": round(1 / (n + 1), 4),
+                    "add_moved_elsewhere": sum(1 for i in out.moved if grown[i] != "backend-new"),
+                    "remove_moved": round(in_.fraction, 4),
+                    "remove_moved_not_owned": sum(1 for i in in_.moved if base[i] != ids[0]),
+                    "lookup_us": round(lookup_us, 2),
+                    "build_ms": round(build_ms, 1),
+                }
+            )
+            gc.collect()
+    return rows
+
+
+# -- seven instances -------------------------------------------------------------------
+
+
+def bench_fleet7(quick: bool) -> dict[str, Any]:
+    count = 35000 if quick else 140000
+    requests = sample_requests(count, seed=17)
+    router = Router.create(Fleet([Backend(f"instance-{i}") for i in range(7)]), "consistent-hash")
+    base = assign(router.strategy, requests, router.fleet.candidates())
+    shares = {b: n / count for b, n in Counter(base).items()}
+    router.fleet.add(Backend("instance-7"))
+    grown = assign(router.strategy, requests, router.fleet.candidates())
+    router.fleet.remove("instance-7")
+    router.fleet.remove("instance-3")
+    shrunk = assign(router.strategy, requests, router.fleet.candidates())
+    out, in_ = Movement(base, grown), Movement(base, shrunk)
+    survivors = {f"instance-{i}": 1 / 6 for i in range(7) if i != 3}
+    return {
+        "keys": count,
+        "min_share_pct": round(100 * min(shares.values()), 2),
+        "max_share_pct": round(100 * max(shares.values()), 2),
+        "ideal_pct": round(100 / 7, 2),
+        "scale_out_moved_pct": round(100 * out.fraction, 2),
+        "scale_out_ideal_pct": round(100 / 8, 2),
+        "scale_out_moved_elsewhere": sum(1 for i in out.moved if grown[i] != "instance-7"),
+        "scale_in_moved_pct": round(100 * in_.fraction, 2),
+        "scale_in_moved_not_owned": sum(1 for i in in_.moved if base[i] != "instance-3"),
+        "scale_in_worst_survivor_over_fair": round(in_.worst_spread(survivors), 3),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)"
+    heads = list(rows[0])
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(str(r[h]) for h in heads) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--only", default="pick,change,placement,fleet7", help="comma-separated sections")
+    parser.add_argument("--strategies", default="random,least-outstanding,consistent-hash,bounded-load")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    strategies = [s for s in args.strategies.split(",") if s]
+    results: dict[str, Any] = {"python": sys.version.split()[0]}
+    if "pick" in sections:
+        results["pick"] = bench_pick(strategies, args.quick)
+        print("## pick latency (32 KB routing text)\n" + table(results["pick"]) + "\n", flush=True)
+    if "change" in sections:
+        results["change"] = bench_change(strategies, args.quick)
+        print("## membership change at 1,024 backends\n" + table(results["change"]) + "\n", flush=True)
+    if "placement" in sections:
+        results["placement"] = bench_placement(args.quick)
+        print("## placements compared (equal weights)\n" + table(results["placement"]) + "\n", flush=True)
+    if "fleet7" in sections:
+        results["fleet7"] = bench_fleet7(args.quick)
+        print("## consistent-hash over 7 instances\n" + table([results["fleet7"]]) + "\n", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
