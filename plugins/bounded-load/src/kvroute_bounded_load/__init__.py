@@ -62,8 +62,8 @@ class BoundedLoad(ConsistentHash):
         self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
     ) -> kvroute.Decision:
         """Place an already computed key: its home if it has room, else the next with room, else the least loaded."""
-        loads = self._bound.measure(candidates)
         placement = self._placement
+        loads = self._bound.measure(candidates, members=placement.states, members_weight=placement.total_weight)
         view = CandidateView(placement, candidates)
         home = placement.home(key, model)
         home_state = None if home is None else view.get(home)

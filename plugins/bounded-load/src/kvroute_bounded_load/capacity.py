@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import attrs
 
@@ -67,9 +67,19 @@ class LoadBound:
         if self.concurrency_threshold is not None and self.concurrency_threshold < 1:
             raise ValueError(f"'concurrency_threshold' must be >= 1 or unset (got {self.concurrency_threshold!r}).")
 
-    def measure(self, candidates: Sequence[BackendState]) -> Loads:
-        """Snapshot the candidates' loads for one decision (totals are computed when first needed)."""
-        return Loads(self, candidates)
+    def measure(
+        self,
+        candidates: Sequence[BackendState],
+        *,
+        members: Sequence[BackendState] | None = None,
+        members_weight: float | None = None,
+    ) -> Loads:
+        """Snapshot the candidates' loads for one decision (totals are computed when first needed).
+
+        ``members`` with their total weight ``members_weight`` is a shortcut: when the
+        candidates are exactly those objects, in that order, their total weight is not summed.
+        """
+        return Loads(self, candidates, members=members, members_weight=members_weight)
 
 
 def engine_adjusted_load(state: BackendState) -> int:
@@ -83,13 +93,22 @@ def engine_adjusted_load(state: BackendState) -> int:
 class Loads:
     """One decision's view of the candidates' loads under a `LoadBound`."""
 
-    __slots__ = ("_loads", "_total", "_total_weight", "bound", "candidates")
+    __slots__ = ("_loads", "_members", "_members_weight", "_total", "_total_weight", "bound", "candidates")
 
-    def __init__(self, bound: LoadBound, candidates: Sequence[BackendState]) -> None:
+    def __init__(
+        self,
+        bound: LoadBound,
+        candidates: Sequence[BackendState],
+        *,
+        members: Sequence[BackendState] | None = None,
+        members_weight: float | None = None,
+    ) -> None:
         self.bound = bound
         self.candidates = candidates
         self._total: float | None = None
         self._total_weight: float | None = None
+        self._members = members
+        self._members_weight = members_weight
         self._loads: dict[int, int] | None = None
         if bound.engine_load:
             self._loads = {id(s): engine_adjusted_load(s) for s in candidates}
@@ -112,7 +131,16 @@ class Loads:
     def total_weight(self) -> float:
         """The candidates' total weight."""
         if self._total_weight is None:
-            self._total_weight = sum(map(_weight, self.candidates))
+            members, candidates = self._members, self.candidates
+            if (
+                members is not None
+                and self._members_weight is not None
+                and len(members) == len(candidates)
+                and all(map(is_, members, candidates))
+            ):
+                self._total_weight = self._members_weight
+            else:
+                self._total_weight = sum(map(_weight, candidates))
         return self._total_weight
 
     def capacity(self, state: BackendState) -> int | None:

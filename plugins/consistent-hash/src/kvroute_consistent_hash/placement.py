@@ -116,10 +116,12 @@ class Rendezvous:
     draining do not change placement (a key whose home is unroutable walks its order).
     """
 
-    __slots__ = ("_all_serve_all", "_by_backend_id", "_by_object", "_cache_size", "_subsets", "states")
+    __slots__ = ("_all_serve_all", "_by_backend_id", "_by_object", "_cache_size", "_subsets", "states", "total_weight")
 
     def __init__(self, members: Iterable[BackendState], *, cache_size: int = 65536) -> None:
         self.states: tuple[BackendState, ...] = tuple(members)
+        #: The members' total weight when the snapshot was taken (weight changes make a new snapshot).
+        self.total_weight = sum(s.backend.weight for s in self.states)
         self._cache_size = cache_size
         self._by_object: dict[int, int] = {id(s): i for i, s in enumerate(self.states)}
         self._by_backend_id: dict[str, int] = {s.backend.id: i for i, s in enumerate(self.states)}
