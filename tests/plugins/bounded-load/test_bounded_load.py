@@ -113,6 +113,30 @@ class TestBoundedLoad:
         decision = engine.decide(request)[0]
         assert decision.backend.id != home and decision.detail["spill_reason"] == "concurrency_threshold"
 
+    def test_hot_key_spreads_over_its_first_homes(self) -> None:
+        """With hot_replicas=3, one hot prefix is spread evenly over the first 3 backends of its order, no further."""
+        r = router(load_factor="off", hot_replicas=3)
+        request = RouteRequest.from_text("a very popular system prompt")
+        leases = [r.acquire(request) for _ in range(12)]
+        order = order_of(r, request)
+        assert Counter(lease.backend.id for lease in leases) == {order[0]: 4, order[1]: 4, order[2]: 4}
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedLoad)
+        replicated = [lease.decision for lease in leases if lease.decision.reason == "replicated"]
+        assert replicated and strategy.replicated == len(replicated) and strategy.spills == 0
+        assert all(d.detail["replicas"] in (2, 3) and not d.spilled for d in replicated)
+        assert strategy.in_flight_for(leases[0].decision.key or 0) == 12
+        for lease in leases:
+            r.release(lease)
+        assert strategy.in_flight_for(leases[0].decision.key or 0) == 0
+        assert r.decide(request)[0].reason == "hash"
+
+    def test_replication_is_off_by_default(self) -> None:
+        """By default a hot prefix stays on its home while the home has room."""
+        r = router(load_factor="off")
+        request = RouteRequest.from_text("a very popular system prompt")
+        assert {r.acquire(request).backend.id for _ in range(12)} == {order_of(r, request)[0]}
+
     @pytest.mark.parametrize(
         ("options", "message"),
         [
@@ -122,6 +146,7 @@ class TestBoundedLoad:
             ({"concurrency_threshold": 2000}, r"'concurrency_threshold' must be between 1 and 1024 \(got 2000\)"),
             ({"engine_load": "maybe"}, r"'engine_load': expected true or false \(got 'maybe'\)"),
             ({"prefix_length": 100000}, r"'prefix_length' must be between 1024 and 65536 \(got 100000\)"),
+            ({"hot_replicas": 0}, r"'hot_replicas' must be between 1 and 64 \(got 0\)"),
         ],
     )
     def test_bad_options(self, options: dict[str, object], message: str) -> None:
@@ -139,6 +164,9 @@ class TestBoundedLoad:
 TestBoundedLoadScaling = ScalingStateMachine.for_strategy("bounded-load", claims=Claims(load_factor=1.25)).TestCase
 TestThresholdOnlyScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"load_factor": "off", "concurrency_threshold": 2}, claims=Claims(concurrency_threshold=2), max_examples=12
+).TestCase
+TestHotReplicasScaling = ScalingStateMachine.for_strategy(
+    "bounded-load", {"hot_replicas": 3}, claims=Claims(load_factor=1.25), max_examples=12
 ).TestCase
 TestBothLimitsScaling = ScalingStateMachine.for_strategy(
     "bounded-load",

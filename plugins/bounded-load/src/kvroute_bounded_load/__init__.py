@@ -13,13 +13,15 @@ Other strategies reuse the load logic through `LoadBound`, `Loads` and `choose`
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous
 
 import kvroute
-from kvroute.options import bool_option, optional_float_option, optional_int_option
+from kvroute.options import bool_option, int_option, optional_float_option, optional_int_option
 from kvroute_bounded_load.capacity import Choice, LoadBound, Loads, capacity, choose, engine_adjusted_load
 
 __all__ = ["BoundedLoad", "Choice", "LoadBound", "Loads", "capacity", "choose", "engine_adjusted_load"]
@@ -37,17 +39,25 @@ class BoundedLoad(ConsistentHash):
       requests in flight. With both set, a backend must be under both to take a request.
     * ``engine_load`` (default false): count ``max(in_flight, engine running + waiting)``
       from fresh engine telemetry, so limits mean the same with several router replicas.
+    * ``hot_replicas`` (1-64, default 1 = off): the most homes a hot key is spread over. A
+      key with ``k`` requests in flight (on this router) gets ``ceil(k / average load per
+      unit of weight)`` homes, at most ``hot_replicas``: the first ones of its order, and
+      each request goes to the least loaded of them that has room.
 
-    Decisions: ``hash`` (the home had room), ``spilled`` (a later backend of the key's
-    order; ``spill_reason`` is ``load_factor``, ``concurrency_threshold`` or
-    ``home_unroutable``), ``least_loaded`` (every candidate was full). Started spills are
-    counted in ``spills`` and ``spill_reasons``.
+    Decisions: ``hash`` (the home had room), ``replicated`` (another of a hot key's homes),
+    ``spilled`` (a later backend of the key's order; ``spill_reason`` is ``load_factor``,
+    ``concurrency_threshold`` or ``home_unroutable``), ``least_loaded`` (every candidate was
+    full). Started spills are counted in ``spills`` and ``spill_reasons``, replicated
+    placements in ``replicated``.
     """
 
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
     engine_load: bool = bool_option(False)
+    hot_replicas: int = int_option(1, min=1, max=64)
+    replicated: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
+    _key_in_flight: Counter[int] = attrs.field(factory=Counter, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -58,6 +68,64 @@ class BoundedLoad(ConsistentHash):
         """The load limits this strategy applies."""
         return self._bound
 
+    def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        super().on_request_start(request, decision)
+        if decision.reason == "replicated":
+            self.replicated += 1
+        if self.hot_replicas > 1 and decision.key is not None:
+            self._key_in_flight[decision.key] += 1
+
+    def on_request_finish(
+        self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome
+    ) -> None:
+        key = decision.key
+        if self.hot_replicas > 1 and key is not None and key in self._key_in_flight:
+            left = self._key_in_flight[key] - 1
+            if left > 0:
+                self._key_in_flight[key] = left
+            else:
+                del self._key_in_flight[key]  # only keys with requests in flight are kept
+
+    def in_flight_for(self, key: int) -> int:
+        """Requests in flight for ``key`` that this strategy placed (tracked when ``hot_replicas`` > 1)."""
+        return self._key_in_flight.get(key, 0)
+
+    def _replicate(
+        self,
+        key: int,
+        model: str | None,
+        placement: Rendezvous,
+        view: CandidateView,
+        loads: Loads,
+        home_id: str,
+    ) -> kvroute.Decision | None:
+        """Spread a hot key over its first homes; ``None`` when it is not hot or none of them has room."""
+        hot = self._key_in_flight.get(key, 0)
+        if not hot:
+            return None
+        average = max(1.0, (loads.total + 1) / loads.total_weight)
+        replicas = min(self.hot_replicas, math.ceil(hot / average))
+        if replicas < 2:
+            return None
+        best: tuple[float, int, kvroute.BackendState] | None = None
+        found = 0
+        for rank, index in enumerate(placement.ranking(key, model)):
+            state = view.get(index)
+            if state is None:
+                continue
+            found += 1
+            if loads.limit(state) is None:
+                score = loads.load(state) / state.backend.weight
+                if best is None or score < best[0]:
+                    best = (score, rank, state)
+            if found == replicas:
+                break
+        if best is None:
+            return None
+        _, rank, state = best
+        detail = {"home": home_id, "replicas": replicas, "rank": rank}
+        return kvroute.Decision(state.backend, reason="hash" if rank == 0 else "replicated", key=key, detail=detail)
+
     def place(
         self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
     ) -> kvroute.Decision:
@@ -67,6 +135,10 @@ class BoundedLoad(ConsistentHash):
         view = CandidateView(placement, candidates)
         home = placement.home(key, model)
         home_state = None if home is None else view.get(home)
+        if self.hot_replicas > 1 and key in self._key_in_flight and home is not None and not view.foreign:
+            replicated = self._replicate(key, model, placement, view, loads, placement.states[home].id)
+            if replicated is not None:
+                return replicated
         if home_state is not None:
             hit = loads.limit(home_state)
             if hit is None:
