@@ -2,6 +2,8 @@
 
 Off unless an admin token is configured; every call needs ``Authorization: Bearer <token>``.
 Changes go through the `Fleet`, so the strategy sees them like any other membership change.
+With ``kvroute serve --workers N`` a change also goes through the workers' shared journal
+(`kvroute.server.journal`), so every worker makes it before the call returns.
 
 =======  ================================  ================================================
 GET      /admin/backends                   every backend with its live state
@@ -21,6 +23,7 @@ import json
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
+import attrs
 import structlog
 
 from kvroute.errors import ConfigError, UnknownBackend
@@ -87,8 +90,19 @@ class AdminApi:
         except ValueError as exc:
             await send_error(send, 400, str(exc), code="invalid_json")
             return
+        route = self._route(parts, method)
+        if isinstance(route, _Refusal):
+            await send_error(send, route.status, route.message, code=route.code, headers=route.headers)
+            return
+        action, backend_id = route
         try:
-            await self._dispatch(parts, method, body, send)
+            if action == "list":
+                await send_json(send, 200, {"backends": [self.describe(s.id) for s in self.app.fleet]})
+            elif action == "get":
+                assert backend_id is not None
+                await send_json(send, 200, self.describe(backend_id))
+            else:
+                await self._change(send, action, backend_id, body)
         except UnknownBackend as exc:
             await send_error(send, 404, str(exc), code="backend_not_found")
         except ConfigError as exc:
@@ -103,58 +117,86 @@ class AdminApi:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"The admin request body must be UTF-8 JSON: {exc}.") from None
 
-    async def _dispatch(self, parts: list[str], method: str, body: Any, send: Send) -> None:
-        app = self.app
+    def _route(self, parts: list[str], method: str) -> tuple[str, str | None] | _Refusal:
+        """``(action, backend id)`` for a call, or why it is refused (404, 405)."""
         if parts == ["backends"]:
-            if method == "GET":
-                await send_json(send, 200, {"backends": [self.describe(s.id) for s in app.fleet]})
-                return
-            if method == "POST":
-                config = BackendConfig.from_mapping(body, "admin backend")
-                app.add_backend(config)
-                log.info("admin_backend_added", backend=config.id, url=config.url)
-                await send_json(send, 201, self.describe(config.id))
-                return
-            await self._not_allowed(send, method, "GET, POST")
-            return
+            actions = {"GET": "list", "POST": "add"}
+            return (actions[method], None) if method in actions else _not_allowed(method, "GET, POST")
         if len(parts) == 2 and parts[0] == "backends":
-            backend_id = parts[1]
-            if method == "GET":
-                await send_json(send, 200, self.describe(backend_id))
-            elif method == "DELETE":
-                described = self.describe(backend_id)
-                app.remove_backend(backend_id)
-                log.info("admin_backend_removed", backend=backend_id)
-                await send_json(send, 200, {**described, "removed": True})
-            elif method == "PATCH":
-                if not isinstance(body, dict) or set(body) - {"weight"} or "weight" not in body:
-                    raise ConfigError(f"PATCH takes {{\"weight\": <number > 0>}} (got {body!r}).")
-                weight = body["weight"]
-                if isinstance(weight, bool) or not isinstance(weight, int | float):
-                    raise ConfigError(f"'weight' must be a number > 0 (got {weight!r}).")
-                app.fleet.set_weight(backend_id, float(weight))
-                await send_json(send, 200, self.describe(backend_id))
-            else:
-                await self._not_allowed(send, method, "GET, PATCH, DELETE")
-            return
+            actions = {"GET": "get", "DELETE": "remove", "PATCH": "weight"}
+            return (actions[method], parts[1]) if method in actions else _not_allowed(method, "GET, PATCH, DELETE")
         if len(parts) == 3 and parts[0] == "backends" and parts[2] in ("drain", "undrain"):
-            if method != "POST":
-                await self._not_allowed(send, method, "POST")
-                return
-            backend_id = parts[1]
-            remove = bool(body.get("remove", False)) if isinstance(body, dict) else False
-            if parts[2] == "drain":
-                app.drain_backend(backend_id, remove=remove)
-                log.info("admin_backend_draining", backend=backend_id, remove_when_idle=remove)
-                await send_json(send, 202, {**self.describe(backend_id), "remove_when_idle": remove})
-            else:
-                app.drain_backend(backend_id, draining=False)
-                await send_json(send, 200, self.describe(backend_id))
-            return
-        await send_error(send, 404, f"Unknown admin route: {method} /admin/{'/'.join(parts)}.", code="unknown_url")
+            return (parts[2], parts[1]) if method == "POST" else _not_allowed(method, "POST")
+        return _Refusal(404, f"Unknown admin route: {method} /admin/{'/'.join(parts)}.", "unknown_url")
 
-    async def _not_allowed(self, send: Send, method: str, allowed: str) -> None:
-        await send_error(
-            send, 405, f"Method {method} is not allowed here (allowed: {allowed}).", code="method_not_allowed",
-            headers=[(b"allow", allowed.encode())],
-        )
+    async def _change(self, send: Send, action: str, backend_id: str | None, body: Any) -> None:
+        """Make a change; with several workers, through the shared journal so that every worker makes it."""
+        journal = self.app.journal
+        if journal is None:
+            status, answer = self.perform(action, backend_id, body)
+            await send_json(send, status, answer)
+            return
+        try:
+            async with journal.exclusive():
+                # No await from here to the append: the change and its place in the journal go together.
+                status, answer = self.perform(action, backend_id, body)
+                seq = journal.append(action, backend_id, body)
+        except TimeoutError as exc:
+            await send_error(send, 503, f"The admin change was not made: {exc}.", code="admin_busy")
+            return
+        answer["workers"] = await journal.wait_for_siblings(seq)
+        await send_json(send, status, answer)
+
+    def replay(self, entry: dict[str, Any]) -> None:
+        """Make a change another worker made (an admin journal entry)."""
+        self.perform(str(entry["action"]), entry.get("backend"), entry.get("body"))
+
+    def perform(self, action: str, backend_id: str | None, body: Any) -> tuple[int, dict[str, Any]]:
+        """Make one change in this process (no I/O); returns the answer's status and body.
+
+        Raises `UnknownBackend` (404) or `ConfigError` (400) and then changes nothing.
+        """
+        app = self.app
+        if action == "add":
+            config = BackendConfig.from_mapping(body, "admin backend")
+            app.add_backend(config)
+            log.info("admin_backend_added", backend=config.id, url=config.url)
+            return 201, self.describe(config.id)
+        assert backend_id is not None, f"admin action {action!r} needs a backend id"
+        if action == "remove":
+            described = self.describe(backend_id)
+            app.remove_backend(backend_id)
+            log.info("admin_backend_removed", backend=backend_id)
+            return 200, {**described, "removed": True}
+        if action == "weight":
+            if not isinstance(body, dict) or set(body) - {"weight"} or "weight" not in body:
+                raise ConfigError(f"PATCH takes {{\"weight\": <number > 0>}} (got {body!r}).")
+            weight = body["weight"]
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise ConfigError(f"'weight' must be a number > 0 (got {weight!r}).")
+            app.fleet.set_weight(backend_id, float(weight))
+            return 200, self.describe(backend_id)
+        if action == "drain":
+            remove = bool(body.get("remove", False)) if isinstance(body, dict) else False
+            app.drain_backend(backend_id, remove=remove)
+            log.info("admin_backend_draining", backend=backend_id, remove_when_idle=remove)
+            return 202, {**self.describe(backend_id), "remove_when_idle": remove}
+        if action == "undrain":
+            app.drain_backend(backend_id, draining=False)
+            return 200, self.describe(backend_id)
+        raise ConfigError(f"unknown admin action {action!r} (expected add, remove, weight, drain or undrain).")
+
+
+@attrs.frozen
+class _Refusal:
+    status: int
+    message: str
+    code: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def _not_allowed(method: str, allowed: str) -> _Refusal:
+    return _Refusal(
+        405, f"Method {method} is not allowed here (allowed: {allowed}).", "method_not_allowed",
+        ((b"allow", allowed.encode()),),
+    )

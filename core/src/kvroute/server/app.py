@@ -45,6 +45,7 @@ from kvroute.server._asgi import (
 )
 from kvroute.server.config import BackendConfig, ServerConfig
 from kvroute.server.health import HealthChecker
+from kvroute.server.journal import AdminJournal, WorkerContext
 from kvroute.server.metrics import CONTENT_TYPE, ProxyMetrics
 from kvroute.server.upstream import (
     BackendHttp,
@@ -127,10 +128,18 @@ def _stream_error_event(message: str, code: str) -> bytes:
 
 
 class ProxyApp:
-    """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan)."""
+    """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan).
 
-    def __init__(self, config: ServerConfig, *, plugins: PluginManager | None = None) -> None:
+    ``worker`` is set in the workers of ``kvroute serve --workers N`` (see
+    `kvroute.server.workers`): metrics are then shared between the workers and admin
+    changes reach all of them through the shared journal.
+    """
+
+    def __init__(
+        self, config: ServerConfig, *, plugins: PluginManager | None = None, worker: WorkerContext | None = None
+    ) -> None:
         self.config = config
+        self.worker = worker
         self.plugins = plugins or PluginManager()
         self.fleet = Fleet()
         self.backend_configs: dict[str, BackendConfig] = {}
@@ -140,7 +149,10 @@ class ProxyApp:
         for backend in config.backends:
             self._register(backend)
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
-        self.metrics = ProxyMetrics(self.fleet, config.strategy)
+        several = worker is not None and worker.count > 1
+        shared = several and worker is not None and worker.shared_metrics
+        self.metrics = ProxyMetrics(self.fleet, config.strategy, shared=shared, worker=str(worker.index if worker else 0))
+        self._shared_metrics = shared
         self.fleet.subscribe(lambda event: self._exclusions.clear())
         self.health = HealthChecker(
             self.fleet, self.adapters, self._http_for, config.health, self.metrics, self._models_discovered
@@ -154,6 +166,8 @@ class ProxyApp:
         from kvroute.server.admin import AdminApi
 
         self.admin = AdminApi(self) if config.admin_token else None
+        #: The admin journal shared with the other workers (several workers with the admin API on).
+        self.journal = AdminJournal(worker, self.admin.replay) if several and worker and self.admin else None
         handler = Callable[[Scope, Receive, Send], Awaitable[None]]
         self._routes: dict[str, dict[str, handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
@@ -321,6 +335,12 @@ class ProxyApp:
                 self._sink = kv_event_sink(self.router.strategy)
                 for backend_id in list(self.adapters):
                     self._start_events(backend_id)
+                if self.journal is not None:
+                    # Admin changes made before this worker started (it may be a restart), before any request.
+                    replayed = self.journal.catch_up()
+                    if replayed:
+                        _events.info("admin_changes_replayed", count=replayed)
+                    tg.start_soon(self.journal.follow)
                 tg.start_soon(self._check_parity)
                 try:
                     yield self
@@ -329,6 +349,8 @@ class ProxyApp:
         finally:
             self._task_group = None
             self._event_scopes.clear()
+            if self.journal is not None:
+                self.journal.close()
             await self._session.close()
             self._session = None
             self.router.close()
@@ -455,9 +477,13 @@ class ProxyApp:
             elif name in _ROUTE_HEADERS:
                 route_headers[_ROUTE_HEADERS[name]] = value.decode("latin-1")
         ex = _Exchange(request_id or os.urandom(16).hex(), started)
+        if self._shared_metrics:
+            self.metrics.worker_in_flight_child.inc()
         try:
             await self._handle(scope, receive, send, endpoint, ex, declared, route_headers)
         finally:
+            if self._shared_metrics:
+                self.metrics.worker_in_flight_child.dec()
             self._finish(ex)
 
     async def _handle(
@@ -570,7 +596,15 @@ class ProxyApp:
                     if decision.spilled:
                         cause = decision.detail.get("spill_reason") or decision.detail.get("cause") or decision.reason
                         self.metrics.spills.labels(self.router.strategy_name, str(cause)).inc()
-                    failure = await self._attempt(lease, raw, scope, send, ex, id_header)
+                    if self._shared_metrics:
+                        gauge = self.metrics.in_flight_child(decision.backend.id)
+                        gauge.inc()
+                        try:
+                            failure = await self._attempt(lease, raw, scope, send, ex, id_header)
+                        finally:
+                            gauge.dec()
+                    else:
+                        failure = await self._attempt(lease, raw, scope, send, ex, id_header)
                     if failure is not None:
                         lease.fail(failure.message)
             except NoBackendAvailable as exc:

@@ -108,6 +108,8 @@ _D = ServerConfig()
 @click.option("--backend-header", default=None, help=f"Response header naming the chosen backend; '' = off [default: {_D.backend_header}].")
 @click.option("--forward-authorization/--no-forward-authorization", default=None, help="Forward the client's Authorization header [default: on].")
 @click.option("--access-log/--no-access-log", default=None, help="One structured log line per request [default: on].")
+@click.option("--workers", type=int, default=None, help=f"Proxy processes sharing the port, with one metrics view [default: {_D.workers}].")
+@click.option("--shutdown-timeout", type=float, default=None, help=f"Seconds a stop waits for requests in flight [default: {_D.shutdown_timeout:g}].")
 @click.option("--log-level", default="info", show_default=True, help="debug, info, warning or error.")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default="json", show_default=True)
 @click.option("--check", is_flag=True, help="Validate the configuration, print it as JSON and exit.")
@@ -153,6 +155,20 @@ def serve(
         return
     if not config.backends and config.admin_token is None:
         click.echo("warning: no backends and no admin token: every request will get 503.", err=True)
+    if config.workers > 1:
+        from kvroute.server.workers import Supervisor
+
+        app.router.close()  # built only to check the configuration: each worker builds its own
+        try:
+            status = Supervisor(config, log_level=log_level, log_format=log_format).run()
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+        if status:
+            raise click.exceptions.Exit(status)
+        return
     from kvroute.server.runner import run_server
 
-    run_server(app, config.host, config.port, log_level=log_level if log_level != "info" else "warning")
+    run_server(
+        app, config.host, config.port, log_level=log_level if log_level != "info" else "warning",
+        shutdown_timeout=config.shutdown_timeout,
+    )

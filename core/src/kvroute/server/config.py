@@ -239,6 +239,10 @@ class ServerConfig:
     )
     timeouts: TimeoutConfig = attrs.field(factory=TimeoutConfig)
     health: HealthConfig = attrs.field(factory=HealthConfig)
+    #: Proxy processes sharing the listening socket (``kvroute serve --workers``); 1 = this process.
+    workers: int = attrs.field(default=1, validator=_positive_int)
+    #: Seconds a stop waits for requests in flight before closing their connections.
+    shutdown_timeout: float = attrs.field(default=30.0, validator=_positive_number)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -275,6 +279,8 @@ _SERVER_KEYS = {
     "admin_token": str,
     "access_log": bool,
     "passthrough_paths": list,
+    "workers": int,
+    "shutdown_timeout": float,
 }
 
 
@@ -312,6 +318,8 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
     for key, expected in _SERVER_KEYS.items():
         if key in server:
             changes[key] = _typed(server, key, expected, "server")
+    if "shutdown_timeout" in changes:
+        changes["shutdown_timeout"] = float(changes["shutdown_timeout"])
     if "backend_header" in changes and changes["backend_header"] == "":
         changes["backend_header"] = None
     if "passthrough_paths" in changes:

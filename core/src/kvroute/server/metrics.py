@@ -1,21 +1,34 @@
 """The proxy's Prometheus metrics (prometheus-client), one registry per app.
 
-Per-request costs are kept to a few label lookups on cached children; gauges that mirror
-fleet state (in flight, healthy, draining) are read from the fleet at scrape time.
+Per-request costs are kept to a few label lookups on cached children. In one process, gauges
+that mirror fleet state (in flight, healthy, draining) are read from the fleet at scrape time.
+
+With ``kvroute serve --workers N`` (``shared=True``) every worker writes its values to
+prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor
+before the worker starts) and any worker's ``/metrics`` merges all of them: counters and
+histograms are summed over every worker that ever ran, in-flight gauges are summed over the
+live workers, ``kvroute_backend_healthy`` is the minimum and ``kvroute_backend_draining`` the
+maximum over them. The fleet gauges are then kept up to date as things change (the request
+path moves the in-flight gauges) instead of being read at scrape time.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvroute.fleet import Fleet
+from kvroute.errors import ConfigError
+from kvroute.fleet import Fleet, FleetEvent
 
-__all__ = ["CONTENT_TYPE", "ProxyMetrics"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics"]
+
+#: The environment variable prometheus-client reads, once, when it is imported.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -42,11 +55,17 @@ class _FleetCollector(Collector):
 
 
 class ProxyMetrics:
-    """Every metric the proxy exports (names documented in docs/serve.md)."""
+    """Every metric the proxy exports (names documented in docs/serve.md).
 
-    def __init__(self, fleet: Fleet, strategy: str) -> None:
+    ``worker`` (the worker's index, with ``shared=True``) labels the per-worker series of a
+    multi-worker server.
+    """
+
+    def __init__(self, fleet: Fleet, strategy: str, *, shared: bool = False, worker: str = "0") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.strategy = strategy
+        self.shared = shared
+        self.worker = worker
         r = self.registry
         self.requests = Counter(
             "kvroute_requests", "Proxied requests by backend, strategy and outcome.", ["backend", "strategy", "outcome"], registry=r
@@ -89,9 +108,71 @@ class ProxyMetrics:
             "kvroute_rejected_requests", "Requests answered by the proxy itself with an error, by status.", ["status"],
             registry=r,
         )
-        r.register(_FleetCollector(fleet))
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
+        self._fleet = fleet
+        if not shared:
+            r.register(_FleetCollector(fleet))
+            return
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory or not os.path.isdir(directory):
+            raise ConfigError(
+                f"shared metrics need {MULTIPROC_ENV} set to an existing directory before prometheus-client "
+                f"is imported (got {directory!r}); kvroute serve --workers sets it for its workers."
+            )
+        from prometheus_client import values
+
+        if values.ValueClass is values.MutexValue:
+            raise ConfigError(f"prometheus-client was imported before {MULTIPROC_ENV} was set: values would not be shared.")
+        self.in_flight = Gauge(
+            "kvroute_in_flight", "Requests in flight per backend.", ["backend"], multiprocess_mode="livesum", registry=r
+        )
+        self.healthy = Gauge(
+            "kvroute_backend_healthy", "1 when every worker has the backend in rotation.", ["backend"],
+            multiprocess_mode="livemin", registry=r,
+        )
+        self.draining = Gauge(
+            "kvroute_backend_draining", "1 while the backend is draining in any worker.", ["backend"],
+            multiprocess_mode="livemax", registry=r,
+        )
+        self.worker_requests = Counter(
+            "kvroute_worker_requests", "Requests handled, per worker (restarts keep the index).", ["worker"], registry=r
+        )
+        self.worker_in_flight = Gauge(
+            "kvroute_worker_in_flight", "Requests a worker is handling now.", ["worker"], multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.worker_starts = Counter("kvroute_worker_starts", "Worker processes started, per index.", ["worker"], registry=r)
+        self.worker_up = Gauge(
+            "kvroute_worker_up", "1 per live worker process (prometheus-client adds its pid).", ["worker"],
+            multiprocess_mode="liveall", registry=r,
+        )
+        self.worker_starts.labels(worker).inc()
+        self.worker_up.labels(worker).set(1)
+        self._worker_requests = self.worker_requests.labels(worker)
+        self.worker_in_flight_child = self.worker_in_flight.labels(worker)
+        for state in fleet:
+            self._set_state(state.id)
+        fleet.subscribe(self._fleet_changed)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self._merged = CollectorRegistry()
+        MultiProcessCollector(self._merged, path=directory)  # type: ignore[no-untyped-call]
+
+    def _set_state(self, backend_id: str, *, removed: bool = False) -> None:
+        if removed or backend_id not in self._fleet:
+            # prometheus-client's files cannot drop a series: a removed backend reads 0 until restart.
+            self.child(self.healthy, backend_id).set(0)
+            self.child(self.draining, backend_id).set(0)
+            return
+        state = self._fleet.get(backend_id)
+        self.child(self.healthy, backend_id).set(1 if state.healthy else 0)
+        self.child(self.draining, backend_id).set(1 if state.draining else 0)
+        self.child(self.in_flight, backend_id)
+
+    def _fleet_changed(self, event: FleetEvent) -> None:
+        if event.backend is not None:
+            self._set_state(event.backend.id, removed=event.kind == "removed")
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: prometheus-client's lookup costs microseconds per call."""
@@ -108,6 +189,13 @@ class ProxyMetrics:
         self.child(self.requests, backend, self.strategy, outcome).inc()
         if duration is not None:
             self.child(self.duration, backend).observe(duration)
+        if self.shared:
+            self._worker_requests.inc()
+
+    def in_flight_child(self, backend: str) -> Any:
+        """The shared in-flight gauge of ``backend`` (``shared=True`` only): inc when a lease starts, dec when it ends."""
+        return self.child(self.in_flight, backend)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: this process's registry, or every worker's values merged."""
+        return generate_latest(self._merged if self.shared else self.registry)
