@@ -67,12 +67,21 @@ class TestBoundedLoad:
 
     def test_load_factor_cap(self) -> None:
         """With load_factor 1.25 over 4 backends and 7 in flight, the 8th request may not make any backend exceed 3."""
-        r = router(load_factor=1.25)
+        r = router(load_factor=1.25, min_capacity=0)
         request = RouteRequest.from_text("same")
         for _ in range(8):
             r.acquire(request)
         counts = Counter(s.in_flight for s in r.fleet)
         assert max(s.in_flight for s in r.fleet) <= 3 and sum(s.in_flight for s in r.fleet) == 8, counts
+
+    def test_min_capacity_floor(self) -> None:
+        """Below min_capacity a backend is never full under load_factor; at it, the paper's cap applies again."""
+        r = router(load_factor=1.25, min_capacity=3)
+        request = RouteRequest.from_text("same")
+        placed = [r.acquire(request).decision for _ in range(4)]
+        assert [d.reason for d in placed] == ["hash", "hash", "hash", "spilled"]
+        assert placed[3].detail["spill_reason"] == "load_factor"
+        assert isinstance(r.strategy, BoundedLoad) and r.strategy.bound.min_capacity == 3
 
     def test_both_limits_combine(self) -> None:
         """With both limits, a backend must be under both: the tighter one decides."""
@@ -115,7 +124,7 @@ class TestBoundedLoad:
 
     def test_hot_key_spreads_over_its_first_homes(self) -> None:
         """With hot_replicas=3, one hot prefix is spread evenly over the first 3 backends of its order, no further."""
-        r = router(load_factor="off", hot_replicas=3)
+        r = router(load_factor="off", hot_replicas=3, min_capacity=0)
         request = RouteRequest.from_text("a very popular system prompt")
         leases = [r.acquire(request) for _ in range(12)]
         order = order_of(r, request)
@@ -147,6 +156,7 @@ class TestBoundedLoad:
             ({"engine_load": "maybe"}, r"'engine_load': expected true or false \(got 'maybe'\)"),
             ({"prefix_length": 100000}, r"'prefix_length' must be between 1024 and 65536 \(got 100000\)"),
             ({"hot_replicas": 0}, r"'hot_replicas' must be between 1 and 64 \(got 0\)"),
+            ({"min_capacity": -1}, r"'min_capacity' must be between 0 and 1024 \(got -1\)"),
         ],
     )
     def test_bad_options(self, options: dict[str, object], message: str) -> None:
@@ -161,16 +171,22 @@ class TestBoundedLoad:
         assert (strategy.load_factor, strategy.concurrency_threshold, strategy.engine_load) == (None, 16, True)
 
 
-TestBoundedLoadScaling = ScalingStateMachine.for_strategy("bounded-load", claims=Claims(load_factor=1.25)).TestCase
+# min_capacity=0: the paper's bound exactly, so that the state machine's few requests reach the caps.
+TestBoundedLoadScaling = ScalingStateMachine.for_strategy(
+    "bounded-load", {"min_capacity": 0}, claims=Claims(load_factor=1.25)
+).TestCase
+TestMinCapacityScaling = ScalingStateMachine.for_strategy(
+    "bounded-load", {"min_capacity": 2}, claims=Claims(load_factor=1.25, min_capacity=2), max_examples=12
+).TestCase
 TestThresholdOnlyScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"load_factor": "off", "concurrency_threshold": 2}, claims=Claims(concurrency_threshold=2), max_examples=12
 ).TestCase
 TestHotReplicasScaling = ScalingStateMachine.for_strategy(
-    "bounded-load", {"hot_replicas": 3}, claims=Claims(load_factor=1.25), max_examples=12
+    "bounded-load", {"hot_replicas": 3, "min_capacity": 0}, claims=Claims(load_factor=1.25), max_examples=12
 ).TestCase
 TestBothLimitsScaling = ScalingStateMachine.for_strategy(
     "bounded-load",
-    {"load_factor": 1.5, "concurrency_threshold": 3},
+    {"load_factor": 1.5, "concurrency_threshold": 3, "min_capacity": 0},
     claims=Claims(load_factor=1.5, concurrency_threshold=3),
     max_examples=12,
 ).TestCase

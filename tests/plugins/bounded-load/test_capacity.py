@@ -62,6 +62,17 @@ class TestLoads:
         assert LoadBound(load_factor=1.25).measure(cands).limit(cands[0]) == "load_factor"  # cap ceil(1.25) = 2
         assert LoadBound(load_factor=None, concurrency_threshold=None).measure(cands).limit(cands[0]) is None
 
+    def test_min_capacity_is_a_floor(self) -> None:
+        """min_capacity raises small caps and leaves large ones alone; a negative floor is refused."""
+        cands = states(2, 0, 0, 0)
+        assert LoadBound(load_factor=1.25).measure(cands).limit(cands[0]) == "load_factor"
+        floored = LoadBound(load_factor=1.25, min_capacity=3).measure(cands)
+        assert floored.capacity(cands[0]) == 3 and floored.limit(cands[0]) is None
+        busy = states(40, 40, 40, 40)
+        assert LoadBound(load_factor=1.25, min_capacity=3).measure(busy).capacity(busy[0]) == 51
+        with pytest.raises(ValueError, match=r"'min_capacity' must be >= 0 \(got -1\)"):
+            LoadBound(min_capacity=-1)
+
     def test_weights_scale_the_cap(self) -> None:
         """A backend of weight 3 may hold three times the load of a backend of weight 1."""
         cands = states(5, 1, weights=(3.0, 1.0))

@@ -27,9 +27,9 @@ Invariants, each checked only when the strategy claims it (`Claims`):
 5. ``balance``: each routable backend's share of the sample keys is within tolerance of its
    weight share.
 6. ``load_factor`` / ``concurrency_threshold``: whenever a request is started, if some
-   candidate had room (load + 1 within ``ceil(load_factor * weight * (total + 1) / total
-   weight)`` and load below the threshold), the chosen backend had room; if none had, the
-   chosen one is a least loaded candidate (per unit of weight).
+   candidate had room (load + 1 within ``max(min_capacity, ceil(load_factor * weight *
+   (total + 1) / total weight))`` and load below the threshold), the chosen backend had room;
+   if none had, the chosen one is a least loaded candidate (per unit of weight).
 
 Tolerances are `kvroute.testing.Tolerance`: 6 binomial standard deviations by default (see
 `kvroute.testing.measure` for the reasoning).
@@ -71,6 +71,8 @@ class Claims:
     balance: bool = True
     load_factor: float | None = None
     concurrency_threshold: int | None = None
+    #: A floor under the ``load_factor`` cap (bounded-load's ``min_capacity``).
+    min_capacity: int = 0
 
     @classmethod
     def none(cls) -> Claims:
@@ -405,7 +407,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
             if threshold is not None and load >= threshold:
                 return False
             if lf is not None:
-                cap = math.ceil(lf * weights[backend_id] * (total + 1) / total_weight + 1e-9)
+                cap = max(self.claims.min_capacity, math.ceil(lf * weights[backend_id] * (total + 1) / total_weight + 1e-9))
                 if load + 1 > cap:
                     return False
             return True

@@ -39,10 +39,12 @@ class BoundedLoad(ConsistentHash):
       requests in flight. With both set, a backend must be under both to take a request.
     * ``engine_load`` (default false): count ``max(in_flight, engine running + waiting)``
       from fresh engine telemetry, so limits mean the same with several router replicas.
+    * ``min_capacity`` (0-1024, default 16): a floor under the ``load_factor`` cap; below it
+      a backend is never full under ``load_factor`` (0 gives the paper's bound exactly).
     * ``hot_replicas`` (1-64, default 1 = off): the most homes a hot key is spread over. A
-      key with ``k`` requests in flight (on this router) gets ``ceil(k / average load per
-      unit of weight)`` homes, at most ``hot_replicas``: the first ones of its order, and
-      each request goes to the least loaded of them that has room.
+      key with ``k`` requests in flight (on this router) gets ``ceil(k / max(average load per
+      unit of weight, min_capacity))`` homes, at most ``hot_replicas``: the first ones of its
+      order, and each request goes to the least loaded of them that has room.
 
     Decisions: ``hash`` (the home had room), ``replicated`` (another of a hot key's homes),
     ``spilled`` (a later backend of the key's order; ``spill_reason`` is ``load_factor``,
@@ -54,6 +56,7 @@ class BoundedLoad(ConsistentHash):
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
     engine_load: bool = bool_option(False)
+    min_capacity: int = int_option(16, min=0, max=1024)
     hot_replicas: int = int_option(1, min=1, max=64)
     replicated: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
@@ -61,7 +64,7 @@ class BoundedLoad(ConsistentHash):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load)
+        self._bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load, self.min_capacity)
 
     @property
     def bound(self) -> LoadBound:
@@ -103,7 +106,9 @@ class BoundedLoad(ConsistentHash):
         hot = self._key_in_flight.get(key, 0)
         if not hot:
             return None
-        average = max(1.0, (loads.total + 1) / loads.total_weight)
+        # A key's share of one backend: the average load per unit of weight, but never below
+        # the floor under which a backend is not considered busy.
+        average = max(1.0, float(self.min_capacity), (loads.total + 1) / loads.total_weight)
         replicas = min(self.hot_replicas, math.ceil(hot / average))
         if replicas < 2:
             return None

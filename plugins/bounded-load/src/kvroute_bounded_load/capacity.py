@@ -10,6 +10,8 @@ more request:
   plus one, so some candidate always has room;
 * ``concurrency_threshold`` (SageMaker's ``ConcurrencyThreshold``): ``load < threshold``.
 
+``min_capacity`` puts a floor under the first cap: ``max(min_capacity, ceil(...))``.
+
 `choose` walks a preference order and returns the first candidate with room, or, when
 every candidate is full, the least loaded (per unit of weight; ties go to the earlier in
 the order), with the reason. A strategy with its own order (longest cached prefix first,
@@ -54,18 +56,24 @@ class LoadBound:
     """The limits a backend's load must respect to take one more request.
 
     ``load_factor`` ``None`` disables the relative bound, ``concurrency_threshold`` ``None``
-    the absolute one; with both unset every candidate always has room.
+    the absolute one; with both unset every candidate always has room. ``min_capacity`` is a
+    floor under the relative cap: a backend with fewer requests in flight than that is never
+    full under ``load_factor`` (engines batch many requests; a difference of one or two is
+    not worth a cache miss).
     """
 
     load_factor: float | None = 1.25
     concurrency_threshold: int | None = None
     engine_load: bool = False
+    min_capacity: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.load_factor is not None and not self.load_factor >= 1.0:
             raise ValueError(f"'load_factor' must be >= 1.0 or unset (got {self.load_factor!r}).")
         if self.concurrency_threshold is not None and self.concurrency_threshold < 1:
             raise ValueError(f"'concurrency_threshold' must be >= 1 or unset (got {self.concurrency_threshold!r}).")
+        if self.min_capacity < 0:
+            raise ValueError(f"'min_capacity' must be >= 0 (got {self.min_capacity!r}).")
 
     def measure(
         self,
@@ -144,11 +152,11 @@ class Loads:
         return self._total_weight
 
     def capacity(self, state: BackendState) -> int | None:
-        """The ``load_factor`` cap of one candidate (``None`` when ``load_factor`` is unset)."""
+        """The ``load_factor`` cap of one candidate, at least ``min_capacity`` (``None`` when ``load_factor`` is unset)."""
         lf = self.bound.load_factor
         if lf is None:
             return None
-        return capacity(lf, state.backend.weight, self.total, self.total_weight)
+        return max(self.bound.min_capacity, capacity(lf, state.backend.weight, self.total, self.total_weight))
 
     def limit(self, state: BackendState) -> str | None:
         """``None`` when ``state`` has room for one more request, else which limit it hit.
@@ -159,8 +167,8 @@ class Loads:
         threshold = self.bound.concurrency_threshold
         if threshold is not None and load >= threshold:
             return "concurrency_threshold"
-        # An idle backend always has room: every cap is at least 1 (saves the totals).
-        if load > 0 and self.bound.load_factor is not None:
+        # Below the floor (and at 0: every cap is at least 1) there is room: skip the totals.
+        if load >= self.bound.min_capacity and load > 0 and self.bound.load_factor is not None:
             cap = self.capacity(state)
             assert cap is not None
             if load + 1 > cap:
