@@ -11,16 +11,49 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
-__all__ = ["Process", "engine_load", "free_port", "serve_config", "start_engines", "start_replicas", "until"]
+from kvroute import Backend, Fleet, Router, RouteRequest
+
+__all__ = [
+    "ENGINES",
+    "Process",
+    "body",
+    "engine_load",
+    "free_port",
+    "home",
+    "serve_config",
+    "start_engines",
+    "start_replicas",
+    "until",
+]
 
 KVROUTE = [sys.executable, "-m", "kvroute"]
+#: Engines in the tests' fleet, e0, e1, ...
+ENGINES = 3
+#: A document longer than the 1,024 characters the strategies key on.
+FILLER = "".join(f"Clause {i}: the parties agree that caches are worth keeping warm. " for i in range(18))
+
+
+def body(prefix: int, question: str, **extra: Any) -> dict[str, Any]:
+    """A chat request whose routing key is its document ``prefix``."""
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": f"Document {prefix}. {FILLER}"}, {"role": "user", "content": question}],
+        "max_tokens": 1,
+        **extra,
+    }
+
+
+def home(request_body: dict[str, Any], exclude: Collection[str] = frozenset()) -> str:
+    """Where a consistent-hash router in this process sends the body: the replicas must agree with it."""
+    router = Router.create(Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "consistent-hash", {"prefix_length": 1024})
+    return router.decide(RouteRequest.from_openai(request_body), exclude=exclude)[0].backend.id
 
 
 def free_port() -> int:
@@ -150,3 +183,35 @@ async def until(check: Callable[[], Awaitable[bool]], within: float = 30.0) -> N
     with anyio.fail_after(within):
         while not await check():  # noqa: ASYNC110 - the state lives in other processes
             await anyio.sleep(0.05)
+
+
+#: One metric sample: (name, labels, value).
+Sample = tuple[str, dict[str, str], float]
+
+
+async def samples(client: httpx.AsyncClient, url: str) -> list[Sample]:
+    """Every sample of ``url``'s /metrics, parsed with prometheus-client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(url + "/metrics")).text
+    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def total(found: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``."""
+    return sum(v for n, ls, v in found if n == name and all(ls.get(k) == want for k, want in labels.items()))
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a running process (None when it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def gone(pid: int) -> bool:
+    """Whether a process has exited (a zombie waiting for its parent counts as exited)."""
+    return parent_pid(pid) is None

@@ -23,30 +23,21 @@ import anyio
 import httpx
 import pytest
 
-from kvroute import Backend, Fleet, Router, RouteRequest
-from tests.replicas.processes import Process, engine_load, serve_config, start_engines, start_replicas, until
+from tests.replicas.processes import (
+    ENGINES,
+    Process,
+    body,
+    engine_load,
+    home,
+    serve_config,
+    start_engines,
+    start_replicas,
+    until,
+)
 
 ADMIN = "replica-test-admin-token"
-ENGINES = 3
 PREFIXES = 48
 ROUNDS = 4
-#: A document longer than the 1,024 characters the strategies key on.
-FILLER = "".join(f"Clause {i}: the parties agree that caches are worth keeping warm. " for i in range(18))
-
-
-def body(prefix: int, question: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": "m",
-        "messages": [{"role": "system", "content": f"Document {prefix}. {FILLER}"}, {"role": "user", "content": question}],
-        "max_tokens": 1,
-        **extra,
-    }
-
-
-def home(request_body: dict[str, Any], exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
-    """Where a consistent-hash router in this process sends the body: the replicas must agree with it."""
-    router = Router.create(Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "consistent-hash", {"prefix_length": 1024})
-    return router.decide(RouteRequest.from_openai(request_body), exclude=exclude)[0].backend.id
 
 
 async def replica_metrics(client: httpx.AsyncClient, replica: Process) -> dict[str, float]:

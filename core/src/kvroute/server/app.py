@@ -338,6 +338,7 @@ class ProxyApp:
                 if self.journal is not None:
                     # Admin changes made before this worker started (it may be a restart), before any request.
                     replayed = self.journal.catch_up()
+                    self.journal.publish()
                     if replayed:
                         _events.info("admin_changes_replayed", count=replayed)
                     tg.start_soon(self.journal.follow)

@@ -11,9 +11,9 @@ connection. So changes go through an append-only journal in the server's run dir
   in that order.
 * Every worker polls the journal's size (``os.fstat``, every 20 ms) and applies new
   complete lines; it publishes how far it got in ``workers/<index>.json``.
-* The receiving worker answers once every live sibling has published the change's
-  sequence number (or after a bounded wait), so a drain has stopped new requests on every
-  worker when the admin call returns.
+* The receiving worker answers once every live sibling (a running worker process, announced
+  by the supervisor when it started it) has published the change's sequence number (or after a bounded wait), so a
+  drain has stopped new requests on every worker when the admin call returns.
 * A worker started later (a restart after a crash) replays the whole journal before it
   takes its first request, so it has the same fleet as its siblings.
 
@@ -36,7 +36,7 @@ import anyio
 import attrs
 import structlog
 
-__all__ = ["AdminJournal", "WorkerContext"]
+__all__ = ["AdminJournal", "WorkerContext", "announce"]
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +69,22 @@ class WorkerContext:
 
 
 Entry = dict[str, Any]
+
+
+def _write_position(context: WorkerContext, pid: int, applied: int) -> None:
+    path = context.states_dir / f"{context.index}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": pid, "applied": applied}))
+    os.replace(tmp, path)
+
+
+def announce(context: WorkerContext, pid: int) -> None:
+    """Record a worker process the moment it is started (by the supervisor, before the worker runs).
+
+    From then on it counts as live: a change made while it starts waits for its replay.
+    """
+    context.states_dir.mkdir(parents=True, exist_ok=True)
+    _write_position(context, pid, 0)
 
 
 def _alive(pid: int) -> bool:
@@ -146,17 +162,13 @@ class AdminJournal:
 
     def publish(self) -> None:
         """Write this worker's pid and position for its siblings (atomically: write, then rename)."""
-        path = self.context.states_dir / f"{self.context.index}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"pid": os.getpid(), "applied": self.applied}))
-            os.replace(tmp, path)
+            _write_position(self.context, os.getpid(), self.applied)
         except OSError as exc:  # siblings waiting for this worker time out and say so
             log.warning("admin_position_not_published", worker=self.context.index, error=str(exc))
 
     async def follow(self) -> None:
         """Apply changes other workers write, until cancelled."""
-        self.publish()
         while True:
             await anyio.sleep(self.poll_s)
             self.catch_up()

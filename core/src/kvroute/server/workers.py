@@ -44,7 +44,7 @@ import attrs
 import structlog
 
 from kvroute.server.config import ServerConfig
-from kvroute.server.journal import WorkerContext
+from kvroute.server.journal import WorkerContext, announce
 from kvroute.server.metrics import MULTIPROC_ENV
 
 __all__ = ["Supervisor", "WorkerContext", "bind_socket", "worker_main"]
@@ -194,6 +194,7 @@ class Supervisor:
         env = {**os.environ, MULTIPROC_ENV: str(context.metrics_dir)}
         proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE], stdin=subprocess.PIPE, pass_fds=(fd,), env=env)
         assert proc.stdin is not None
+        announce(context, proc.pid)  # before it can take a connection: admin changes wait for its replay
         payload = pickle.dumps(spec)
         try:
             proc.stdin.write(len(payload).to_bytes(8, "big") + payload)
@@ -256,8 +257,17 @@ def _watch_supervisor(stream: IO[bytes], grace_s: float) -> None:
     os._exit(70)
 
 
+def _stop_now(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def worker_main() -> None:
     """Entry point of a worker process (started by `Supervisor` with its settings on stdin)."""
+    # Until uvicorn takes them over, SIGTERM and SIGINT stop the worker at once; afterwards
+    # uvicorn re-raises the signal that stopped it, and this handler turns it into a normal
+    # exit, so the clean-up below runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_now)
     spec = _read_spec(sys.stdin.buffer)
     config = spec.config
     threading.Thread(
@@ -288,7 +298,9 @@ def worker_main() -> None:
     uvicorn_config = make_uvicorn_config(
         app, config.host, config.port, log_level=level, timeout_graceful_shutdown=config.shutdown_timeout
     )
-    uvicorn.Server(uvicorn_config).run(sockets=[sock])
-    if _supervisor_gone.is_set():
-        # Nobody else will remove the run directory. Siblings still stopping keep their open files.
-        shutil.rmtree(spec.context.run_dir, ignore_errors=True)
+    try:
+        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    finally:
+        if _supervisor_gone.is_set():
+            # Nobody else will remove the run directory. Siblings still stopping keep their open files.
+            shutil.rmtree(spec.context.run_dir, ignore_errors=True)
