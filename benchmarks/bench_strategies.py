@@ -8,7 +8,9 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   its default options, at 8, 64 and 1,024 backends, with 32 KB of routing text per request
   (the key hashes the first 4,096 characters). ``cold``: every request has a prefix never
   seen (no memoized placement); ``warm``: requests cycle over 200 prefixes. Backends carry a
-  random in-flight load so bounded-load computes its caps. Median and p99 in microseconds.
+  random in-flight load of 0-7; ``bounded-load:min_capacity=0`` makes bounded-load compute its
+  caps on every pick (with the default floor of 16 it skips them at such loads). Median and
+  p99 in microseconds.
 * ``change``: cost of one membership change (add, then remove, a backend) at 1,024 backends,
   through a `Router` (so it includes the strategy's ``on_fleet_change``), and of the first pick after it.
 * ``placement``: the three hash placements considered for consistent-hash, on equal weights:
@@ -86,15 +88,22 @@ def fleet_of(n: int, seed: int = 0) -> Fleet:
     return fleet
 
 
+def parse_strategy(spec: str) -> tuple[str, dict[str, str]]:
+    """``name`` or ``name:key=value;key=value`` (a strategy with options)."""
+    name, _, rest = spec.partition(":")
+    return name, dict(part.split("=", 1) for part in rest.split(";") if part)
+
+
 def bench_pick(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]:
     plugins = PluginManager()
     text = base_text()
     rows: list[dict[str, Any]] = []
-    for name in strategies:
+    for spec in strategies:
+        name, options = parse_strategy(spec)
         for n in SIZES:
             fleet = fleet_of(n)
             try:
-                router = Router(fleet, plugins.create_strategy(name), strategy_name=name)
+                router = Router(fleet, plugins.create_strategy(name, options), strategy_name=name)
             except kvroute.KvrouteError as exc:
                 print(f"skip {name}: {exc}", file=sys.stderr)
                 break
@@ -112,7 +121,7 @@ def bench_pick(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]:
                     samples.append(time.perf_counter_ns() - t0)
                 if mode == "warm":
                     samples = samples[pool:]  # the first sighting of each warm prefix is a cold pick
-                rows.append({"strategy": name, "backends": n, "mode": mode, **summary(samples)})
+                rows.append({"strategy": spec, "backends": n, "mode": mode, **summary(samples)})
             router.close()
     return rows
 
@@ -125,10 +134,11 @@ def bench_change(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]
     text = base_text(2)
     rows: list[dict[str, Any]] = []
     rounds = 10 if quick else 40
-    for name in strategies:
+    for spec in strategies:
+        name, options = parse_strategy(spec)
         fleet = fleet_of(1024)
         try:
-            router = Router(fleet, plugins.create_strategy(name), strategy_name=name)
+            router = Router(fleet, plugins.create_strategy(name, options), strategy_name=name)
         except kvroute.KvrouteError:
             continue
         strategy = router.strategy
@@ -149,7 +159,7 @@ def bench_change(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]
             remove.append(time.perf_counter_ns() - t0)
         rows.append(
             {
-                "strategy": name,
+                "strategy": spec,
                 "add_median_us": summary(add)["median_us"],
                 "add_p99_us": summary(add)["p99_us"],
                 "remove_median_us": summary(remove)["median_us"],
@@ -338,7 +348,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--only", default="pick,change,placement,fleet7", help="comma-separated sections")
-    parser.add_argument("--strategies", default="random,least-outstanding,consistent-hash,bounded-load")
+    parser.add_argument(
+        "--strategies",
+        default="random,least-outstanding,consistent-hash,bounded-load,bounded-load:min_capacity=0",
+        help="comma-separated; NAME:key=value;key=value for options",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     sections = set(args.only.split(","))
