@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+from http.client import HTTPConnection
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -212,6 +215,51 @@ class TestRealTimeEngine:
         """A zero time scale is refused."""
         with pytest.raises(ValueError, match="time_scale"):
             RealTimeEngine(EmulatorConfig().engine(), time_scale=0)
+
+
+def _stats(server: ServerThread) -> dict[str, Any]:
+    return json.loads(http("GET", server.url + "/emulator/stats")[2])
+
+
+def _leave_early(server: ServerThread, body: dict[str, object], *, read_first_event: bool) -> None:
+    """Send a request, optionally read the first SSE line, then close the connection."""
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        if read_first_event:
+            response = conn.getresponse()
+            assert response.status == 200 and response.read1(64).startswith(b"data: ")
+            response.close()
+    finally:
+        conn.close()
+
+
+class TestClientDisconnect:
+    @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+    def test_a_client_that_leaves_is_aborted_in_the_engine(self, emulator: ServerThread, stream: bool) -> None:
+        """Closing the connection aborts the request: it leaves the batch and frees its blocks instead of decoding on."""
+        # 15,000 tokens: about 2 s of decoding at this time scale, far longer than the test needs.
+        body = {"model": "m", "messages": [{"role": "user", "content": LONG}], "max_tokens": 15000, "stream": stream}
+        _leave_early(emulator, body, read_first_event=stream)
+        deadline = time.monotonic() + 10
+        while _stats(emulator)["client_disconnects"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = _stats(emulator)
+        assert stats["client_disconnects"] == 1 and stats["aborted"] == 1
+        assert stats["running"] == stats["waiting"] == 0
+        assert stats["engine"]["aborted"] == 1 and stats["engine"]["finished"] == 0
+        assert json.loads(http("GET", emulator.url + "/load")[2]) == {"server_load": 0}
+        usage = [line for line in http("GET", emulator.url + "/metrics")[2].decode().splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+        assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0.0
+
+    def test_the_aborted_prompt_stays_cached(self, emulator: ServerThread) -> None:
+        """The prompt blocks an aborted request computed are still in the prefix cache for the next request."""
+        body = {"model": "m", "messages": [{"role": "user", "content": LONG}], "max_tokens": 15000, "stream": True}
+        _leave_early(emulator, body, read_first_event=True)
+        status, again = _chat(emulator.url, LONG)
+        assert status == 200
+        prompt = again["usage"]["prompt_tokens"]  # type: ignore[index]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16  # type: ignore[index]
 
 
 class TestCommand:

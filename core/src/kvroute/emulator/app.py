@@ -104,11 +104,12 @@ class Faults:
 
 @attrs.define
 class EmulatorStats:
-    """What the emulator saw (for tests): requests by route, disconnects, faults fired."""
+    """What the emulator saw (for tests): requests, disconnects, requests aborted in the engine, faults fired."""
 
     requests: int = 0
     completed: int = 0
     client_disconnects: int = 0
+    aborted: int = 0
     errors_injected: int = 0
     deaths_injected: int = 0
 
@@ -320,6 +321,10 @@ class EmulatorApp:
             self.stats.client_disconnects += 1
         finally:
             watcher.cancel()
+            # A response that will not be delivered (client gone, injected crash) is aborted in the
+            # engine, as vLLM aborts a request whose client disconnects.
+            if not stream.done and self.runner.abort(stream):
+                self.stats.aborted += 1
             self.runner.detach(stream)
             if stream.first_token_at is not None:
                 self.metrics.ttft.observe(stream.first_token_at - stream.submitted_at)
@@ -471,7 +476,10 @@ class EmulatorApp:
         engine = self.engine.stats
         await send_json(send, 200, {
             **attrs.asdict(self.stats),
-            "engine": {"prompt_tokens": engine.prompt_tokens, "hit_tokens": engine.hit_tokens, "finished": engine.finished},
+            "engine": {
+                "prompt_tokens": engine.prompt_tokens, "hit_tokens": engine.hit_tokens, "finished": engine.finished,
+                "aborted": engine.aborted,
+            },
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
         })

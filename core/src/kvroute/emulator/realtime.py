@@ -70,8 +70,23 @@ class RealTimeEngine:
         return stream
 
     def detach(self, stream: Stream) -> None:
-        """Stop delivering tokens to a stream whose client left (the engine still finishes it)."""
+        """Stop delivering tokens to a stream (the engine still finishes its sequence)."""
         self._streams.pop(id(stream.seq), None)
+
+    def abort(self, stream: Stream) -> bool:
+        """Abort the stream's request in the engine now (its client left), as vLLM does.
+
+        Its blocks are released at once and it stops taking batch seats and step time.
+        Returns False when the engine had already finished it.
+        """
+        self._streams.pop(id(stream.seq), None)
+        if stream.done:
+            return False
+        now = self.now()
+        self._catch_up(now)
+        aborted = self.engine.abort(stream.seq, now)
+        self._wake.set()
+        return aborted
 
     async def run(self) -> None:
         """Step the engine whenever the wall clock reaches its next event (runs until cancelled)."""

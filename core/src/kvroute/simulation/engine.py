@@ -19,6 +19,11 @@ calls ``step`` at ``next_event_time()``. The model follows vLLM v1:
   sequences still in prefill, then waiting sequences in arrival order (FCFS) get the rest as
   chunks, while fewer than ``max_num_seqs`` run. When blocks run out, the most recently
   admitted sequence is preempted (its blocks are freed and it is recomputed later).
+* **Aborts.** ``abort`` removes a waiting or running sequence at once, as vLLM does when its
+  client disconnects: its blocks are released like a finished sequence's (shared prefix
+  blocks are unpinned and become evictable when nothing else holds them; blocks it filled
+  stay findable by hash until evicted), and the step in progress no longer produces its
+  tokens.
 * **Cost model.** A step's duration comes from :class:`CostModel`; a step that completes a
   sequence's prompt samples its first token (TTFT = arrival to the end of that step).
 
@@ -214,6 +219,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    abort_time: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -234,6 +240,11 @@ class Sequence:
     def finished(self) -> bool:
         """Whether every output token has been generated."""
         return self.finish_time is not None
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the sequence was aborted before it finished."""
+        return self.abort_time is not None
 
 
 @attrs.frozen
@@ -268,6 +279,7 @@ class EngineStats:
     output_tokens: int = 0
     preemptions: int = 0
     evicted_blocks: int = 0
+    aborted: int = 0
     steps: int = 0
     busy_time: float = 0.0
 
@@ -456,6 +468,46 @@ class Engine:
         elif batch.max_steps > 1 and now < batch.end:
             self._cut_run(batch, now)
         return seq
+
+    def abort(self, seq: Sequence | str, now: float) -> bool:
+        """Remove a waiting or running sequence (or the one with this request id) at ``now``.
+
+        Its blocks are released last-to-first, like a finished sequence's: blocks nothing else
+        references join the free queue (evictable; those holding a full block of its tokens stay
+        findable by hash until evicted). If the step in progress computes it, the step keeps its
+        duration (the work was scheduled) but no longer advances it; a run of decode-only steps is
+        cut at the first step boundary at or after ``now``. Returns False when the sequence is not
+        in the engine (finished, already aborted, or unknown).
+        """
+        batch = self._batch
+        if batch is not None and now > batch.end + 1e-9:
+            raise ValueError(
+                f"engine {self.name!r}: abort at {now!r} is past next_event_time()={batch.end!r}; call step() first."
+            )
+        target = self._find(seq)
+        if target is None:
+            return False
+        if any(s is target for s in self._waiting):
+            self._waiting.remove(target)
+        else:
+            self._running.remove(target)
+            if batch is not None:
+                scheduled = [(s, n) for s, n in batch.scheduled if s is not target]
+                if len(scheduled) != len(batch.scheduled):
+                    batch.scheduled = scheduled
+                    if batch.max_steps > 1 and now < batch.end:
+                        self._cut_run(batch, now)
+        self._release(target.blocks)
+        target.abort_time = now
+        self.stats.aborted += 1
+        return True
+
+    def _find(self, seq: Sequence | str) -> Sequence | None:
+        if isinstance(seq, Sequence):
+            if seq.finished or seq.aborted:
+                return None
+            return next((s for s in (*self._running, *self._waiting) if s is seq), None)
+        return next((s for s in (*self._running, *self._waiting) if s.request_id == seq), None)
 
     def step(self, now: float) -> StepResult:
         """Complete the step in progress (``now`` must be ``next_event_time()``) and start the next one."""
