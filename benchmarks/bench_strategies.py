@@ -8,9 +8,8 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   its default options, at 8, 64 and 1,024 backends, with 32 KB of routing text per request
   (the key hashes the first 4,096 characters). ``cold``: every request has a prefix never
   seen (no memoized placement); ``warm``: requests cycle over 200 prefixes. Backends carry a
-  random in-flight load of 0-7; ``bounded-load:min_capacity=0`` makes bounded-load compute its
-  caps on every pick (with the default floor of 16 it skips them at such loads). Median and
-  p99 in microseconds.
+  random in-flight load of 0-7, so bounded-load computes its caps (with
+  ``bounded-load:min_capacity=16`` it skips them at such loads). Median and p99 in microseconds.
 * ``change``: cost of one membership change (add, then remove, a backend) at 1,024 backends,
   through a `Router` (so it includes the strategy's ``on_fleet_change``), and of the first pick after it.
 * ``placement``: the three hash placements considered for consistent-hash, on equal weights:
@@ -350,7 +349,7 @@ def main() -> None:
     parser.add_argument("--only", default="pick,change,placement,fleet7", help="comma-separated sections")
     parser.add_argument(
         "--strategies",
-        default="random,least-outstanding,consistent-hash,bounded-load,bounded-load:min_capacity=0",
+        default="random,least-outstanding,consistent-hash,bounded-load,bounded-load:min_capacity=16",
         help="comma-separated; NAME:key=value;key=value for options",
     )
     parser.add_argument("--json", help="also write the results to this file")

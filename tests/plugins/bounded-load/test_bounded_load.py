@@ -171,7 +171,7 @@ class TestBoundedLoad:
         assert (strategy.load_factor, strategy.concurrency_threshold, strategy.engine_load) == (None, 16, True)
 
 
-# min_capacity=0: the paper's bound exactly, so that the state machine's few requests reach the caps.
+# min_capacity=0 (the default, stated): the paper's bound exactly, which the machine's few requests reach.
 TestBoundedLoadScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"min_capacity": 0}, claims=Claims(load_factor=1.25)
 ).TestCase
