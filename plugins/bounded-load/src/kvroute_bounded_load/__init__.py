@@ -39,9 +39,10 @@ class BoundedLoad(ConsistentHash):
       requests in flight. With both set, a backend must be under both to take a request.
     * ``engine_load`` (default false): count ``max(in_flight, engine running + waiting)``
       from fresh engine telemetry, so limits mean the same with several router replicas.
-    * ``min_capacity`` (0-1024, default 0 = the paper's bound): a floor under the
-      ``load_factor`` cap; below it a backend is never full under ``load_factor``. 16 is
-      recommended for LLM engines (docs/strategies.md has the measurements).
+    * ``min_capacity`` (0-1024, default 16): a floor under the ``load_factor`` cap; below it
+      a backend is never full under ``load_factor``. An engine batching dozens of sequences
+      is not overloaded at 3 requests in flight, and spilling there only loses cache hits
+      (docs/strategies.md has the measurements). 0 gives the paper's bound exactly.
     * ``hot_replicas`` (1-64, default 1 = off): the most homes a hot key is spread over. A
       key with ``k`` requests in flight (on this router) gets ``ceil(k / max(average load per
       unit of weight, min_capacity))`` homes, at most ``hot_replicas``: the first ones of its
@@ -57,7 +58,7 @@ class BoundedLoad(ConsistentHash):
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
     engine_load: bool = bool_option(False)
-    min_capacity: int = int_option(0, min=0, max=1024)
+    min_capacity: int = int_option(16, min=0, max=1024)
     hot_replicas: int = int_option(1, min=1, max=64)
     replicated: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
