@@ -21,7 +21,9 @@ emulators. It reports the TTFT the client measured and the fleet's prefix-cache 
 the emulators' own ``vllm:prefix_cache_*`` counters.
 
 Run: ``python benchmarks/bench_proxy.py`` (about two minutes on 2 cores), ``--quick`` for a
-smoke run, ``--json`` for machine-readable output, ``--only overhead|routing`` for one part.
+smoke run, ``--json`` for machine-readable output, ``--only overhead|routing`` for one part,
+``--workers N`` to run the proxy as ``kvroute serve --workers N`` (its CPU is then the supervisor's
+and its workers' together).
 """
 
 from __future__ import annotations
@@ -86,10 +88,19 @@ def process(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[by
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process and its live children (the workers of --workers N), from /proc."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 @contextlib.contextmanager
@@ -301,6 +312,7 @@ def main() -> None:
     parser.add_argument("--no-access-log", action="store_true", help="run the proxy with --no-access-log")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", choices=["overhead", "routing"], help="run one part")
+    parser.add_argument("--workers", type=int, default=1, help="run the proxy with --workers N (overhead part)")
     args = parser.parse_args()
     count = 200 if args.quick else args.requests
     try:
@@ -310,6 +322,8 @@ def main() -> None:
     except ImportError:
         pass
     extra = ["--no-access-log"] if args.no_access_log else []
+    if args.workers > 1:
+        extra += ["--workers", str(args.workers)]
     results = run(count, args.rounds, extra) if args.only != "routing" else {}
     routing = routing_quality(80 if args.quick else 320) if args.only != "overhead" else {}
     if args.json:
@@ -322,7 +336,10 @@ def main() -> None:
             print(f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms {r['hit_rate']:>8.1%}")
     if not results:
         return
-    print(f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if extra else 'on'})")
+    print(
+        f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if args.no_access_log else 'on'}; "
+        f"workers {args.workers})"
+    )
     header = (
         f"{'case':<12} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} "
         f"{'direct rps':>11} {'proxy rps':>10} {'proxy CPU/req':>14}"

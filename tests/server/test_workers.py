@@ -7,6 +7,7 @@ tests/replicas/test_workers.py; here the journal and the admin fan-out run in th
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,10 @@ from typing import Any
 
 import anyio
 import pytest
+from click.testing import CliRunner
 
 from kvroute.server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
+from kvroute.server.cli import serve
 from kvroute.server.journal import AdminJournal, WorkerContext
 from tests.server.harness import Servers, chat_body, http
 
@@ -187,3 +190,33 @@ class TestSharedAdmin:
         described = {b["id"]: b for b in admin(late, "GET", "/backends")[1]["backends"]}
         assert described["e0"]["draining"] is True and described["e1"]["weight"] == 2.5
         assert http("POST", late.url + "/v1/chat/completions", chat_body("after the replay"))[1]["x-kvroute-backend"] == "e1"
+
+
+class TestWorkersOption:
+    def test_workers_in_flags_and_toml(self, tmp_path: Path) -> None:
+        """--workers and [server] workers / shutdown_timeout are read, checked and shown by --check."""
+        config = tmp_path / "kvroute.toml"
+        config.write_text("[server]\nworkers = 3\nshutdown_timeout = 5\n")
+        result = CliRunner().invoke(serve, ["--config", str(config), "--backend", "http://127.0.0.1:9", "--check"])
+        assert result.exit_code == 0, result.output
+        shown = json.loads(result.stdout)
+        assert shown["workers"] == 3 and shown["shutdown_timeout"] == 5.0
+        result = CliRunner().invoke(serve, ["--config", str(config), "--workers", "2", "--backend", "http://127.0.0.1:9", "--check"])
+        assert json.loads(result.stdout)["workers"] == 2
+
+    @pytest.mark.parametrize("flag, value", [("--workers", "0"), ("--shutdown-timeout", "0")])
+    def test_out_of_range_values_are_refused(self, flag: str, value: str) -> None:
+        """Zero workers or a zero shutdown timeout is an error naming the key."""
+        result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", flag, value, "--check"])
+        assert result.exit_code != 0 and flag.removeprefix("--").replace("-", "_") in result.output
+
+    def test_a_taken_port_is_reported_before_any_worker_starts(self) -> None:
+        """With --workers, the supervisor binds the port itself and a taken port is a clear error."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            result = CliRunner().invoke(
+                serve, ["--backend", "http://127.0.0.1:9", "--workers", "2", "--port", str(port), "--log-level", "error"]
+            )
+        assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output

@@ -161,8 +161,8 @@ def serve(
         app.router.close()  # built only to check the configuration: each worker builds its own
         try:
             status = Supervisor(config, log_level=log_level, log_format=log_format).run()
-        except OSError as exc:
-            raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+        except KvrouteError as exc:
+            raise click.ClickException(str(exc)) from None
         if status:
             raise click.exceptions.Exit(status)
         return

@@ -43,6 +43,7 @@ from typing import IO, Any
 import attrs
 import structlog
 
+from kvroute.errors import ConfigError
 from kvroute.server.config import ServerConfig
 from kvroute.server.journal import WorkerContext, announce
 from kvroute.server.metrics import MULTIPROC_ENV
@@ -124,7 +125,10 @@ class Supervisor:
 
     def start(self) -> None:
         """Bind the socket, create the run directory and start every worker."""
-        self.socket = bind_socket(self.config.host, self.config.port)
+        try:
+            self.socket = bind_socket(self.config.host, self.config.port)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
         self.run_dir = tempfile.mkdtemp(prefix="kvroute-serve-")
         os.mkdir(os.path.join(self.run_dir, "metrics"))
         host, port = self.address
