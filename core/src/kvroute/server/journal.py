@@ -24,7 +24,6 @@ misses a notification cannot fall behind for longer than one poll.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -178,6 +177,8 @@ class AdminJournal:
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
         """Hold the journal lock (against this worker's other calls and every other worker), caught up."""
+        import fcntl  # POSIX only, like --workers itself: kvroute.server stays importable elsewhere
+
         async with self._lock:
             deadline = time.monotonic() + self.lock_timeout_s
             while True:
