@@ -4,18 +4,27 @@ Usage: python benchmarks/bench_tokenizer_prefix.py [--tokenizer DIR] [--repeat N
 
 Without ``--tokenizer`` a byte-level BPE (Llama-3 split regex, 8,000-entry vocabulary) is
 trained here on generated English-like text: no download. The prompts are chat requests of
-about 8,000 tokens: a system prompt, a document, a question. Scenarios, 8 backends, block size 16:
+about 8,000 tokens: a system prompt, a document, a question. 8 backends, block size 16.
+``pick`` rows time the decision, ``start`` rows the recording after it (``on_request_start``);
+both run under the router's lock. Scenarios:
 
-* ``warm``: the document was routed before (its blocks are in the index, its pieces in the
-  tokenizer cache); each request asks a new question, so its last piece is tokenized fresh.
-* ``cold``: a document nobody has seen (nothing matches: hashing stops after the first blocks).
-* ``cold-shared-system``: a new document after a system prompt every backend already holds.
-* ``record``: ``on_request_start`` after a warm pick (hash the rest, touch the index).
-* ``record-cold``: ``on_request_start`` of a cold request (tokenizes the whole prompt: the
-  cost of a prompt's first sighting, paid once).
-* ``encode-whole``: the ``tokenizers`` library encoding the whole rendered prompt, for scale.
+* ``cold``: a document nobody has seen (nothing matches: hashing stops after the first blocks);
+* ``cold-shared-system``: a new document after a system prompt every backend already holds;
+* ``start-cold``: recording a prompt's first sighting (the blocks ``pick`` hashed, the rest
+  kept as a pending tail and handed to the prefetch thread);
+* ``second``: a new question on a document sent once, after the prefetch thread has
+  tokenized it (the pending tail is extended from cached pieces);
+* ``second-burst``: the same before any prefetch ran (``prefetch`` off: the shared document is
+  tokenized inline, once; what a burst's second sibling pays);
+* ``warm``: a new question on a document seen several times (memoized pieces);
+* ``start-warm``: recording a warm request;
+* ``warm-while-prefetching``: ``warm`` while the prefetch thread hashes 32 new documents (and
+  how many 8,000-token first sightings per second the thread keeps up with);
+* ``encode-whole``: the ``tokenizers`` library encoding one whole rendered prompt, for scale.
 
-Prints medians and p99 in microseconds, and the index's bytes per block (tracemalloc).
+Prints p50 and p99 wall clock and the p50 of the thread's CPU time in microseconds (the CPU
+time is the robust figure on a shared machine), the load average and the CPU count, and the
+index's bytes per block (tracemalloc).
 """
 
 from __future__ import annotations
@@ -108,26 +117,32 @@ def percentiles(samples: list[float], cpu: list[float] | None = None) -> dict[st
     return out
 
 
-_CPU: list[float] = []
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", help="a model directory or tokenizer.json to use instead of the trained one")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--backends", type=int, default=8)
-    parser.add_argument("--piece-bytes", type=int, default=512, help="the strategy's piece_bytes option")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a strategy option (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    options: dict[str, Any] = {"block_size": 16, "max_prefix_tokens": 8192}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        options[key] = value
+    load_before = os.getloadavg()
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         source = args.tokenizer or str(build_tokenizer(Path(tmp) / "model"))
         setup_s = time.perf_counter() - t0
-        strategy = TokenizerPrefix(tokenizer=source, block_size=16, max_prefix_tokens=8192, piece_bytes=args.piece_bytes)
-        fleet = kvroute.Fleet([kvroute.Backend(f"b{i}") for i in range(args.backends)])
-        router = kvroute.Router(fleet, strategy, strategy_name="tokenizer-prefix")
-        candidates = fleet.candidates("m")
+
+        def make_strategy(**extra: Any) -> tuple[TokenizerPrefix, kvroute.Router, list[kvroute.BackendState]]:
+            strategy = TokenizerPrefix(tokenizer=source, **{**options, **extra})
+            fleet = kvroute.Fleet([kvroute.Backend(f"b{i}") for i in range(args.backends)])
+            router = kvroute.Router(fleet, strategy, strategy_name="tokenizer-prefix")
+            return strategy, router, list(fleet.candidates("m"))
+
+        strategy, router, candidates = make_strategy()
         tok: Any = strategy.prompt_tokenizer
         make = text_source(7)
         system = make(150)
@@ -135,64 +150,95 @@ def main(argv: list[str] | None = None) -> int:
         def body(doc: str, question: str, sys_prompt: str = system) -> dict[str, Any]:
             return {"model": "m", "messages": [{"role": "system", "content": sys_prompt}, {"role": "user", "content": doc + "\n\nQuestion: " + question}]}
 
+        def request(doc: str, question: str | None = None, sys_prompt: str = system) -> kvroute.RouteRequest:
+            return kvroute.RouteRequest.from_openai(body(doc, make(12) if question is None else question, sys_prompt))
+
         # Size documents so that the whole prompt is about 8,000 tokens.
         probe = make(6000)
-        n_tokens = len(tok.encode_text(tok.render(kvroute.RouteRequest.from_openai(body(probe, "x")))))
+        n_tokens = len(tok.encode_text(tok.render(request(probe, "x"))))
         words = int(6000 * 8000 / n_tokens)
         docs = [make(words) for _ in range(16)]
-        for doc in docs:  # the prefixes are routed once: their blocks are in the index
-            with router.route(kvroute.RouteRequest.from_openai(body(doc, make(12)))):
-                pass
-        sample = kvroute.RouteRequest.from_openai(body(docs[0], "what?"))
-        prompt_tokens = len(tok.encode_text(tok.render(sample)))
+        for _ in range(3):  # each document sighted three times: its pieces are memoized, its blocks indexed
+            for doc in docs:
+                with router.route(request(doc)):
+                    pass
+        strategy.wait_prefetched()
+        prompt_tokens = len(tok.encode_text(tok.render(request(docs[0], "what?"))))
         rng = random.Random(3)
-        results: dict[str, Any] = {"prompt_tokens": prompt_tokens, "backends": args.backends, "block_size": 16, "tokenizer": "trained-bpe-8k" if not args.tokenizer else args.tokenizer}
+        results: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "backends": args.backends,
+            "options": options,
+            "tokenizer": "trained-bpe-8k" if not args.tokenizer else args.tokenizer,
+            "cpus": os.cpu_count(),
+        }
 
-        def timed(build: Callable[[int], kvroute.RouteRequest], after: Callable[[kvroute.RouteRequest, kvroute.Decision], None] | None = None) -> list[float]:
-            out = []
-            _CPU.clear()
+        def timed(
+            name: str,
+            build: Callable[[int], kvroute.RouteRequest],
+            on: TokenizerPrefix | None = None,
+            start: bool = False,
+        ) -> None:
+            """Time ``pick`` (and ``on_request_start`` when ``start``) for ``args.repeat`` requests."""
+            target = on or strategy
+            cands = candidates if on is None else on_candidates[id(on)]
+            wall: dict[str, list[float]] = {"pick": [], "start": []}
+            cpu: dict[str, list[float]] = {"pick": [], "start": []}
             for i in range(args.repeat):
-                request = build(i)
+                req = build(i)
                 gc.disable()
-                c = time.thread_time()
-                t = time.perf_counter()
-                decision = strategy.pick(request, candidates)
-                out.append(time.perf_counter() - t)
-                _CPU.append(time.thread_time() - c)
+                c, t = time.thread_time(), time.perf_counter()
+                decision = target.pick(req, cands)
+                wall["pick"].append(time.perf_counter() - t)
+                cpu["pick"].append(time.thread_time() - c)
+                if start:
+                    c, t = time.thread_time(), time.perf_counter()
+                    target.on_request_start(req, decision)
+                    wall["start"].append(time.perf_counter() - t)
+                    cpu["start"].append(time.thread_time() - c)
                 gc.enable()
-                if after is not None:
-                    after(request, decision)
-            return out
+            results["pick " + name] = percentiles(wall["pick"], cpu["pick"])
+            if start:
+                results["start " + name] = percentiles(wall["start"], cpu["start"])
 
-        warm = timed(lambda i: kvroute.RouteRequest.from_openai(body(docs[rng.randrange(16)], make(12))))
-        results["warm"] = percentiles(warm, _CPU)
-        cold = timed(lambda i: kvroute.RouteRequest.from_openai(body(make(words), make(12), sys_prompt=make(150))))
-        results["cold"] = percentiles(cold, _CPU)
+        on_candidates: dict[int, list[kvroute.BackendState]] = {}
+        # New documents, each under its own system prompt so that they spread over the backends
+        # (all on one backend, 200 prompts of 8,000 tokens would overflow its 32,768-block LRU).
+        cold_docs = [(make(words), make(150)) for _ in range(args.repeat)]
+        timed("cold", lambda i: request(cold_docs[i][0], sys_prompt=cold_docs[i][1]), start=True)
         # Every backend holds the shared system prompt: a new document still stops hashing right after it.
-        for b in fleet.candidates("m"):
-            strategy.index.record(b.id, strategy.prompt_blocks(kvroute.RouteRequest.from_openai(body("", ""))).complete()[:9])
-        shared_cold = timed(lambda i: kvroute.RouteRequest.from_openai(body(make(words), make(12))))
-        results["cold-shared-system"] = percentiles(shared_cold, _CPU)
+        for b in candidates:
+            strategy.index.record(b.id, strategy.prompt_blocks(request("", "")).complete()[:9])
+        timed("cold-shared-system", lambda i: request(make(words)))
+        # ``cold`` sent each of its documents once: ask a second question on each, once prefetched.
+        strategy.wait_prefetched()
+        timed("second", lambda i: request(cold_docs[i][0], sys_prompt=cold_docs[i][1]))
+        results["second_tails_extended"] = strategy.stats()["tails_extended"]
+        timed("warm", lambda i: request(docs[rng.randrange(16)]), start=True)
+        strategy.wait_prefetched()
+        fresh = [make(words) for _ in range(32)]
+        t0 = time.perf_counter()
+        for doc in fresh:  # 32 first sightings: the prefetch thread gets busy
+            with router.route(request(doc)):
+                pass
+        timed("warm-while-prefetching", lambda i: request(docs[rng.randrange(16)]))
+        results["prefetch_busy_after"] = not strategy.wait_prefetched(0)
+        strategy.wait_prefetched()
+        results["prefetch_prompts_per_s"] = round(len(fresh) / (time.perf_counter() - t0), 1)
 
-        record: list[float] = []
+        # Last, on a second strategy (its own index and memo), the same second sightings without prefetch.
+        burst, burst_router, burst_candidates = make_strategy(prefetch=False)
+        on_candidates[id(burst)] = burst_candidates
+        for doc, sys_prompt in cold_docs:
+            with burst_router.route(request(doc, sys_prompt=sys_prompt)):
+                pass
+        timed("second-burst", lambda i: request(cold_docs[i][0], sys_prompt=cold_docs[i][1]), on=burst)
+        results["second_burst_tails_extended"] = burst.stats()["tails_extended"]
+        on_candidates.clear()
+        del burst, burst_router, burst_candidates
+        gc.collect()
 
-        record_cpu: list[float] = []
-
-        def start(request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
-            c = time.thread_time()
-            t = time.perf_counter()
-            strategy.on_request_start(request, decision)
-            record.append(time.perf_counter() - t)
-            record_cpu.append(time.thread_time() - c)
-
-        timed(lambda i: kvroute.RouteRequest.from_openai(body(docs[rng.randrange(16)], make(12))), start)
-        results["record"] = percentiles(record, record_cpu)
-        record.clear()
-        record_cpu.clear()
-        timed(lambda i: kvroute.RouteRequest.from_openai(body(make(words), make(12), sys_prompt=make(150))), start)
-        results["record-cold"] = percentiles(record, record_cpu)
-
-        texts = [tok.render(kvroute.RouteRequest.from_openai(body(make(words), "q"))) for _ in range(20)]
+        texts = [tok.render(request(make(words), "q")) for _ in range(20)]
         encode, encode_cpu = [], []
         for text in texts:
             c = time.thread_time()
@@ -201,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             encode.append(time.perf_counter() - t)
             encode_cpu.append(time.thread_time() - c)
         results["encode-whole"] = percentiles(encode, encode_cpu)
-        results["load_average"] = os.getloadavg()[0]
+        results["stats"] = strategy.stats()
 
         # Memory of the index: one backend, 100,000 distinct blocks.
         tracemalloc.start()
@@ -217,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         results["index_bytes_per_block_more_backends"] = round((two - one) / len(hashes), 1)
         results["piece_cache_tokens"] = getattr(tok, "cached_tokens", None)
         results["setup_s"] = round(setup_s, 1)
+    results["load_average"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
 
-    for name in ("warm", "cold", "cold-shared-system", "record", "record-cold", "encode-whole"):
-        r = results[name]
-        print(f"{name:20s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})")
-    print(f"prompt tokens {results['prompt_tokens']}, backends {args.backends}, block size 16, tokenizer {results['tokenizer']}, load average {results['load_average']:.2f}")
+    for name, r in results.items():
+        if isinstance(r, dict) and "p50_us" in r:
+            print(f"{name:30s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})")
+    print(
+        f"prompt tokens {results['prompt_tokens']}, backends {args.backends}, options {options}, tokenizer {results['tokenizer']}, "
+        f"cpus {results['cpus']}, load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
+    )
+    print(f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second")
     print(
         f"index: {results['index_bytes_per_block_first_backend']} bytes per block for the first backend holding it, "
         f"{results['index_bytes_per_block_more_backends']} for each further backend"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, RecentDecisions, block_hashes, prompt_ids, root_hash
+from kvroute_tokenizer_prefix.blocks import PieceMemo, TextSegment, token_bytes
 from kvroute_tokenizer_prefix.tokenizer import token_array
 
 import kvroute
@@ -77,12 +79,115 @@ class TestBlockHashes:
         self, tok: Any, shared: str, tails: list[str], size: int, max_blocks: int, salt: str | None
     ) -> None:
         """Prompts sharing a prefix, hashed through one memo, get exactly their own block hashes."""
-        memo: OrderedDict[int, Any] = OrderedDict()
+        memo = PieceMemo()
         for tail in tails:
             request = kvroute.RouteRequest.from_text(shared + tail, cache_salt=salt)
             expected = block_hashes(prompt_ids(tok, request), size, cache_salt=salt)[:max_blocks]
-            blocks = PromptBlocks(tok.chunks(request), size, max_blocks, root_hash(None, salt), memo)
+            blocks = PromptBlocks(tok.segments(request), size, max_blocks, root_hash(None, salt), memo)
             assert blocks.complete() == expected
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        words=st.lists(st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42", " é", "  "]), max_size=120),
+        cuts=st.lists(st.integers(0, 120), max_size=4),
+        coarse=st.integers(1, 96),
+        fine=st.integers(1, 32),
+        size=st.integers(1, 8),
+        max_blocks=st.integers(1, 80),
+    )
+    def test_any_piece_sizes_give_the_whole_prompts_hashes(
+        self, tok: Any, words: list[str], cuts: list[int], coarse: int, fine: int, size: int, max_blocks: int
+    ) -> None:
+        """Whatever the piece and fine piece sizes, memoized or not, the hashes are those of the whole prompt's ids."""
+        codec = TextCodec(tok, coarse, fine)
+        memo = PieceMemo()
+        for cut in [len(words), *cuts]:  # prompts sharing prefixes of one text
+            text = "".join(words[:cut])
+            segments = [array("Q", [7]), TextSegment(text.encode(), codec), array("Q", [8, 9])]
+            expected = block_hashes([7, *tok.encode_text(text), 8, 9], size)[:max_blocks]
+            assert PromptBlocks(segments, size, max_blocks, root_hash(), memo).complete() == expected
+            assert PromptBlocks(segments, size, max_blocks, root_hash()).complete() == expected
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        words=st.lists(st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42"]), min_size=1, max_size=120),
+        stop=st.integers(0, 40),
+        size=st.integers(1, 4),
+    )
+    def test_a_fork_memoizes_the_rest_of_the_prompt(self, tok: Any, words: list[str], stop: int, size: int) -> None:
+        """A fork hashes the rest of a prompt from where it stopped; merged, its pieces make the rest a memo hit."""
+        codec = TextCodec(tok, 16, 4)
+        text = "".join(words)
+        segments = [TextSegment(text.encode(), codec)]
+        memo = PieceMemo()
+        first = PromptBlocks(segments, size, 1 << 20, root_hash(), memo)
+        first.ensure(stop)
+        fork = first.fork()
+        if fork is None:
+            assert first.done or not first.hashes
+            return
+        fork.complete()
+        assert fork.memo is not None
+        memo.merge(fork.memo)
+        assert first.complete() == block_hashes(tok.encode_text(text), size)
+        codec.encoded = 0
+        again = PromptBlocks(segments, size, 1 << 20, root_hash(), memo)
+        assert again.complete() == first.hashes
+        assert codec.encoded == 0
+
+    def test_growing_tokenizes_at_most_one_fine_piece(self, tok: Any) -> None:
+        """Each grow() step tokenizes at most one fine piece, so a caller that stops early pays little."""
+        codec = TextCodec(tok, 64, 8)
+        text = " ".join(f"word{i} and more" for i in range(300))
+        blocks = PromptBlocks([TextSegment(text.encode(), codec)], 4, 1 << 20, root_hash(), PieceMemo())
+        steps = 0
+        while blocks.grow():
+            steps += 1
+            assert codec.encoded <= steps
+        assert codec.encoded > 100 and blocks.hashes == block_hashes(tok.encode_text(text), 4)
+
+
+class TextCodec:
+    """A `PieceCodec` over a model tokenizer with its own piece sizes, counting the pieces it tokenizes."""
+
+    def __init__(self, tok: Any, piece_bytes: int, fine_bytes: int) -> None:
+        self.tok = tok
+        self.piece_bytes = piece_bytes
+        self.fine_bytes = fine_bytes
+        self.encoded = 0
+
+    def cut(self, data: bytes, start: int, size: int) -> int:
+        return int(self.tok.cut(data, start, size))
+
+    def encode(self, data: bytes, start: int, end: int) -> bytes:
+        self.encoded += 1
+        return token_bytes(token_array(self.tok.encode_text(data[start:end].decode())))
+
+    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
+        return None
+
+
+class TestPieceMemo:
+    def test_bounded_by_blocks_and_entries(self) -> None:
+        """The memo never holds more block hashes or entries than its bounds; the least recently used go first."""
+        memo = PieceMemo(max_blocks=10, max_entries=3)
+        for key in range(5):
+            memo.put(key, array("Q", [key] * 4), b"", 4)
+        assert memo.blocks <= 10 and len(memo) <= 3
+        assert 4 in memo and 0 not in memo
+        memo.get(3)
+        memo.put(9, array("Q", [1]), b"", 1)
+        assert 3 in memo and memo.blocks <= 10
+
+    def test_merge_adds_only_new_entries(self) -> None:
+        """Merging a prefetch's memo adds its new pieces and keeps the existing ones."""
+        memo, other = PieceMemo(), PieceMemo()
+        memo.put(1, array("Q", [5]), b"x", 1)
+        other.put(1, array("Q", [6]), b"y", 1)
+        other.put(2, array("Q", [7]), b"", 1)
+        assert memo.merge(other) == 1
+        got = memo.get(1)
+        assert got is not None and list(got[0]) == [5]
 
 
 class TestBlockIndex:
@@ -188,6 +293,27 @@ class TestBlockIndex:
         assert index.block_size == 4 and len(index) == 0
 
 
+class TestPrefixClosure:
+    @settings(max_examples=200)
+    @given(
+        records=st.lists(st.tuples(st.sampled_from("ab"), st.lists(st.integers(0, 2), max_size=12)), max_size=30),
+        capacity=st.integers(1, 12),
+    )
+    def test_records_keep_every_backend_prefix_closed(self, records: list[tuple[str, list[int]]], capacity: int) -> None:
+        """After any approximate records and evictions, a backend holding a block holds every block before it."""
+        index = BlockIndex(block_size=1, capacity_blocks=capacity)
+        parent: dict[int, int | None] = {}
+        for backend, tokens in records:
+            hashes = block_hashes(tokens, 1)
+            for i, h in enumerate(hashes):
+                parent[h] = hashes[i - 1] if i else None
+            index.record(backend, hashes)
+        for backend in "ab":
+            for h, before in parent.items():
+                if before is not None and index.holds(backend, h):
+                    assert index.holds(backend, before)
+
+
 class IndexMachine(RuleBasedStateMachine):
     """Random records and exact events against a simple model: per backend, an LRU list of hashes."""
 
@@ -274,6 +400,14 @@ class TestRecentDecisions:
         for i in range(3):
             recent.add(f"r{i}", 1, [i])
         assert len(recent) == 2 and 0 not in recent.holders
+
+    def test_extend_adds_blocks_until_the_request_ends(self) -> None:
+        """Blocks added to a remembered request are held with it and forgotten with it."""
+        recent = RecentDecisions()
+        recent.add("r1", 2, [10])
+        assert recent.extend("r1", [11, 12]) and recent.holders == {10: 2, 11: 2, 12: 2}
+        recent.discard("r1")
+        assert recent.holders == {} and not recent.extend("r1", [13])
 
     def test_drop_bit(self) -> None:
         """Dropping a backend's bit forgets its entries only."""

@@ -8,7 +8,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvroute_tokenizer_prefix import TokenizerPrefix, block_hashes, prompt_ids
 
 import kvroute
@@ -110,14 +113,25 @@ class TestAffinity:
         for lease_ in cold:
             router.release(lease_)
 
-    def test_hot_system_prompt_never_exceeds_the_cap(self, strategy: TokenizerPrefix) -> None:
+    def test_hot_system_prompt_never_exceeds_the_cap(self, model_dir: Path) -> None:
         """Requests that all share one hot prefix spread once its home is at the load_factor cap."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=0)
         router = make_router(strategy, 4)
         leases = [router.acquire(request(chat(f"question {i}"))) for i in range(40)]
         loads = sorted(s.in_flight for s in router.fleet)
         # ceil(1.25 * 40 / 4) = 13: no backend above the cap, spills counted.
         assert max(loads) <= 13 and sum(loads) == 40
         assert strategy.reasons["spilled"] > 0
+        for lease in leases:
+            router.release(lease)
+
+    def test_min_capacity_is_a_floor_under_the_cap(self, model_dir: Path) -> None:
+        """Below min_capacity requests in flight a backend is never full, so a hot prefix stays home that long."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16, load_cost_tokens=0)
+        router = make_router(strategy, 4)
+        leases = [router.acquire(request(chat(f"question {i}"))) for i in range(40)]
+        loads = sorted(s.in_flight for s in router.fleet)
+        assert loads[-1] == 16 and sum(loads) == 40  # max(16, ceil(1.25 * 40 / 4) = 13)
         for lease in leases:
             router.release(lease)
 
@@ -221,6 +235,149 @@ class TestBursts:
         assert strategy.index.match(block_hashes(ids, 16), ["b2"]) == {"b2": len(ids) // 16}
 
 
+@attrs.define
+class EagerTokenizerPrefix(TokenizerPrefix):
+    """The reference: records every block of a prompt when it is sent (no pending tails)."""
+
+    def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        blocks = self._pending.get(request.request_id)
+        if blocks is not None:
+            blocks.complete()
+        super().on_request_start(request, decision)
+
+
+def document(n: int, words: int = 120) -> str:
+    """Document ``n``: documents share their first sentences in pairs, then differ."""
+    shared = " ".join(f"Shared part {n // 2} sentence {i}." for i in range(words // 8))
+    return shared + " " + " ".join(f"Own part {n} says {i}." for i in range(words // 4))
+
+
+class TestLazyRecording:
+    def test_first_sighting_records_only_what_pick_hashed(self, strategy: TokenizerPrefix) -> None:
+        """Sending a new long prompt records the blocks the decision needed and keeps the rest pending."""
+        router = make_router(strategy)
+        body = chat(document(0) + " Question?")
+        with router.route(request(body)) as lease:
+            home = lease.backend.id
+        total = len(prompt_ids(strategy.prompt_tokenizer, request(body))) // 16
+        assert 0 < strategy.index.blocks(home) < total // 2
+        assert strategy.stats()["pending_tails"] == 1
+
+    def test_second_sighting_matches_every_shared_block(self, model_dir: Path) -> None:
+        """A request sharing a pending prompt's prefix matches all the blocks they share, as if all had been recorded."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), prefetch=False)
+        router = make_router(strategy)
+        first, second = chat(document(0) + " First question?"), chat(document(0) + " Another one?")
+        with router.route(request(first)) as lease:
+            home = lease.backend.id
+        tok = strategy.prompt_tokenizer
+        a, b = block_hashes(prompt_ids(tok, request(first)), 16), block_hashes(prompt_ids(tok, request(second)), 16)
+        shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        decision = router.decide(request(second))[0]
+        assert decision.backend.id == home and decision.detail["matched_tokens"] == shared * 16 > 1000
+        assert strategy.stats()["tails_extended"] == 1
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(
+        ops=st.lists(
+            st.tuples(st.integers(0, 5), st.integers(0, 2), st.booleans(), st.integers(0, 2)), min_size=1, max_size=24
+        ),
+        fine=st.integers(4, 64),
+    )
+    def test_lazy_recording_decides_like_eager_recording(self, model_dir: Path, ops: list[tuple[int, int, bool, int]], fine: int) -> None:
+        """Decisions and matched tokens equal those of recording every block at once, prefetch or not."""
+        options = {"tokenizer": str(model_dir), "piece_bytes": 64, "fine_bytes": fine, "load_cost_tokens": 64}
+        lazy = make_router(TokenizerPrefix(**options), 3)
+        eager = make_router(EagerTokenizerPrefix(**options, prefetch=False), 3)
+        held: list[tuple[kvroute.Lease, kvroute.Lease]] = []
+        for n, (doc, question, release, depth) in enumerate(ops):
+            body = chat(document(doc) + f" Question {question}?", *[f"Turn {t} of {doc}." for t in range(depth)])
+            a = lazy.acquire(request(body, request_id=f"r{n}"))
+            b = eager.acquire(request(body, request_id=f"r{n}"))
+            assert (a.backend.id, a.decision.detail["matched_tokens"]) == (b.backend.id, b.decision.detail["matched_tokens"])
+            assert a.decision.detail["best_matched_tokens"] == b.decision.detail["best_matched_tokens"]
+            held.append((a, b))
+            if release:
+                x, y = held.pop(0)
+                lazy.release(x)
+                eager.release(y)
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        sent=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 3)), max_size=12),
+        query=st.tuples(st.integers(0, 5), st.integers(0, 3)),
+        capacity=st.integers(4, 400),
+    )
+    def test_bisection_counts_like_a_full_walk(
+        self, sent: list[tuple[int, int, int]], query: tuple[int, int], capacity: int
+    ) -> None:
+        """On the router's own (prefix-closed) records, the bisecting match equals looking up every block."""
+        strategy = TokenizerPrefix(block_size=4, capacity_blocks=capacity, prefetch=False)
+        router = make_router(strategy, 4)
+        cands = list(router.fleet.candidates("m"))
+
+        def text(doc: int, turns: int) -> dict[str, Any]:
+            return chat(f"doc {doc} " + "word " * 30, *[f"turn {t} of {doc} " + "more " * 10 for t in range(turns)], system="sys")
+
+        for backend, doc, turns in sent:
+            strategy.index.record(f"b{backend}", strategy.prompt_blocks(request(text(doc, turns))).complete())
+        blocks = strategy.prompt_blocks(request(text(*query)))
+        matched = strategy._match(blocks, cands)
+        expected = strategy.index.match(blocks.complete(), [s.id for s in cands])
+        assert matched == [expected[s.id] for s in cands]
+
+    def test_prefetched_second_sighting_tokenizes_almost_nothing(self, model_dir: Path) -> None:
+        """Once the prefetch thread has hashed a pending prompt, a request sharing it needs no tokenization for the shared part."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir))
+        router = make_router(strategy)
+        with router.route(request(chat(document(1, 600) + " First question?"))):
+            pass
+        assert strategy.wait_prefetched(timeout=30)
+        assert strategy.stats()["prefetched_pieces"] >= 2
+        tok: Any = strategy.prompt_tokenizer
+        misses = tok.misses
+        decision = router.decide(request(chat(document(1, 600) + " Second question?")))[0]
+        assert decision.detail["matched_tokens"] > 3000
+        assert tok.misses - misses <= 3  # the pieces where the two questions differ
+
+    def test_exact_backend_tails_end_with_their_request(self, strategy: TokenizerPrefix) -> None:
+        """A pending tail sent to an exact-mode backend feeds its recent decision and goes when the request ends."""
+        router = make_router(strategy)
+        for i in range(4):
+            strategy.index.set_exact(f"b{i}")
+        lease = router.acquire(request(chat(document(2) + " Question?")))
+        assert strategy.stats()["pending_tails"] == 1 and len(strategy.index) == 0
+        sibling = router.acquire(request(chat(document(2) + " Other question?")))
+        assert sibling.backend.id == lease.backend.id and sibling.decision.detail["matched_tokens"] > 1000
+        router.release(lease)
+        router.release(sibling)
+        assert strategy.stats()["pending_tails"] == 0 and len(strategy.recent) == 0
+
+    def test_removed_backend_drops_its_tails(self, strategy: TokenizerPrefix) -> None:
+        """Removing a backend forgets the pending tails sent to it."""
+        router = make_router(strategy)
+        with router.route(request(chat(document(3) + " Question?"))) as lease:
+            home = lease.backend.id
+        router.fleet.remove(home)
+        assert strategy.stats()["pending_tails"] == 0
+
+    def test_pending_tails_are_bounded(self, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """At most MAX_TAILS prompts (and MAX_TAIL_BYTES of their text) stay pending; the oldest go first."""
+        import kvroute_tokenizer_prefix.strategy as module
+
+        monkeypatch.setattr(module, "MAX_TAILS", 5)
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), prefetch=False)
+        router = make_router(strategy)
+        for i in range(12):
+            with router.route(request(chat(document(10 + i)))):
+                pass
+        assert strategy.stats()["pending_tails"] == 5
+        monkeypatch.setattr(module, "MAX_TAIL_BYTES", 1)
+        with router.route(request(chat(document(40)))):
+            pass
+        assert strategy.stats()["pending_tails"] == 0 and strategy.stats()["pending_tail_bytes"] == 0
+
+
 class TestFleetAndBlockSize:
     def test_removed_backend_is_forgotten(self, strategy: TokenizerPrefix) -> None:
         """A backend removed from the fleet loses its index entries."""
@@ -273,11 +430,11 @@ class TestConformanceModel(StrategyConformance):
 
 
 TestScalingWords = ScalingStateMachine.for_strategy(
-    "tokenizer-prefix", claims=Claims(load_factor=1.25), max_examples=8, steps=20, keys=400
+    "tokenizer-prefix", claims=Claims(load_factor=1.25, min_capacity=16), max_examples=8, steps=20, keys=400
 ).TestCase
 TestScalingSmallBlocks = ScalingStateMachine.for_strategy(
     "tokenizer-prefix",
-    {"block_size": 2, "key_blocks": 1, "load_factor": 2.0},
+    {"block_size": 2, "key_blocks": 1, "load_factor": 2.0, "min_capacity": 0},
     claims=Claims(load_factor=2.0),
     max_examples=8,
     steps=20,

@@ -8,27 +8,94 @@ Token ids are hashed as little-endian unsigned 64-bit integers.
 
 These are the router's own hashes, never the engine's (vLLM seeds its hashes per process):
 KV events are mapped onto them by recomputing from the events' token ids.
+
+`PromptBlocks` computes one prompt's hashes lazily, from *segments*: arrays of token ids,
+and `TextSegment` s that a `PieceCodec` (the tokenizer) cuts into pieces and tokenizes.
+Text is walked at two granularities:
+
+* *pieces* of at least ``piece_bytes``: with a memo, a piece whose whole prefix (every byte
+  and id before it, the root, the block size) was hashed before is applied from the memo: one
+  hash of its bytes and one dictionary lookup, no tokenization, no block hashing;
+* *fine pieces* of at least ``fine_bytes`` inside a piece that missed: each is tokenized on its
+  own (the codec caches their ids) and hashed, and the caller regains control after each, so
+  a prompt nobody has seen costs its first fine piece or so, not its whole text.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import xxhash
 
+from kvroute.errors import InvalidRequest
 from kvroute.hashing import hash_parts
-from kvroute_tokenizer_prefix.tokenizer import token_array, token_bytes
 
-__all__ = ["PromptBlocks", "block_hashes", "root_hash"]
+__all__ = [
+    "PieceCodec",
+    "PieceMemo",
+    "PromptBlocks",
+    "Segment",
+    "TextSegment",
+    "block_hashes",
+    "ids_from_bytes",
+    "iter_pieces",
+    "root_hash",
+    "token_array",
+    "token_bytes",
+]
+
+_BIG_ENDIAN = sys.byteorder == "big"
+_MAX_TOKEN_ID = (1 << 64) - 1
 
 _ROOT_TAG = "kvroute-blocks/1"
+# Id segments chain with another seed than text pieces, so that text bytes equal to some ids' bytes never alias.
+_IDS_SEED = 0x9E37_79B9_7F4A_7C15
+# Token-id segments are hashed this many blocks at a time between two chances to stop.
+_ID_STEP_BLOCKS = 64
 
 
+def token_array(ids: Sequence[int] | array[int]) -> array[int]:
+    """Ids as an unsigned 64-bit array; raises `InvalidRequest` for ids outside 0..2**64-1."""
+    try:
+        return array("Q", ids)
+    except (OverflowError, TypeError):
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID), None)
+        raise InvalidRequest(
+            f"token ids must be integers between 0 and 2**64-1 (got {bad!r}).", param="prompt"
+        ) from None
+
+
+def token_bytes(ids: array[int]) -> bytes:
+    """The little-endian bytes that block hashes are computed over (the same on every machine)."""
+    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
+        ids = array("Q", ids)
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def ids_from_bytes(data: bytes) -> array[int]:
+    """The inverse of `token_bytes`."""
+    ids = array("Q")
+    ids.frombytes(data)
+    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
+        ids.byteswap()
+    return ids
+
+
+@functools.lru_cache(maxsize=1024)
 def root_hash(lora: str | None = None, cache_salt: str | None = None) -> int:
     """The seed of a prompt's first block: LoRA adapter and ``cache_salt`` are part of its key."""
     return hash_parts(_ROOT_TAG, lora, cache_salt)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chain_seed(root: int, block_size: int) -> int:
+    return hash_parts(_ROOT_TAG, root, block_size)
 
 
 def block_hashes(
@@ -57,36 +124,152 @@ def block_hashes(
     return out
 
 
-#: Memo of hashed pieces: chain key -> (hashes of the blocks the piece completes, leftover bytes, ids in it).
-Memo = "OrderedDict[int, tuple[tuple[int, ...], bytes, int]]"
+class PieceCodec(Protocol):
+    """How a tokenizer cuts text into pieces and tokenizes them, for `PromptBlocks`.
+
+    Cutting a text at any offset ``cut`` returns, tokenizing the pieces one by one must give
+    exactly the ids of tokenizing the whole text (the tokenizer checks this for itself).
+    """
+
+    #: Least size of a memoized piece (the unit a prefix seen before is skipped by).
+    piece_bytes: int
+    #: Least size of a piece tokenized on its own (the unit of tokenization work).
+    fine_bytes: int
+
+    def cut(self, data: bytes, start: int, size: int) -> int:
+        """The end of the piece that starts at ``start``: a boundary at or after ``start + size``, else ``len(data)``."""
+        ...
+
+    def encode(self, data: bytes, start: int, end: int) -> bytes:
+        """The ids of ``data[start:end]`` as little-endian unsigned 64-bit integers (see `token_bytes`)."""
+        ...
+
+    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
+        """The ids of ``data[start:end]`` if they are at hand without tokenizing, else ``None``."""
+        ...
+
+
+class TextSegment:
+    """UTF-8 text that ``codec`` tokenizes piece by piece."""
+
+    __slots__ = ("codec", "data")
+
+    def __init__(self, data: bytes, codec: PieceCodec) -> None:
+        self.data = data
+        self.codec = codec
+
+    def __repr__(self) -> str:
+        return f"TextSegment({len(self.data)} bytes)"
+
+
+#: What a prompt is made of: token ids as they are, or text to tokenize.
+Segment = "array[int] | TextSegment"
+
+class PieceMemo:
+    """Hashed pieces by chain key: ``key -> (hashes of the blocks the piece completes, leftover bytes, ids in it)``.
+
+    Least recently used first out, bounded by the block hashes it holds (8 bytes each, in
+    arrays) and by its number of entries (about 150 bytes each). Not thread-safe: the strategy
+    uses it under its lock.
+    """
+
+    __slots__ = ("_data", "blocks", "max_blocks", "max_entries")
+
+    def __init__(self, max_blocks: int = 1 << 20, max_entries: int = 1 << 16) -> None:
+        self._data: OrderedDict[int, tuple[array[int], bytes, int]] = OrderedDict()
+        #: Block hashes held in all entries.
+        self.blocks = 0
+        self.max_blocks = max_blocks
+        self.max_entries = max_entries
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._data
+
+    def get(self, key: int) -> tuple[array[int], bytes, int] | None:
+        """The entry of ``key`` (now the most recently used), or ``None``."""
+        found = self._data.get(key)
+        if found is not None:
+            self._data.move_to_end(key)
+        return found
+
+    def put(self, key: int, hashes: array[int], tail: bytes, count: int) -> None:
+        """Remember a piece (the oldest entries go when a bound is passed)."""
+        data = self._data
+        if key in data:
+            return
+        data[key] = (hashes, tail, count)
+        self.blocks += len(hashes)
+        while self.blocks > self.max_blocks or len(data) > self.max_entries:
+            _, (old, _, _) = data.popitem(last=False)
+            self.blocks -= len(old)
+
+    def merge(self, other: PieceMemo) -> int:
+        """Add ``other``'s entries (a prefetch's); returns how many were new."""
+        added = 0
+        for key, (hashes, tail, count) in other._data.items():
+            if key not in self._data:
+                self.put(key, hashes, tail, count)
+                added += 1
+        return added
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._data.clear()
+        self.blocks = 0
+
+
+def iter_pieces(codec: PieceCodec, data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
+    """The fine pieces of ``data`` from ``start`` (a piece boundary) as ``(start, end, piece end)``.
+
+    Exactly the cuts `PromptBlocks` makes: pieces of ``piece_bytes``, each cut into fine
+    pieces of ``fine_bytes`` (the last one ends where its piece ends).
+    """
+    n = len(data)
+    cut = codec.cut
+    coarse, fine = codec.piece_bytes, codec.fine_bytes
+    pos = start
+    while pos < n:
+        end = cut(data, pos, coarse)
+        f = pos
+        while f < end:
+            e = cut(data, f, fine) if fine < end - f else end
+            if e > end:
+                e = end
+            yield f, e, end
+            f = e
+        pos = end
 
 
 class PromptBlocks:
-    """One request's block hashes, computed lazily from a stream of token chunks.
+    """One request's block hashes, computed lazily from its segments.
 
-    ``hashes`` grows as :meth:`grow` pulls chunks; ``tokens`` counts the ids seen so far.
-    Hashing stops at ``max_blocks`` full blocks (the ``max_prefix_tokens`` bound).
+    ``hashes`` grows as :meth:`grow` advances; ``tokens`` counts the ids seen so far. Hashing
+    stops at ``max_blocks`` full blocks (the ``max_prefix_tokens`` bound). Each :meth:`grow`
+    tokenizes at most one fine piece (or hashes at most 64 blocks of token ids), first, and
+    then applies every memoized piece and every fine piece whose ids are cached that follow,
+    so a caller stops paying as soon as it knows enough.
 
-    With a ``memo``, keyed pieces (see `kvroute_tokenizer_prefix.tokenizer.Keyed`) are looked
-    up by a chain key (the root, the block size and every piece's key so far): a prefix seen
-    before costs a dictionary lookup per piece, neither tokenization nor hashing.
+    With a ``memo``, pieces are looked up by a chain key (the root, the block size and every
+    byte and id before and in the piece): a prefix seen before costs one lookup per piece.
     """
 
     __slots__ = (
-        "_chain", "_chunks", "_done", "_h", "_memo", "_memo_size", "_step", "_tail",
-        "block_size", "hashes", "max_blocks", "root", "tokens",
+        "_done", "_gen", "_h", "_memo", "_resume", "_segments", "_step", "_tail",
+        "block_size", "hashes", "max_blocks", "pace", "root", "tokens",
     )
 
     def __init__(
         self,
-        chunks: Iterator[array[int] | tuple[int, Callable[[], array[int]]]],
+        segments: Iterable[array[int] | TextSegment],
         block_size: int,
         max_blocks: int,
         root: int,
-        memo: OrderedDict[int, tuple[tuple[int, ...], bytes, int]] | None = None,
-        memo_size: int = 32_768,
+        memo: PieceMemo | None = None,
     ) -> None:
-        self._chunks = chunks
+        self._segments = list(segments)
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.root = root
@@ -95,10 +278,13 @@ class PromptBlocks:
         self._tail = b""
         self._done = False
         self._memo = memo
-        self._memo_size = memo_size
-        self._chain: int | None = hash_parts(_ROOT_TAG, root, block_size) if memo is not None else None
+        #: Where the piece being hashed started: (segment, offset, chain key, hash, leftover bytes, hashes so far).
+        self._resume: tuple[int, int, int, int, bytes, int] | None = None
         self.hashes: list[int] = []
         self.tokens = 0
+        #: Also pause after every piece (a background thread hashing ahead hands the GIL back there).
+        self.pace = False
+        self._gen = self._run(0, 0, _chain_seed(root, block_size) if memo is not None else None)
 
     @property
     def done(self) -> bool:
@@ -106,58 +292,16 @@ class PromptBlocks:
         return self._done
 
     def grow(self) -> bool:
-        """Pull the next chunk and hash the blocks it completes; False once nothing is left."""
+        """Advance by one step; False once nothing is left (the last step may still have added hashes)."""
         if self._done:
             return False
-        chunk = next(self._chunks, None)
-        if chunk is None:
+        try:
+            next(self._gen)
+        except StopIteration:
             self._done = True
-            return False
-        chain: int | None = None
-        if isinstance(chunk, tuple):
-            key, load = chunk
-            if self._chain is not None:
-                chain = self._chain = xxhash.xxh3_64_intdigest(key.to_bytes(8, "little"), self._chain)
-                hit = self._memo.get(chain) if self._memo is not None else None
-                if hit is not None:
-                    new, tail, count = hit
-                    self.tokens += count
-                    if new:
-                        self.hashes.extend(new)
-                        self._h = new[-1]
-                    self._tail = tail
-                    if len(self.hashes) >= self.max_blocks:
-                        del self.hashes[self.max_blocks :]
-                        self._done = True
-                    return not self._done
-            ids = load()
-        else:
-            self._chain = None  # plain ids have no key: nothing after them is memoized
-            ids = chunk
-        self.tokens += len(ids)
-        data = self._tail + token_bytes(ids) if self._tail else token_bytes(ids)
-        view = memoryview(data)
-        step = self._step
-        room = (self.max_blocks - len(self.hashes)) * step
-        full = len(data) - len(data) % step
-        usable = min(full, room)
-        h = self._h
-        digest = xxhash.xxh3_64_intdigest
-        first = len(self.hashes)
-        append = self.hashes.append
-        for offset in range(0, usable, step):
-            h = digest(view[offset : offset + step], h)
-            append(h)
-        self._h = h
-        self._tail = bytes(view[usable:])
-        if chain is not None and usable == full and self._memo is not None:
-            memo = self._memo
-            memo[chain] = (tuple(self.hashes[first:]), self._tail, len(ids))
-            if len(memo) > self._memo_size:
-                memo.popitem(last=False)
-        if len(self.hashes) >= self.max_blocks:
-            self._done = True
-            self._tail = b""
+        except BaseException:
+            self._done = True  # a generator that raised cannot resume
+            raise
         return not self._done
 
     def ensure(self, count: int) -> None:
@@ -174,3 +318,161 @@ class PromptBlocks:
     def tail_key(self) -> int:
         """A key for a prompt shorter than one block: the root and its leftover tokens."""
         return xxhash.xxh3_64_intdigest(self._tail, self.root)
+
+    def text_bytes(self) -> int:
+        """Bytes of text and ids this object holds on to (what keeping it pending costs)."""
+        return sum(len(s.data) if isinstance(s, TextSegment) else 8 * len(s) for s in self._segments)
+
+    def fork(self) -> PromptBlocks | None:
+        """A copy that hashes the rest of the prompt from the start of the piece this one is in, into its own memo.
+
+        The copy shares nothing mutable with this one (the segments are read only), so
+        another thread may run it: its `memo` then holds every piece of the rest of the
+        prompt, ready to be merged into the shared one. ``None`` when there is nothing to
+        hash ahead (done, no memo, or inside token ids).
+        """
+        if self._done or self._resume is None or self._memo is None:
+            return None
+        segment, pos, chain, h, tail, count = self._resume
+        other = PromptBlocks.__new__(PromptBlocks)
+        other._segments = self._segments
+        other.block_size = self.block_size
+        other.max_blocks = self.max_blocks - count
+        other.root = self.root
+        other._step = self._step
+        other._h = h
+        other._tail = tail
+        other._done = False
+        other._memo = PieceMemo(max_blocks=1 << 62, max_entries=1 << 62)
+        other._resume = None
+        other.hashes = []
+        other.tokens = 0
+        other.pace = False
+        other._gen = other._run(segment, pos, chain)
+        return other
+
+    @property
+    def memo(self) -> PieceMemo | None:
+        """The memo pieces are looked up in and stored to."""
+        return self._memo
+
+    def remaining_text(self) -> list[tuple[TextSegment, int]]:
+        """Text not hashed yet: each text segment with the offset of the piece hashing is in."""
+        if self._done or self._resume is None:
+            return []
+        segment, pos = self._resume[0], self._resume[1]
+        out = []
+        for i in range(segment, len(self._segments)):
+            seg = self._segments[i]
+            if isinstance(seg, TextSegment):
+                out.append((seg, pos if i == segment else 0))
+        return out
+
+    # -- the engine ------------------------------------------------------------------------
+
+    def _absorb(self, data: bytes) -> bool:
+        """Hash the blocks ``data`` (token bytes) completes; True once ``max_blocks`` is reached."""
+        self.tokens += len(data) >> 3
+        if self._tail:
+            data = self._tail + data
+        step = self._step
+        hashes = self.hashes
+        room = (self.max_blocks - len(hashes)) * step
+        usable = len(data) - len(data) % step
+        if usable >= room:
+            usable = room
+        if usable:
+            view = memoryview(data)
+            h = self._h
+            digest = xxhash.xxh3_64_intdigest
+            append = hashes.append
+            for offset in range(0, usable, step):
+                h = digest(view[offset : offset + step], h)
+                append(h)
+            self._h = h
+        if usable == room:
+            self._tail = b""
+            return True
+        self._tail = data[usable:]
+        return False
+
+    def _run(self, start: int, start_pos: int, chain: int | None) -> Iterator[None]:
+        memo = self._memo
+        # The memo's dictionary, used directly on the hot path (one method call less per piece).
+        entries = memo._data if memo is not None else None
+        hashes = self.hashes
+        digest = xxhash.xxh3_64_intdigest
+        if self.max_blocks <= 0:
+            return
+        for number in range(start, len(self._segments)):
+            segment = self._segments[number]
+            if not isinstance(segment, TextSegment):
+                self._resume = None
+                data = token_bytes(segment)
+                if chain is not None:
+                    chain = digest(data, chain ^ _IDS_SEED)
+                chunk = _ID_STEP_BLOCKS * self._step
+                for offset in range(0, len(data), chunk):
+                    if offset:
+                        yield  # the caller may stop before the next blocks are hashed
+                    if self._absorb(data[offset : offset + chunk]):
+                        return
+                continue
+            text = segment.data
+            codec = segment.codec
+            cut = codec.cut
+            encode = codec.encode
+            cached = codec.cached
+            coarse, fine = codec.piece_bytes, codec.fine_bytes
+            view = memoryview(text)
+            n = len(text)
+            pos = start_pos if number == start else 0
+            while pos < n:
+                end = cut(text, pos, coarse)
+                key: int | None = None
+                if chain is not None and entries is not None:
+                    key = digest(view[pos:end], chain)
+                    hit = entries.get(key)
+                    if hit is not None:
+                        entries.move_to_end(key)
+                        new, self._tail, count = hit
+                        self.tokens += count
+                        if new:
+                            hashes.extend(new)
+                            self._h = new[-1]
+                            if len(hashes) >= self.max_blocks:
+                                del hashes[self.max_blocks :]
+                                self._tail = b""
+                                return
+                        chain = key
+                        pos = end
+                        if self.pace:
+                            yield
+                        continue
+                    self._resume = (number, pos, chain, self._h, self._tail, len(hashes))
+                first = len(hashes)
+                before = self.tokens
+                ready: list[bytes] = []  # ids of fine pieces not absorbed yet
+                f = pos
+                while f < end:
+                    e = cut(text, f, fine) if fine < end - f else end
+                    if e > end:
+                        e = end
+                    ids = cached(text, f, e)
+                    if ids is None:
+                        if ready:
+                            if self._absorb(b"".join(ready)):
+                                return
+                            ready = []
+                        yield  # the caller may stop here, before paying for tokenization
+                        ids = encode(text, f, e)
+                    ready.append(ids)
+                    f = e
+                if ready and self._absorb(b"".join(ready)):
+                    return
+                if key is not None and memo is not None:
+                    memo.put(key, array("Q", hashes[first:]), self._tail, self.tokens - before)
+                chain = key
+                pos = end
+                if self.pace:
+                    yield

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 import structlog
@@ -127,6 +127,11 @@ class BlockIndex:
         """Whether ``backend``'s blocks come from KV events."""
         return backend in self._exact
 
+    @property
+    def exact_backends(self) -> frozenset[str] | set[str]:
+        """The backends whose blocks come from KV events (read only)."""
+        return self._exact
+
     # -- reading -------------------------------------------------------------------------
 
     def blocks(self, backend: str) -> int:
@@ -203,18 +208,25 @@ class BlockIndex:
         self._engine.pop(backend, None)
 
     def record(self, backend: str, hashes: Sequence[int]) -> None:
-        """Approximate update: ``backend`` was sent a prompt with these blocks (first block most recent)."""
+        """Approximate update: ``backend`` was sent a prompt with these blocks (first block most recent).
+
+        ``hashes`` must be a prompt's hashes from its first block on. Every block is then more
+        recent than the blocks after it in any prompt, so eviction takes tails first and an
+        approximate backend's blocks stay *prefix-closed*: holding a block means holding
+        every block before it (the strategy's matching relies on it).
+        """
         with self.lock:
             bit = self.bit(backend)
             lru = self._lru_of(backend)
             holders = self.holders
-            move = lru.move_to_end
-            for h in reversed(hashes):
-                if h in lru:
-                    move(h)
-                else:
-                    lru[h] = None
-                    holders[h] = holders.get(h, 0) | bit
+            new = [h for h in hashes if h not in lru]
+            if new:
+                get = holders.get
+                for h in new:
+                    holders[h] = get(h, 0) | bit
+                lru.update(dict.fromkeys(new))
+            # Moving every block to the end in reverse order leaves the first block the most recent.
+            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
             self._evict(backend, lru, bit)
 
     def blocks_stored(
@@ -345,6 +357,22 @@ class RecentDecisions:
                 holders[h] = holders.get(h, 0) | bit
         while len(self._entries) > self.max_entries:
             self.discard(next(iter(self._entries)))
+
+    def extend(self, request_id: str, hashes: Sequence[int]) -> bool:
+        """Add blocks to a remembered request (its prompt was hashed further); False if it is gone."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        expires, bit, old = entry
+        self._entries[request_id] = (expires, bit, (*old, *hashes))
+        counts, holders = self._counts, self.holders
+        for h in hashes:
+            key = (h, bit)
+            n = counts.get(key, 0)
+            counts[key] = n + 1
+            if not n:
+                holders[h] = holders.get(h, 0) | bit
+        return True
 
     def discard(self, request_id: str) -> None:
         """Forget a request (it finished, or the engine has reported its blocks)."""

@@ -1,14 +1,15 @@
-"""The ``tokenizer-prefix`` strategy: the backend that holds most of the prompt's KV blocks, within the load cap.
+"""The ``tokenizer-prefix`` strategy: send a request to the backend that holds most of the prompt's KV blocks, within the load cap.
 
 Per request (``pick``, under the router's lock, no I/O):
 
 1. Tokens: the client's ``token_ids`` as they are, else the prompt as the engine builds it
    (chat template + the model's tokenizer, or the word-level fallback), lazily, piece by piece.
 2. Blocks: chained hashes of full ``block_size`` blocks, LoRA and ``cache_salt`` in the first
-   block's key, at most ``max_prefix_tokens`` tokens.
+   block's key, at most ``max_prefix_tokens`` tokens. Pieces whose whole prefix was hashed
+   before come from a memo.
 3. Match: for each candidate, how many leading blocks it holds (index of what the router sent
    or what KV events reported, plus recent decisions). Hashing stops as soon as no candidate
-   can match further, so a prompt nobody has seen costs its first piece only.
+   can match further, so a prompt nobody has seen costs its first fine piece or so.
 4. Choice:
    * no candidate holds even the first block: bounded consistent hashing of the first
      ``key_blocks`` blocks, by the ``bounded-load`` plugin (cold prompts spread evenly and every
@@ -18,15 +19,24 @@ Per request (``pick``, under the router's lock, no I/O):
      ``bounded-load`` plugin's `choose` takes the first with room under ``load_factor`` /
      ``concurrency_threshold``, else the least loaded.
 
-After the router sends the request (``on_request_start``) the remaining blocks are hashed and
-recorded for that backend, so later requests sharing the prefix, including a burst that
-arrives together, find it there.
+When the router sends the request (``on_request_start``) the blocks ``pick`` hashed are
+recorded for that backend at once. The rest of the prompt is not tokenized then: it is kept
+as a *pending tail* of that backend, keyed by the last recorded block. A later request whose
+match reaches that block on that backend extends the tail exactly as far as the two prompts
+agree (the shared pieces are tokenized once, for both) and records those blocks before
+matching on. So a prompt's first sighting costs about what its ``pick`` cost, a prompt never
+shared is never tokenized in full, and a burst of siblings still co-locates: the second
+sibling finds the first one's blocks. With ``prefetch`` on, a background thread tokenizes
+pending tails ahead of time, so that extending one usually finds its pieces cached.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import accumulate, repeat
+from operator import and_, or_
 from typing import Any
 
 import attrs
@@ -45,9 +55,10 @@ from kvroute.options import (
     optional_int_option,
     str_option,
 )
-from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
+from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, root_hash
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
-from kvroute_tokenizer_prefix.tokenizer import PromptTokenizer, WordTokenizer, load_tokenizer
+from kvroute_tokenizer_prefix.prefetch import Prefetcher
+from kvroute_tokenizer_prefix.tokenizer import ModelTokenizer, PromptTokenizer, WordTokenizer, load_tokenizer
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "TokenizerPrefix"]
 
@@ -57,6 +68,24 @@ log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
+#: Pending tails kept at most, and the bytes of prompt text they may hold (oldest dropped first).
+MAX_TAILS = 4096
+MAX_TAIL_BYTES = 64 << 20
+#: Pending tails kept per block hash at most (prompts identical up to a block, sent to one backend).
+_MAX_TAILS_PER_BLOCK = 16
+
+
+@attrs.define(eq=False)
+class _Tail:
+    """The part of a prompt not hashed yet when it was sent to ``backend``: extended on demand."""
+
+    blocks: PromptBlocks
+    backend: str
+    bit: int
+    #: For an exact-mode backend: the request whose recent decision gets the blocks (else the index does).
+    request_id: str | None
+    frontier: int
+    size: int
 
 
 @attrs.define
@@ -66,7 +95,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
     ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``load_factor``,
-    ``concurrency_threshold``, ``engine_load``, ``recent_ttl``, ``piece_bytes``, ``cache_tokens``.
+    ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``piece_bytes``,
+    ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
 
     Decisions: ``prefix`` (the best-scoring candidate with matched blocks had room), ``cold``
     (nothing matched: the first blocks' hash home had room), ``spilled`` (a later candidate of
@@ -84,10 +114,14 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     key_blocks: int = int_option(4, min=1, max=4096)
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
+    min_capacity: int = int_option(16, min=0, max=1024)
     engine_load: bool = bool_option(False)
     recent_ttl: float = float_option(30.0, min=0.0, max=86400.0)
-    piece_bytes: int = int_option(512, min=1, max=1 << 20)
-    cache_tokens: int = int_option(1 << 21, min=0, max=1 << 32)
+    piece_bytes: int = int_option(2048, min=1, max=1 << 20)
+    fine_bytes: int = int_option(128, min=1, max=1 << 20)
+    cache_tokens: int = int_option(1 << 19, min=0, max=1 << 32)
+    memo_blocks: int = int_option(1 << 20, min=0, max=1 << 32)
+    prefetch: bool = bool_option(True)
     #: Decisions by reason, since the strategy was built.
     reasons: Counter[str] = attrs.field(factory=Counter, init=False)
     #: Spilled decisions that were started, by spill reason.
@@ -98,7 +132,12 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _placer: BoundedLoad = attrs.field(init=False)
     _pending: OrderedDict[str, PromptBlocks] = attrs.field(init=False, factory=OrderedDict)
     _totals: Counter[str] = attrs.field(factory=Counter, init=False)
-    _memo: OrderedDict[int, tuple[tuple[int, ...], bytes, int]] = attrs.field(init=False, factory=OrderedDict)
+    _memo: PieceMemo = attrs.field(init=False)
+    _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
+    _tails: dict[int, list[_Tail]] = attrs.field(init=False, factory=dict)
+    _tail_lru: OrderedDict[_Tail, None] = attrs.field(init=False, factory=OrderedDict)
+    _tail_of_request: dict[str, _Tail] = attrs.field(init=False, factory=dict)
+    _tail_bytes: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.tokenizer is None or self.tokenizer.strip().lower() in _WORDS:
@@ -109,12 +148,17 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 chat_template=self.chat_template,
                 content_format=self.content_format,
                 piece_bytes=self.piece_bytes,
+                fine_bytes=self.fine_bytes,
                 cache_tokens=self.cache_tokens,
             )
         self._index = BlockIndex(self.block_size or DEFAULT_BLOCK_SIZE, self.capacity_blocks)
         self._recent = RecentDecisions(self.recent_ttl)
+        self._memo = PieceMemo(max_blocks=self.memo_blocks)
         self._placer = BoundedLoad(
-            load_factor=self.load_factor, concurrency_threshold=self.concurrency_threshold, engine_load=self.engine_load
+            load_factor=self.load_factor,
+            concurrency_threshold=self.concurrency_threshold,
+            engine_load=self.engine_load,
+            min_capacity=self.min_capacity,
         )
 
     # -- what adapters and operators use ---------------------------------------------------
@@ -149,17 +193,106 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             "reuse_chosen_tokens": self._totals["chosen"],
             "index_blocks": len(self._index),
             "recent_requests": len(self._recent),
+            "pending_tails": len(self._tail_lru),
+            "pending_tail_bytes": self._tail_bytes,
+            "tails_extended": self._totals["tails_extended"],
+            "tail_blocks_recorded": self._totals["tail_blocks"],
+            "memo_pieces": len(self._memo),
+            "memo_blocks": self._memo.blocks,
+            "prefetched_pieces": self._prefetcher.pieces if self._prefetcher is not None else 0,
+            "prefetch_dropped": self._prefetcher.dropped if self._prefetcher is not None else 0,
         }
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until the prefetch thread has nothing left to do (benchmarks, tests); False on timeout."""
+        return self._prefetcher is None or self._prefetcher.wait_idle(timeout)
 
     def prompt_blocks(self, request: kvroute.RouteRequest) -> PromptBlocks:
         """A lazy view of ``request``'s block hashes with this strategy's settings."""
         return PromptBlocks(
-            self._tok.chunks(request),
+            self._tok.segments(request),
             self._index.block_size,
             max(1, self.max_prefix_tokens // self._index.block_size),
             root_hash(request.lora, request.cache_salt),
             self._memo,
         )
+
+    # -- pending tails -------------------------------------------------------------------
+
+    def _add_tail(self, tail: _Tail) -> None:
+        same = self._tails.setdefault(tail.frontier, [])
+        same.append(tail)
+        if len(same) > _MAX_TAILS_PER_BLOCK:
+            self._drop_tail(same[0])
+        self._tail_lru[tail] = None
+        self._tail_bytes += tail.size
+        if tail.request_id is not None:
+            self._tail_of_request[tail.request_id] = tail
+        while self._tail_lru and (len(self._tail_lru) > MAX_TAILS or self._tail_bytes > MAX_TAIL_BYTES):
+            self._drop_tail(next(iter(self._tail_lru)))
+
+    def _drop_tail(self, tail: _Tail) -> None:
+        if tail not in self._tail_lru:
+            return
+        del self._tail_lru[tail]
+        self._tail_bytes -= tail.size
+        same = self._tails.get(tail.frontier)
+        if same is not None:
+            same.remove(tail)
+            if not same:
+                del self._tails[tail.frontier]
+        if tail.request_id is not None and self._tail_of_request.get(tail.request_id) is tail:
+            del self._tail_of_request[tail.request_id]
+
+    def _clear_tails(self, bit: int | None = None) -> None:
+        for tail in [t for t in self._tail_lru if bit is None or t.bit == bit]:
+            self._drop_tail(tail)
+
+    def _extend_tails(self, blocks: PromptBlocks, at: int, bits: int) -> bool:
+        """Extend the pending tails of ``bits`` that end at block ``at - 1`` of ``blocks`` as far as they agree with it.
+
+        Returns whether one of them holds block ``at`` of ``blocks`` now. Called under the index lock.
+        """
+        found = self._tails.get(blocks.hashes[at - 1])
+        if not found:
+            return False
+        index = self._index
+        progress = False
+        for tail in [t for t in found if t.bit & bits]:
+            self._drop_tail(tail)
+            theirs = tail.blocks
+            exact = index.is_exact(tail.backend)
+            if len(theirs.hashes) != at or theirs.block_size != blocks.block_size or exact != (tail.request_id is not None):
+                continue  # stale: another block size, or the backend switched between exact and approximate mode
+            ours = blocks.hashes
+            j = at
+            try:
+                while True:
+                    if j >= len(theirs.hashes):
+                        if not theirs.grow() and j >= len(theirs.hashes):
+                            break
+                        continue
+                    while j >= len(ours) and blocks.grow():
+                        pass
+                    if j >= len(ours) or ours[j] != theirs.hashes[j]:
+                        break
+                    j += 1
+            except InvalidRequest:
+                continue  # cannot happen for text that was tokenized before; forget the tail
+            new = theirs.hashes[at:]
+            if new:
+                self._totals["tails_extended"] += 1
+                self._totals["tail_blocks"] += len(new)
+                if tail.request_id is not None:
+                    if not self._recent.extend(tail.request_id, new):
+                        continue  # the request finished or expired
+                else:
+                    index.record(tail.backend, theirs.hashes)
+            progress = progress or j > at
+            if not theirs.done and theirs.hashes:
+                tail.frontier = theirs.hashes[-1]
+                self._add_tail(tail)
+        return progress
 
     # -- callbacks -----------------------------------------------------------------------
 
@@ -169,29 +302,47 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             with self._index.lock:
                 bit = self._index.bit(event.backend.id)
                 self._recent.drop_bit(bit)
+                self._clear_tails(bit)
                 self._index.remove_backend(event.backend.id)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if decision.spilled:
             self.spill_reasons[str(decision.detail.get("spill_reason", decision.reason))] += 1
-        blocks = self._pending.pop(request.request_id, None)
-        if blocks is None or blocks.block_size != self._index.block_size:
-            blocks = self.prompt_blocks(request)
-        try:
-            blocks.complete()
-        except InvalidRequest:
-            return  # pick() already placed it by its text
-        backend = decision.backend.id
-        with self._index.lock:
-            if self._index.is_exact(backend):
-                self._recent.add(request.request_id, self._index.bit(backend), tuple(blocks.hashes))
+        index = self._index
+        with index.lock:
+            blocks = self._pending.pop(request.request_id, None)
+            try:
+                if blocks is None or blocks.block_size != index.block_size:
+                    blocks = self.prompt_blocks(request)
+                    blocks.ensure(self.key_blocks)
+                elif not blocks.hashes:
+                    blocks.ensure(1)
+            except InvalidRequest:
+                return  # pick() already placed it by its text
+            backend = decision.backend.id
+            hashes = blocks.hashes
+            exact = index.is_exact(backend)
+            if exact:
+                self._recent.add(request.request_id, index.bit(backend), tuple(hashes))
             else:
-                self._index.record(backend, blocks.hashes)
+                index.record(backend, hashes)
+            if blocks.done or not hashes:
+                return
+            self._add_tail(
+                _Tail(blocks, backend, index.bit(backend), request.request_id if exact else None, hashes[-1], blocks.text_bytes())
+            )
+            if self.prefetch and isinstance(self._tok, ModelTokenizer):
+                if self._prefetcher is None:
+                    self._prefetcher = Prefetcher(index.lock)
+                self._prefetcher.submit(blocks)
 
     def on_request_finish(self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome) -> None:
-        if len(self._recent):
+        if len(self._recent) or self._tail_of_request:
             with self._index.lock:
                 self._recent.discard(request.request_id)
+                tail = self._tail_of_request.get(request.request_id)
+                if tail is not None:
+                    self._drop_tail(tail)
 
     # -- deciding ------------------------------------------------------------------------
 
@@ -206,6 +357,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._recent = RecentDecisions(self.recent_ttl)
             self._pending.clear()
             self._memo.clear()
+            self._clear_tails()
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks) -> int:
         if request.affinity_key is not None:
@@ -215,38 +367,114 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         return blocks.tail_key()
 
     def _match(self, blocks: PromptBlocks, candidates: Sequence[kvroute.BackendState]) -> list[int]:
-        """Leading blocks held by each candidate (index or recent decisions), hashing only as far as needed."""
+        """Leading blocks held by each candidate (index or recent decisions), hashing only as far as needed.
+
+        Where a candidate stops matching, a pending tail of that candidate ending right there
+        is extended first. Backends the index learns about from the router's own records are
+        prefix-closed (see `BlockIndex.record`: holding a block means holding every block
+        before it), so their match lengths are found by bisection; with an exact-mode
+        candidate (KV events may remove any block) every block is looked up.
+        """
         index = self._index
         bits = [index.bit(s.id) for s in candidates]
+        matched = [0] * len(candidates)
+        exact = index.exact_backends
+        if exact and any(s.id in exact for s in candidates):
+            self._walk(blocks, bits, matched)
+        else:
+            self._bisect(blocks, bits, matched)
+        return matched
+
+    def _bisect(self, blocks: PromptBlocks, bits: list[int], matched: list[int]) -> None:
+        get = self._index.holders.get
+        tails = self._tails
+        hashes = blocks.hashes
         alive = 0
         for bit in bits:
             alive |= bit
-        matched = [0] * len(candidates)
-        get = index.holders.get
-        recent = self._recent.holders
-        rget = recent.get
-        hashes = blocks.hashes
-        i = 0
+        i = 0  # every candidate in ``alive`` holds hashes[:i]
         while alive:
-            if i >= len(hashes):
-                blocks.grow()
-                if i >= len(hashes):
+            n = len(hashes)
+            if i >= n:
+                if not blocks.grow() and i >= len(hashes):
                     break
                 continue
-            h = hashes[i]
-            now = alive & (get(h, 0) | rget(h, 0)) if recent else alive & get(h, 0)
-            if now != alive:
-                gone = alive & ~now
+            last = get(hashes[n - 1], 0) & alive
+            if last == alive:
+                i = n
+                continue
+            # Which candidates stop where, between block i - 1 (all of ``alive``) and block n - 1 (``last``).
+            drops: list[tuple[int, int]] = []
+            stack = [(i - 1, n - 1, alive, last)]
+            while stack:
+                lo, hi, above, below = stack.pop()
+                if above == below:
+                    continue
+                if hi - lo == 1:
+                    drops.append((hi, above & ~below))
+                    continue
+                mid = (lo + hi) // 2
+                middle = get(hashes[mid], 0) & above
+                stack.append((lo, mid, above, middle))
+                stack.append((mid, hi, middle, below & middle))
+            drops.sort()
+            for at, lost in drops:
+                if at and tails and hashes[at - 1] in tails and self._extend_tails(blocks, at, lost):
+                    i = at  # the index changed: bisect again from that block
+                    break
                 for j, bit in enumerate(bits):
-                    if gone & bit:
-                        matched[j] = i
-                alive = now
-            i += 1
+                    if lost & bit:
+                        matched[j] = at
+                alive &= ~lost
+            else:
+                i = n
         if alive:
             for j, bit in enumerate(bits):
                 if alive & bit:
-                    matched[j] = i
-        return matched
+                    matched[j] = len(hashes)
+
+    def _walk(self, blocks: PromptBlocks, bits: list[int], matched: list[int]) -> None:
+        get = self._index.holders.get
+        recent = self._recent.holders
+        tails = self._tails
+        hashes = blocks.hashes
+        alive = 0
+        for bit in bits:
+            alive |= bit
+        i = 0  # every candidate in ``alive`` holds hashes[:i]
+        while alive:
+            if i >= len(hashes):
+                if not blocks.grow() and i >= len(hashes):
+                    break
+                continue
+            part = hashes[i:] if i else hashes
+            masks = map(get, part, repeat(0))
+            if recent:
+                masks = map(or_, masks, map(recent.get, part, repeat(0)))
+            running = list(accumulate(masks, and_, initial=alive))
+            # running[k]: the candidates holding hashes[:i + k]; it only ever loses candidates.
+            k = 0
+            last = running[-1]
+            while running[k] != last:
+                now = running[k]
+                k = bisect_left(running, True, k + 1, key=now.__ne__)  # the next block that loses a candidate
+                at = i + k - 1  # the candidates lost there hold ``at`` leading blocks
+                lost = now & ~running[k]
+                if at and tails and hashes[at - 1] in tails and self._extend_tails(blocks, at, lost):
+                    break  # the index changed: walk on from that block
+                for j, bit in enumerate(bits):
+                    if lost & bit:
+                        matched[j] = at
+            else:
+                alive = last
+                i += len(part)
+                continue
+            alive = now
+            i = at
+        if alive:
+            for j, bit in enumerate(bits):
+                if alive & bit:
+                    matched[j] = len(hashes)
 
     def _ranks(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> list[int]:
         placement = self._placer.placement
@@ -266,8 +494,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         with self._index.lock:
             self._sync_block_size(candidates)
-            blocks = self.prompt_blocks(request)
             try:
+                blocks = self.prompt_blocks(request)
                 blocks.ensure(self.key_blocks)
                 key = self._key(request, blocks)
                 matched = self._match(blocks, candidates)
@@ -276,10 +504,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 decision = self._placer.pick(request, candidates)
                 self.reasons["untokenizable"] += 1
                 return attrs.evolve(decision, reason="untokenizable", detail={**decision.detail, "error": str(exc)})
-        self._pending[request.request_id] = blocks
-        self._pending.move_to_end(request.request_id)
-        while len(self._pending) > _MAX_PENDING:
-            self._pending.popitem(last=False)
+            self._pending[request.request_id] = blocks
+            self._pending.move_to_end(request.request_id)
+            while len(self._pending) > _MAX_PENDING:
+                self._pending.popitem(last=False)
         bs = blocks.block_size
         best = max(matched)
         detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens}

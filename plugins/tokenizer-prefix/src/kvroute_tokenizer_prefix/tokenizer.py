@@ -1,8 +1,9 @@
 """The router's tokenizers: the model's own (``tokenizers`` + chat template), or a word-level fallback.
 
-Both turn a `kvroute.RouteRequest` into its prompt token ids the way the engine would, as a
-lazy stream of chunks (`array.array` of unsigned 64-bit ids), so that a caller that only
-needs the first blocks stops early:
+Both turn a `kvroute.RouteRequest` into the *segments* of its prompt the way the engine
+would tokenize it (see `kvroute_tokenizer_prefix.blocks`): token id arrays, and
+`TextSegment` s that they cut and tokenize piece by piece on demand, so that a caller who
+only needs the first blocks stops early:
 
 * ``token_ids`` sent by the client (completions with a token prompt) are used as they are;
 * chat ``messages`` are rendered with the model's chat template and tokenized without adding
@@ -10,27 +11,27 @@ needs the first blocks stops early:
 * a completions text prompt is tokenized with special tokens (a Llama tokenizer's BOS), as
   vLLM's completions endpoint does.
 
-`ModelTokenizer` reuses work across requests: text is cut into pieces that end on
-boundaries where the tokenizer's pre-tokenizer always splits (see `split_points`), each
-piece is tokenized on its own and its ids are cached by the piece's hash. Tokenizing the
-pieces one by one gives exactly the ids of tokenizing the whole text: this is checked when
-the tokenizer is loaded (a self-test on probe texts) and by the test suite; a tokenizer
-whose normalizer or pre-tokenizer could make a piece depend on its neighbours (SentencePiece
-``Prepend``, ``add_prefix_space``...) is tokenized whole instead, without reuse.
+`ModelTokenizer` reuses work across requests: text is cut where the tokenizer's
+pre-tokenizer always splits (see `split_points`), each piece is tokenized on its own and its
+ids are cached by the piece's hash. Tokenizing the pieces one by one gives exactly the ids of
+tokenizing the whole text: this is checked when the tokenizer is loaded (a self-test on probe
+texts) and by the test suite; a tokenizer whose normalizer or pre-tokenizer could make a piece
+depend on its neighbours (SentencePiece ``Prepend``, ``add_prefix_space``...) is tokenized
+whole instead. `ModelTokenizer.warm` tokenizes many pieces per call to the library (which
+releases the GIL meanwhile), for the strategy's background prefetch.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import os
 import random
 import re
-import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ import xxhash
 
 from kvroute.errors import ConfigError, InvalidRequest
 from kvroute.request import RouteRequest
+from kvroute_tokenizer_prefix.blocks import TextSegment, ids_from_bytes, iter_pieces, token_array, token_bytes
 from kvroute_tokenizer_prefix.chat import ChatTemplate, ContentFormat, select_template
 
 __all__ = [
@@ -47,15 +49,14 @@ __all__ = [
     "WordTokenizer",
     "chunk_ids",
     "load_tokenizer",
+    "prompt_ids",
     "resolve_model_files",
+    "segment_ids",
     "split_points",
     "token_array",
 ]
 
 log = structlog.get_logger(__name__)
-
-_BIG_ENDIAN = sys.byteorder == "big"
-_MAX_TOKEN_ID = (1 << 64) - 1
 
 # Where a piece may end (a zero-width match), on the UTF-8 bytes of the text:
 #   before a space that sits between an ASCII letter/digit and an ASCII letter ("abc| def"), or
@@ -64,56 +65,53 @@ _MAX_TOKEN_ID = (1 << 64) - 1
 # and the text on either side cannot join into one pre-token. Non-ASCII neighbours never make a
 # boundary (Unicode whitespace such as U+00A0 would change how the regexes group spaces).
 _BOUNDARY = re.compile(rb"(?<=[A-Za-z0-9])(?= [A-Za-z])|(?<=[!-~]\n)(?=[A-Za-z0-9])")
+_BOUNDARY_SEARCH = _BOUNDARY.search
+
+# The word-level fallback splits on whitespace: cutting right before an ASCII whitespace byte
+# never joins or splits a word.
+_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]")
 
 # Normalizers that act on one character at a time, so that cutting the text between two
 # characters cannot change either side.
 _LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents"}
 
-
-def token_array(ids: Sequence[int] | array[int]) -> array[int]:
-    """Ids as an unsigned 64-bit array; raises `InvalidRequest` for ids outside 0..2**64-1."""
-    try:
-        return array("Q", ids)
-    except (OverflowError, TypeError):
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID), None)
-        raise InvalidRequest(
-            f"token ids must be integers between 0 and 2**64-1 (got {bad!r}).", param="prompt"
-        ) from None
+#: Fine pieces tokenized per call to the ``tokenizers`` library by `ModelTokenizer.warm`.
+_PREFETCH_BATCH = 32
 
 
-def token_bytes(ids: array[int]) -> bytes:
-    """The little-endian bytes that block hashes are computed over (the same on every machine)."""
-    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
-        ids = array("Q", ids)
-        ids.byteswap()
-    return ids.tobytes()
+def chunk_ids(chunk: Sequence[int] | array[int]) -> array[int]:
+    """The ids of a chunk yielded by ``chunks`` / ``text_chunks`` (kept for callers of the old API)."""
+    return chunk if isinstance(chunk, array) else array("Q", chunk)
 
 
-#: A chunk whose ids are computed on demand: ``(stable 64-bit key of its text, loader)``.
-Keyed = tuple[int, Callable[[], "array[int]"]]
-
-
-def chunk_ids(chunk: array[int] | Keyed) -> array[int]:
-    """The ids of a chunk, loading a keyed piece."""
-    return chunk[1]() if isinstance(chunk, tuple) else chunk
+def segment_ids(segment: array[int] | TextSegment) -> array[int]:
+    """All ids of one segment (text tokenized piece by piece, through its codec's cache)."""
+    if not isinstance(segment, TextSegment):
+        return segment
+    data, codec = segment.data, segment.codec
+    return ids_from_bytes(b"".join(codec.encode(data, s, e) for s, e, _ in iter_pieces(codec, data)))
 
 
 class PromptTokenizer(Protocol):
-    """What the strategy needs: a request's prompt ids, lazily, in chunks."""
+    """What the strategy needs: a request's prompt as segments, tokenized lazily."""
 
     #: A short description for decision details and logs (``model:/path``, ``words``).
     name: str
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
-        """Yield the prompt's token ids in order, in chunks of any size (ids, or keyed pieces)."""
+    def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
+        """The prompt's segments in order: token ids, or text the segment's codec tokenizes."""
+        ...
+
+    def prompt_ids(self, request: RouteRequest) -> list[int]:
+        """All prompt ids at once (parity checks, tests)."""
         ...
 
 
 def prompt_ids(tokenizer: PromptTokenizer, request: RouteRequest) -> list[int]:
     """All prompt ids of ``request`` as one list (tests, parity checks)."""
     out: list[int] = []
-    for chunk in tokenizer.chunks(request):
-        out.extend(chunk_ids(chunk))
+    for segment in tokenizer.segments(request):
+        out.extend(segment_ids(segment))
     return out
 
 
@@ -126,39 +124,79 @@ class WordTokenizer:
     Text splits on whitespace, one token per word; chat renders each message as its role
     marker, its words and an end marker, then the assistant marker. In ``kvroute simulate`` it
     gives exactly the simulated engines' token ids; in front of a real engine it is only a
-    proxy for the model's tokens (configure ``tokenizer``).
+    proxy for the model's tokens (configure ``tokenizer``). Long texts are cut into pieces at
+    whitespace, so that a message seen before is skipped a piece at a time and a message that
+    differs from one seen before only near its end costs that end.
     """
 
     name = "words"
 
-    def __init__(self) -> None:
-        from kvroute.simulation.tokens import vocabulary
+    def __init__(self, piece_bytes: int = 4096, fine_bytes: int = 512) -> None:
+        from kvroute.simulation.tokens import ASSISTANT, END, vocabulary
 
         self._vocab = vocabulary()
+        self._end = END
+        self._assistant = ASSISTANT
+        self.piece_bytes = piece_bytes
+        self.fine_bytes = fine_bytes
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
+    # -- PieceCodec ----------------------------------------------------------------------
+
+    def cut(self, data: bytes, start: int, size: int) -> int:
+        """The first ASCII whitespace at or after ``start + size``, else the end."""
+        n = len(data)
+        pos = start + size
+        if pos >= n:
+            return n
+        m = _SPACE.search(data, pos)
+        return m.start() if m is not None else n
+
+    def encode(self, data: bytes, start: int, end: int) -> bytes:
+        """The word ids of ``data[start:end]``."""
+        ids = array("Q", self._vocab.encode(data[start:end].decode("utf-8", "surrogatepass")))
+        return token_bytes(ids)
+
+    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
+        """Nothing is cached: looking words up is tokenizing them."""
+        return None
+
+    # -- PromptTokenizer -------------------------------------------------------------------
+
+    def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
         if request.token_ids is not None:
-            yield token_array(request.token_ids)
-        elif request.messages is not None:
-            # One keyed chunk per message, so that a history seen before is a memo hit, not re-tokenized.
-            for message in request.messages:
-                if not isinstance(message, Mapping):
-                    raise InvalidRequest(f"a message must be an object (got {type(message).__name__}).", param="messages")
-                role, content = str(message.get("role", "")), message.get("content")
-                try:
-                    text = self._vocab.content_text(content)
-                except ValueError as exc:
-                    raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
-                key = xxhash.xxh3_64_intdigest(f"{role}\0{text}".encode("utf-8", "surrogatepass"))
-                yield key, functools.partial(self._message, role, text)
-            options = request.prompt_options or {}
-            if options.get("add_generation_prompt", True):
-                yield array("Q", self._vocab.render_chat([], add_generation_prompt=True))
-        else:
-            yield token_array(self._vocab.encode(request.text))
+            return [token_array(request.token_ids)]
+        if request.messages is None:
+            return [TextSegment(request.text.encode("utf-8", "surrogatepass"), self)]
+        vocab = self._vocab
+        out: list[array[int] | TextSegment] = []
+        ids: list[int] = []
+        for message in request.messages:
+            if not isinstance(message, Mapping):
+                raise InvalidRequest(f"a message must be an object (got {type(message).__name__}).", param="messages")
+            try:
+                text = vocab.content_text(message.get("content"))
+            except ValueError as exc:
+                raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
+            ids.append(vocab.role_id(str(message.get("role", ""))))
+            if text:
+                out.append(array("Q", ids))
+                out.append(TextSegment(text.encode("utf-8", "surrogatepass"), self))
+                ids = []
+            ids.append(self._end)
+        options = request.prompt_options or {}
+        if options.get("add_generation_prompt", True):
+            ids.append(self._assistant)
+        if ids:
+            out.append(array("Q", ids))
+        return out
 
-    def _message(self, role: str, text: str) -> array[int]:
-        return token_array(self._vocab.render_message(role, text))
+    def prompt_ids(self, request: RouteRequest) -> list[int]:
+        return prompt_ids(self, request)
+
+    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
+        """The prompt's ids, one array per segment (the parity check's interface)."""
+        for segment in self.segments(request):
+            yield segment_ids(segment)
 
 
 # -- model files -----------------------------------------------------------------------
@@ -248,26 +286,29 @@ def split_points(data: bytes, piece_bytes: int, unsafe: re.Pattern[bytes] | None
     """Yield the end offsets of the pieces ``data`` is cut into (the last one is ``len(data)``).
 
     A piece is at least ``piece_bytes`` long unless it is the last one and ends at the first
-    boundary after that; cuts depend only on the bytes before them, so two texts that share a
-    prefix are cut the same way up to where they differ.
+    boundary after that; cuts depend only on the bytes before them (and the next two), so two
+    texts that share a prefix are cut the same way up to where they differ.
     """
     n = len(data)
     start = 0
-    search = _BOUNDARY.search
     while start < n:
-        pos = start + piece_bytes
-        end = n
-        while pos < n:
-            m = search(data, pos)
-            if m is None:
-                break
-            cut = m.start()
-            if unsafe is None or _cut_is_safe(data, cut, unsafe):
-                end = cut
-                break
-            pos = cut + 1
-        yield end
-        start = end
+        start = _cut(data, start, piece_bytes, unsafe)
+        yield start
+
+
+def _cut(data: bytes, start: int, size: int, unsafe: re.Pattern[bytes] | None) -> int:
+    n = len(data)
+    pos = start + size
+    search = _BOUNDARY.search
+    while pos < n:
+        m = search(data, pos)
+        if m is None:
+            break
+        cut = m.start()
+        if unsafe is None or _cut_is_safe(data, cut, unsafe):
+            return cut
+        pos = cut + 1
+    return n
 
 
 def _cut_is_safe(data: bytes, cut: int, unsafe: re.Pattern[bytes]) -> bool:
@@ -326,8 +367,10 @@ def _probe_texts(extra: Sequence[str], rng: random.Random, count: int = 160) -> 
 class ModelTokenizer:
     """A model's tokenizer (``tokenizer.json``) and chat template, with piece-wise reuse.
 
-    Build it with :func:`load_tokenizer`. ``piece_bytes`` is the least size of a cached piece
-    and ``cache_tokens`` bounds the piece cache (ids are stored as 8-byte integers).
+    Build it with :func:`load_tokenizer`. Text is cut into pieces of at least ``piece_bytes``
+    (what the block hasher memoizes), each cut into fine pieces of at least ``fine_bytes``
+    (what is tokenized at a time); ``cache_tokens`` bounds the cache of fine pieces' ids.
+    It is a `kvroute_tokenizer_prefix.blocks.PieceCodec`.
     """
 
     def __init__(
@@ -336,20 +379,24 @@ class ModelTokenizer:
         *,
         name: str,
         chat_template: ChatTemplate | None = None,
-        piece_bytes: int = 512,
-        cache_tokens: int = 1 << 21,
+        piece_bytes: int = 2048,
+        fine_bytes: int = 128,
+        cache_tokens: int = 1 << 19,
         self_check: bool = True,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.piece_bytes = piece_bytes
+        self.fine_bytes = min(fine_bytes, piece_bytes)
         self.cache_tokens = cache_tokens
-        self._cache: OrderedDict[int, array[int]] = OrderedDict()
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cached_tokens = 0
         self._lock = threading.Lock()
+        #: Fine pieces found in the cache / tokenized by `encode`; ``prefetched``: tokenized by `warm`.
         self.hits = 0
         self.misses = 0
+        self.prefetched = 0
         config = json.loads(tokenizer.to_str())
         added = config.get("added_tokens") or []
         stripping = [t["content"] for t in added if isinstance(t, Mapping) and (t.get("lstrip") or t.get("rstrip"))]
@@ -365,61 +412,140 @@ class ModelTokenizer:
         self.prefix_ids: tuple[int, ...] = tuple(with_bos[:at])
         self.suffix_ids: tuple[int, ...] = tuple(with_bos[at + len(plain) :])
         ok, why = _splittable(config)
+        #: Whether pieces are tokenized (and cached) separately; otherwise the prompt is tokenized whole.
+        self.splittable = ok
         if ok and self_check:
             extra = [t["content"] for t in added if isinstance(t, Mapping) and isinstance(t.get("content"), str)]
             ok, why = self._self_check(extra[:32])
-        #: Whether pieces are tokenized (and cached) separately; otherwise the prompt is tokenized whole.
-        self.splittable = ok
+            self.splittable = ok
         if not ok:
             log.warning("tokenizer_pieces_disabled", tokenizer=name, reason=why)
 
-    # -- encoding ------------------------------------------------------------------------
+    # -- PieceCodec ----------------------------------------------------------------------
+
+    def cut(self, data: bytes, start: int, size: int) -> int:
+        """The end of the piece from ``start``: the first safe boundary at or after ``start + size``."""
+        n = len(data)
+        pos = start + size
+        if pos >= n or not self.splittable:
+            return n
+        m = _BOUNDARY_SEARCH(data, pos)
+        if m is None:
+            return n
+        unsafe = self._unsafe
+        if unsafe is None or _cut_is_safe(data, m.start(), unsafe):
+            return m.start()
+        return _cut(data, m.start() + 1, 0, unsafe)
+
+    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
+        """The cached ids of ``data[start:end]`` (a piece between two cuts), or ``None``."""
+        key = xxhash.xxh3_64_intdigest(data[start:end])
+        cache = self._cache
+        found = cache.get(key)  # atomic under the GIL; the prefetch thread may evict concurrently
+        if found is not None:
+            with contextlib.suppress(KeyError):
+                cache.move_to_end(key)
+            self.hits += 1
+        return found
+
+    def encode(self, data: bytes, start: int, end: int) -> bytes:
+        """The ids of ``data[start:end]`` (a piece between two cuts), from the cache or the tokenizer."""
+        found = self.cached(data, start, end)
+        if found is not None:
+            return found
+        piece = data[start:end]
+        key = xxhash.xxh3_64_intdigest(piece)
+        ids = self._tokenize([piece])[0]
+        with self._lock:
+            self.misses += 1
+            self._store(key, ids)
+        return ids
+
+    def _tokenize(self, pieces: list[bytes]) -> list[bytes]:
+        try:
+            texts = [p.decode("utf-8") for p in pieces]
+            encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        except UnicodeDecodeError:
+            raise InvalidRequest("the prompt is not valid Unicode text (lone surrogate characters).", param="messages") from None
+        return [token_bytes(array("Q", e.ids)) for e in encodings]
+
+    def _store(self, key: int, ids: bytes) -> None:
+        """Cache a piece's ids (the caller holds the lock)."""
+        cache = self._cache
+        if key in cache:
+            return
+        cache[key] = ids
+        self._cached_tokens += len(ids) >> 3
+        while self._cached_tokens > self.cache_tokens and cache:
+            _, old = cache.popitem(last=False)
+            self._cached_tokens -= len(old) >> 3
+
+    # -- prefetching ---------------------------------------------------------------------
+
+    def warm(self, data: bytes, start: int = 0, max_tokens: int = 1 << 62) -> int:
+        """Tokenize and cache the fine pieces of ``data`` from ``start`` (a piece boundary), many per call; returns ids seen.
+
+        Thread-safe; used by the strategy's prefetch thread. Stops after about ``max_tokens`` ids.
+        """
+        tokens = 0
+        batch: list[tuple[int, bytes]] = []
+        for s, e, _ in iter_pieces(self, data, start):
+            piece = data[s:e]
+            key = xxhash.xxh3_64_intdigest(piece)
+            with self._lock:
+                found = self._cache.get(key)
+                if found is not None:
+                    self._cache.move_to_end(key)
+            if found is not None:
+                tokens += len(found) >> 3
+            else:
+                batch.append((key, piece))
+                if len(batch) >= _PREFETCH_BATCH:
+                    tokens += self._warm_batch(batch)
+                    batch = []
+            if tokens >= max_tokens:
+                break
+        if batch:
+            tokens += self._warm_batch(batch)
+        return tokens
+
+    def _warm_batch(self, batch: list[tuple[int, bytes]]) -> int:
+        try:
+            ids = self._tokenize([piece for _, piece in batch])
+        except InvalidRequest:
+            return 0
+        with self._lock:
+            for (key, _), piece_ids in zip(batch, ids, strict=True):
+                self._store(key, piece_ids)
+            self.prefetched += len(batch)
+        return sum(len(i) >> 3 for i in ids)
+
+    # -- whole texts and requests ----------------------------------------------------------
 
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """The reference: the whole text through ``tokenizers`` (no pieces, no cache)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    @staticmethod
-    def keyed(piece: bytes, encode: Callable[[bytes, int], array[int]]) -> Keyed:
-        """A piece as ``(key, loader)``: consumers that memoize by key only call ``loader`` on a miss."""
-        key = xxhash.xxh3_64_intdigest(piece)
-        return key, functools.partial(encode, piece, key)
-
-    def _encode_piece(self, piece: bytes, key: int | None = None) -> array[int]:
-        if key is None:
-            key = xxhash.xxh3_64_intdigest(piece)
-        with self._lock:
-            found = self._cache.get(key)
-            if found is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return found
-        ids = token_array(self.tokenizer.encode_batch_fast([piece.decode("utf-8")], add_special_tokens=False)[0].ids)
-        with self._lock:
-            self.misses += 1
-            if key not in self._cache:
-                self._cache[key] = ids
-                self._cached_tokens += len(ids)
-                while self._cached_tokens > self.cache_tokens and self._cache:
-                    _, old = self._cache.popitem(last=False)
-                    self._cached_tokens -= len(old)
-        return ids
-
-    def text_chunks(self, text: str, *, add_special_tokens: bool) -> Iterator[array[int] | Keyed]:
-        """Yield the ids of ``text`` piece by piece (equal, concatenated, to encoding it whole)."""
+    def text_segments(self, text: str, *, add_special_tokens: bool) -> list[array[int] | TextSegment]:
+        """The segments of one text: special ids the post-processor adds, and the text itself."""
+        out: list[array[int] | TextSegment] = []
         if add_special_tokens and self.prefix_ids:
-            yield array("Q", self.prefix_ids)
-        if not self.splittable:
-            yield token_array(self.encode_text(text))
-        elif text:
-            data = text.encode("utf-8", "surrogatepass")
-            start = 0
-            encode = self._encode_piece
-            for end in split_points(data, self.piece_bytes, self._unsafe):
-                yield self.keyed(data[start:end], encode)
-                start = end
+            out.append(array("Q", self.prefix_ids))
+        if text:
+            out.append(TextSegment(text.encode("utf-8", "surrogatepass"), self))
         if add_special_tokens and self.suffix_ids:
-            yield array("Q", self.suffix_ids)
+            out.append(array("Q", self.suffix_ids))
+        return out
+
+    def text_chunks(self, text: str, *, add_special_tokens: bool) -> Iterator[array[int]]:
+        """Yield the ids of ``text`` fine piece by fine piece (equal, concatenated, to encoding it whole)."""
+        for segment in self.text_segments(text, add_special_tokens=add_special_tokens):
+            if isinstance(segment, TextSegment):
+                data = segment.data
+                for s, e, _ in iter_pieces(self, data):
+                    yield ids_from_bytes(self.encode(data, s, e))
+            else:
+                yield segment
 
     def render(self, request: RouteRequest) -> str:
         """The chat prompt text of a chat request, as the engine renders it."""
@@ -443,38 +569,44 @@ class ModelTokenizer:
             **kwargs,
         )
 
-    def chunks(self, request: RouteRequest) -> Iterator[array[int] | Keyed]:
+    def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
         if request.token_ids is not None:
-            yield token_array(request.token_ids)
-        elif request.messages is not None:
+            return [token_array(request.token_ids)]
+        if request.messages is not None:
             options = request.prompt_options or {}
-            yield from self.text_chunks(self.render(request), add_special_tokens=bool(options.get("add_special_tokens", False)))
-        else:
-            yield from self.text_chunks(request.text, add_special_tokens=True)
+            return self.text_segments(self.render(request), add_special_tokens=bool(options.get("add_special_tokens", False)))
+        return self.text_segments(request.text, add_special_tokens=True)
+
+    def prompt_ids(self, request: RouteRequest) -> list[int]:
+        return prompt_ids(self, request)
+
+    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
+        """The prompt's ids, one array per segment (the parity check's interface)."""
+        for segment in self.segments(request):
+            yield segment_ids(segment)
 
     # -- checks --------------------------------------------------------------------------
 
     def _self_check(self, extra: Sequence[str]) -> tuple[bool, str]:
         rng = random.Random(0x6B76)
-        saved = self.piece_bytes
-        self.piece_bytes = 1  # cut at every boundary
-        self.splittable = True
         try:
             for text in _probe_texts(extra, rng):
                 whole = self.encode_text(text)
-                pieces = [t for chunk in self.text_chunks(text, add_special_tokens=False) for t in chunk_ids(chunk)]
+                data = text.encode("utf-8", "surrogatepass")
+                pieces: list[int] = []
+                start = 0
+                for end in split_points(data, 1, self._unsafe):  # cut at every boundary
+                    pieces.extend(ids_from_bytes(self._tokenize([data[start:end]])[0]))
+                    start = end
                 if pieces != whole:
                     return False, f"piece-wise tokenization differs from whole-text tokenization on {text!r:.80}"
-        finally:
-            self.piece_bytes = saved
-            self._cache.clear()
-            self._cached_tokens = 0
-            self.hits = self.misses = 0
+        except InvalidRequest as exc:
+            return False, f"a probe text could not be tokenized: {exc}"
         return True, ""
 
     @property
     def cached_tokens(self) -> int:
-        """Token ids held by the piece cache (8 bytes each, plus about 90 bytes per piece)."""
+        """Token ids held by the piece cache (8 bytes each, plus about 170 bytes per piece)."""
         return self._cached_tokens
 
 
@@ -483,8 +615,9 @@ def load_tokenizer(
     *,
     chat_template: str | None = None,
     content_format: ContentFormat | str = "auto",
-    piece_bytes: int = 512,
-    cache_tokens: int = 1 << 21,
+    piece_bytes: int = 2048,
+    fine_bytes: int = 128,
+    cache_tokens: int = 1 << 19,
     revision: str | None = None,
 ) -> ModelTokenizer:
     """Load a model's tokenizer and chat template from local files (no network).
@@ -522,4 +655,6 @@ def load_tokenizer(
         if template_text
         else None
     )
-    return ModelTokenizer(tok, name=str(source), chat_template=template, piece_bytes=piece_bytes, cache_tokens=cache_tokens)
+    return ModelTokenizer(
+        tok, name=str(source), chat_template=template, piece_bytes=piece_bytes, fine_bytes=fine_bytes, cache_tokens=cache_tokens
+    )
