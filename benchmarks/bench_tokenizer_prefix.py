@@ -46,7 +46,8 @@ from typing import Any
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from kvroute_tokenizer_prefix import BlockIndex, TokenizerPrefix, block_hashes
+from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, TokenizerPrefix, block_hashes, load_tokenizer
+from kvroute_tokenizer_prefix.blocks import PieceMemo, TextSegment
 
 import kvroute
 
@@ -261,6 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.stop()
         results["index_bytes_per_block_first_backend"] = round(one / len(hashes), 1)
         results["index_bytes_per_block_more_backends"] = round((two - one) / len(hashes), 1)
+        # Memory of the piece memo (per block hash it holds) and of the id cache (per token id), one prompt's worth.
+        text = tok.render(request(make(words), "q")).encode()
+        memo = PieceMemo()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        PromptBlocks([TextSegment(text, tok)], 16, 1 << 20, 0, memo).complete()
+        results["memo_bytes_per_block"] = round((tracemalloc.get_traced_memory()[0] - before) / memo.blocks, 1)
+        tracemalloc.stop()
+        fresh_tok = load_tokenizer(source)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        fresh_tok.warm(text)
+        results["id_cache_bytes_per_token"] = round((tracemalloc.get_traced_memory()[0] - before) / fresh_tok.cached_tokens, 1)
+        tracemalloc.stop()
         results["piece_cache_tokens"] = getattr(tok, "cached_tokens", None)
         results["setup_s"] = round(setup_s, 1)
     results["load_average"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
@@ -273,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cpus {results['cpus']}, load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
     )
     print(f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second")
+    print(f"piece memo: {results['memo_bytes_per_block']} bytes per block hash; id cache: {results['id_cache_bytes_per_token']} bytes per token id")
     print(
         f"index: {results['index_bytes_per_block_first_backend']} bytes per block for the first backend holding it, "
         f"{results['index_bytes_per_block_more_backends']} for each further backend"

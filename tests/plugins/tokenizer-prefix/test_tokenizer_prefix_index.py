@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, RecentDecisions, block_hashes, prompt_ids, root_hash
-from kvroute_tokenizer_prefix.blocks import PieceMemo, TextSegment, token_bytes
+from kvroute_tokenizer_prefix.blocks import PieceMemo, TextSegment, first_difference, token_bytes
 from kvroute_tokenizer_prefix.tokenizer import token_array
 
 import kvroute
@@ -145,6 +145,49 @@ class TestBlockHashes:
             steps += 1
             assert codec.encoded <= steps
         assert codec.encoded > 100 and blocks.hashes == block_hashes(tok.encode_text(text), 4)
+
+
+    @settings(max_examples=300)
+    @given(
+        shared=st.lists(st.sampled_from([b"ab", b"c", b" ", b"\xc3\xa9"]), max_size=30).map(b"".join),
+        ends=st.lists(st.lists(st.sampled_from([b"ab", b"x", b" "]), max_size=6).map(b"".join), min_size=2, max_size=2),
+        ids=st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=2, max_size=2),
+        shape=st.sampled_from(["text", "ids-then-text", "text-then-ids", "mixed"]),
+    )
+    def test_first_difference_is_where_the_segments_part(
+        self, shared: bytes, ends: list[bytes], ids: list[list[int]], shape: str
+    ) -> None:
+        """first_difference is the first byte (or id) where two prompts' segments differ, or None when bytes cannot tell."""
+        codec = TextCodec(None, 8, 2)
+
+        def prompt(k: int) -> list[Any]:
+            text = TextSegment(shared + ends[k], codec)
+            tail = array("Q", ids[k])
+            if shape == "text":
+                return [text]
+            if shape == "ids-then-text":
+                return [tail, text]
+            if shape == "text-then-ids":
+                return [text, tail]
+            return [text] if k == 0 else [tail]
+
+        def raw(seg: Any) -> bytes:
+            return seg.data if isinstance(seg, TextSegment) else token_bytes(seg)
+
+        def reference(a: list[Any], b: list[Any]) -> tuple[int, int] | None:
+            for i, (x, y) in enumerate(zip(a, b, strict=False)):
+                if isinstance(x, TextSegment) != isinstance(y, TextSegment):
+                    return None
+                rx, ry = raw(x), raw(y)
+                if rx != ry:
+                    common = next((k for k, (p, q) in enumerate(zip(rx, ry, strict=False)) if p != q), min(len(rx), len(ry)))
+                    if (common == len(rx) and i + 1 < len(a)) or (common == len(ry) and i + 1 < len(b)):
+                        return None
+                    return i, common
+            return min(len(a), len(b)), 0
+
+        a, b = prompt(0), prompt(1)
+        assert first_difference(a, b) == reference(a, b)
 
 
 class TextCodec:

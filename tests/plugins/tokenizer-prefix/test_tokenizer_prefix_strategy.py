@@ -340,6 +340,17 @@ class TestLazyRecording:
         assert decision.detail["matched_tokens"] > 3000
         assert tok.misses - misses <= 3  # the pieces where the two questions differ
 
+    def test_a_little_text_left_is_hashed_at_once_with_words(self) -> None:
+        """With the word-level tokenizer a prompt with little left to hash is recorded whole, a long one stays pending."""
+        strategy = TokenizerPrefix()
+        router = make_router(strategy)
+        with router.route(request(chat("a short question", system="a short system prompt"))):
+            pass
+        assert strategy.stats()["pending_tails"] == 0
+        with router.route(request(chat("question", system="word " * 3000))):
+            pass
+        assert strategy.stats()["pending_tails"] == 1
+
     def test_exact_backend_tails_end_with_their_request(self, strategy: TokenizerPrefix) -> None:
         """A pending tail sent to an exact-mode backend feeds its recent decision and goes when the request ends."""
         router = make_router(strategy)

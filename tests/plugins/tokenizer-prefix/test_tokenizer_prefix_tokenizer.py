@@ -178,6 +178,33 @@ class TestWordTokenizer:
         request = kvroute.RouteRequest.from_openai({"model": "m", "messages": messages})
         assert prompt_ids(WordTokenizer(), request) == list(vocabulary().render_chat(messages))
 
+    @settings(max_examples=200)
+    @given(
+        messages=st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard", "my role"]),
+                    "content": st.lists(
+                        st.sampled_from(["bada", "bade", "<|end|>", "<|user|>", "x", " ", "\n", "  ", "unknownword", "é"]),
+                        max_size=12,
+                    ).map("".join),
+                }
+            ),
+            min_size=1,
+            max_size=5,
+        ),
+        generation=st.booleans(),
+    )
+    def test_chats_get_the_vocabularys_ids(self, messages: list[dict[str, str]], generation: bool) -> None:
+        """Any chat, with any roles and marker-like words in its content, gets exactly render_chat's ids."""
+        from kvroute.simulation.tokens import vocabulary
+
+        body = {"model": "m", "messages": messages, "add_generation_prompt": generation}
+        request = kvroute.RouteRequest.from_openai(body)
+        tok = WordTokenizer(piece_bytes=8, fine_bytes=2)
+        expected = list(vocabulary().render_chat(messages, add_generation_prompt=generation))
+        assert prompt_ids(tok, request) == expected
+
     def test_text_is_split_on_whitespace(self) -> None:
         """A text prompt is one token per whitespace-separated word."""
         from kvroute.simulation.tokens import vocabulary

@@ -6,14 +6,15 @@ Public API:
 * `BlockIndex`: the per-backend block index; adapters feed KV events into
   ``strategy.index`` (``set_exact``, ``blocks_stored``, ``blocks_removed``, ``all_cleared``,
   ``set_capacity``).
-* `block_hashes`, `root_hash`: the router's chained block hashes.
+* `block_hashes`, `root_hash`: the router's chained block hashes; `PromptBlocks` hashes one
+  prompt lazily from its segments (token ids, `TextSegment`), memoizing pieces in a `PieceMemo`.
 * `load_tokenizer`, `ModelTokenizer`, `WordTokenizer`, `ChatTemplate`: the tokenizers and the
   chat template renderer (for parity checks against an engine's ``/tokenize``).
 """
 
 from __future__ import annotations
 
-from kvroute_tokenizer_prefix.blocks import PromptBlocks, block_hashes, root_hash
+from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, TextSegment, block_hashes, root_hash
 from kvroute_tokenizer_prefix.chat import ChatTemplate
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
 from kvroute_tokenizer_prefix.strategy import DEFAULT_BLOCK_SIZE, TokenizerPrefix, kvroute_register_strategies
@@ -25,8 +26,10 @@ __all__ = [
     "BlockIndex",
     "ChatTemplate",
     "ModelTokenizer",
+    "PieceMemo",
     "PromptBlocks",
     "RecentDecisions",
+    "TextSegment",
     "TokenizerPrefix",
     "WordTokenizer",
     "block_hashes",

@@ -42,6 +42,7 @@ __all__ = [
     "Segment",
     "TextSegment",
     "block_hashes",
+    "first_difference",
     "ids_from_bytes",
     "iter_pieces",
     "root_hash",
@@ -221,6 +222,50 @@ class PieceMemo:
         self.blocks = 0
 
 
+def _common_bytes(a: bytes, b: bytes) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (compared 4 KiB at a time, then bisected)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + 4096] == b[i : i + 4096]:
+        i += 4096
+    lo, hi = i, min(i + 4096, n)
+    while lo < hi:  # a[:lo] == b[:lo]; they differ before hi (or hi == n)
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def first_difference(
+    a: Sequence[array[int] | TextSegment], b: Sequence[array[int] | TextSegment]
+) -> tuple[int, int] | None:
+    """The first (segment, byte offset) at which two prompts' segments differ (ids count 8 bytes each).
+
+    When one prompt is a prefix of the other, that is where the shorter one ends. ``None``
+    when bytes cannot tell: a text segment against ids, or one segment a strict prefix of the
+    other while its prompt goes on (the same tokens may follow in another form).
+    """
+    for i in range(min(len(a), len(b))):
+        x, y = a[i], b[i]
+        if isinstance(x, TextSegment) and isinstance(y, TextSegment):
+            if x.data == y.data:
+                continue
+            xb, yb = x.data, y.data
+        elif isinstance(x, TextSegment) or isinstance(y, TextSegment):
+            return None
+        elif x == y:
+            continue
+        else:
+            xb, yb = token_bytes(x), token_bytes(y)
+        common = _common_bytes(xb, yb)
+        if (common == len(xb) and i + 1 < len(a)) or (common == len(yb) and i + 1 < len(b)):
+            return None
+        return i, common
+    return min(len(a), len(b)), 0
+
+
 def iter_pieces(codec: PieceCodec, data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
     """The fine pieces of ``data`` from ``start`` (a piece boundary) as ``(start, end, piece end)``.
 
@@ -257,7 +302,7 @@ class PromptBlocks:
     """
 
     __slots__ = (
-        "_done", "_gen", "_h", "_memo", "_resume", "_segments", "_step", "_tail",
+        "_at", "_done", "_gen", "_h", "_memo", "_resume", "_segments", "_step", "_tail",
         "block_size", "hashes", "max_blocks", "pace", "root", "tokens",
     )
 
@@ -280,6 +325,8 @@ class PromptBlocks:
         self._memo = memo
         #: Where the piece being hashed started: (segment, offset, chain key, hash, leftover bytes, hashes so far).
         self._resume: tuple[int, int, int, int, bytes, int] | None = None
+        #: (segment, byte offset) of the first byte not hashed yet, as of the last pause.
+        self._at = (0, 0)
         self.hashes: list[int] = []
         self.tokens = 0
         #: Also pause after every piece (a background thread hashing ahead hands the GIL back there).
@@ -345,11 +392,37 @@ class PromptBlocks:
         other._done = False
         other._memo = PieceMemo(max_blocks=1 << 62, max_entries=1 << 62)
         other._resume = None
+        other._at = (segment, pos)
         other.hashes = []
         other.tokens = 0
         other.pace = False
         other._gen = other._run(segment, pos, chain)
         return other
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(segment, byte offset) of the first byte or id not hashed yet (ids count 8 bytes each)."""
+        return (len(self._segments), 0) if self._done else self._at
+
+    def remaining_bytes(self) -> int:
+        """Bytes of text and ids (8 each) not hashed yet, from the last pause on."""
+        if self._done:
+            return 0
+        segment, offset = self._at
+        total = -offset
+        for seg in self._segments[segment:]:
+            total += len(seg.data) if isinstance(seg, TextSegment) else 8 * len(seg)
+        return max(0, total)
+
+    def advance_past(self, limit: tuple[int, int]) -> None:
+        """Hash until the byte or id at ``limit`` (a `position`) is hashed, or everything is."""
+        while self.position <= limit and self.grow():
+            pass
+
+    @property
+    def segments(self) -> list[array[int] | TextSegment]:
+        """The prompt's segments (read only)."""
+        return self._segments
 
     @property
     def memo(self) -> PieceMemo | None:
@@ -414,6 +487,7 @@ class PromptBlocks:
                 chunk = _ID_STEP_BLOCKS * self._step
                 for offset in range(0, len(data), chunk):
                     if offset:
+                        self._at = (number, offset)
                         yield  # the caller may stop before the next blocks are hashed
                     if self._absorb(data[offset : offset + chunk]):
                         return
@@ -447,6 +521,7 @@ class PromptBlocks:
                         chain = key
                         pos = end
                         if self.pace:
+                            self._at = (number, pos)
                             yield
                         continue
                     self._resume = (number, pos, chain, self._h, self._tail, len(hashes))
@@ -464,6 +539,7 @@ class PromptBlocks:
                             if self._absorb(b"".join(ready)):
                                 return
                             ready = []
+                        self._at = (number, f)
                         yield  # the caller may stop here, before paying for tokenization
                         ids = encode(text, f, e)
                     ready.append(ids)
@@ -475,4 +551,5 @@ class PromptBlocks:
                 chain = key
                 pos = end
                 if self.pace:
+                    self._at = (number, pos)
                     yield

@@ -55,7 +55,7 @@ from kvroute.options import (
     optional_int_option,
     str_option,
 )
-from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, root_hash
+from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, first_difference, root_hash
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
 from kvroute_tokenizer_prefix.prefetch import Prefetcher
 from kvroute_tokenizer_prefix.tokenizer import ModelTokenizer, PromptTokenizer, WordTokenizer, load_tokenizer
@@ -251,7 +251,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     def _extend_tails(self, blocks: PromptBlocks, at: int, bits: int) -> bool:
         """Extend the pending tails of ``bits`` that end at block ``at - 1`` of ``blocks`` as far as they agree with it.
 
-        Returns whether one of them holds block ``at`` of ``blocks`` now. Called under the index lock.
+        Each is hashed just past the first byte where its prompt and ``blocks``'s differ, and
+        its new blocks are recorded. Returns whether one of them grew past block ``at - 1`` (the
+        index may hold block ``at`` now). Called under the index lock.
         """
         found = self._tails.get(blocks.hashes[at - 1])
         if not found:
@@ -264,19 +266,14 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             exact = index.is_exact(tail.backend)
             if len(theirs.hashes) != at or theirs.block_size != blocks.block_size or exact != (tail.request_id is not None):
                 continue  # stale: another block size, or the backend switched between exact and approximate mode
-            ours = blocks.hashes
-            j = at
             try:
-                while True:
-                    if j >= len(theirs.hashes):
-                        if not theirs.grow() and j >= len(theirs.hashes):
-                            break
-                        continue
-                    while j >= len(ours) and blocks.grow():
-                        pass
-                    if j >= len(ours) or ours[j] != theirs.hashes[j]:
-                        break
-                    j += 1
+                limit = first_difference(theirs.segments, blocks.segments)
+                if limit is not None:
+                    # Hash theirs just past where the two prompts first differ; ours then finds the
+                    # pieces theirs completed memoized instead of hashing them again.
+                    theirs.advance_past(limit)
+                else:
+                    self._lockstep(theirs, blocks, at)
             except InvalidRequest:
                 continue  # cannot happen for text that was tokenized before; forget the tail
             new = theirs.hashes[at:]
@@ -288,11 +285,27 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                         continue  # the request finished or expired
                 else:
                     index.record(tail.backend, theirs.hashes)
-            progress = progress or j > at
+            progress = progress or len(theirs.hashes) > at
             if not theirs.done and theirs.hashes:
                 tail.frontier = theirs.hashes[-1]
                 self._add_tail(tail)
         return progress
+
+    @staticmethod
+    def _lockstep(theirs: PromptBlocks, ours: PromptBlocks, at: int) -> None:
+        """Hash theirs as long as its blocks equal ours (prompts whose bytes cannot be compared)."""
+        mine = ours.hashes
+        j = at
+        while True:
+            if j >= len(theirs.hashes):
+                if not theirs.grow() and j >= len(theirs.hashes):
+                    return
+                continue
+            while j >= len(mine) and ours.grow():
+                pass
+            if j >= len(mine) or mine[j] != theirs.hashes[j]:
+                return
+            j += 1
 
     # -- callbacks -----------------------------------------------------------------------
 
@@ -317,6 +330,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.ensure(self.key_blocks)
                 elif not blocks.hashes:
                     blocks.ensure(1)
+                if not blocks.done and blocks.remaining_bytes() <= self._tok.inline_bytes:
+                    blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
             backend = decision.backend.id

@@ -33,7 +33,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import structlog
 import xxhash
@@ -97,6 +97,8 @@ class PromptTokenizer(Protocol):
 
     #: A short description for decision details and logs (``model:/path``, ``words``).
     name: str
+    #: When a prompt is sent, at most this many bytes left to hash are hashed at once instead of kept pending.
+    inline_bytes: int
 
     def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
         """The prompt's segments in order: token ids, or text the segment's codec tokenizes."""
@@ -130,15 +132,23 @@ class WordTokenizer:
     """
 
     name = "words"
+    #: A prompt with at most this many bytes left to hash when it is sent is hashed at once
+    #: (looking words up is cheap) rather than kept as a pending tail.
+    inline_bytes = 4096
 
-    def __init__(self, piece_bytes: int = 4096, fine_bytes: int = 512) -> None:
+    def __init__(self, piece_bytes: int = 8192, fine_bytes: int = 1024, cache_pieces: int = 4096) -> None:
         from kvroute.simulation.tokens import ASSISTANT, END, vocabulary
 
         self._vocab = vocabulary()
+        self._lookup = self._vocab.index.get
         self._end = END
         self._assistant = ASSISTANT
         self.piece_bytes = piece_bytes
         self.fine_bytes = fine_bytes
+        self.cache_pieces = cache_pieces
+        # The ids of recent fine pieces: a pending prompt and the request extending it walk the
+        # same pieces in step, and a long message seen again is not looked up word by word.
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
 
     # -- PieceCodec ----------------------------------------------------------------------
 
@@ -153,12 +163,25 @@ class WordTokenizer:
 
     def encode(self, data: bytes, start: int, end: int) -> bytes:
         """The word ids of ``data[start:end]``."""
-        ids = array("Q", self._vocab.encode(data[start:end].decode("utf-8", "surrogatepass")))
-        return token_bytes(ids)
+        piece = data[start:end]
+        key = xxhash.xxh3_64_intdigest(piece)
+        found = self._cache.get(key)
+        if found is not None:
+            return found
+        words = piece.decode("utf-8", "surrogatepass").split()
+        looked: list[int | None] = list(map(self._lookup, words))  # Vocabulary.encode's ids, looked up at C speed
+        if None in looked:
+            token_id = self._vocab.token_id
+            looked = [t if t is not None else token_id(w) for t, w in zip(looked, words, strict=True)]
+        ids = token_bytes(array("Q", cast("list[int]", looked)))
+        self._cache[key] = ids
+        if len(self._cache) > self.cache_pieces:
+            self._cache.popitem(last=False)
+        return ids
 
     def cached(self, data: bytes, start: int, end: int) -> bytes | None:
-        """Nothing is cached: looking words up is tokenizing them."""
-        return None
+        """The ids of ``data[start:end]`` if they were looked up recently."""
+        return self._cache.get(xxhash.xxh3_64_intdigest(data[start:end]))
 
     # -- PromptTokenizer -------------------------------------------------------------------
 
@@ -167,9 +190,13 @@ class WordTokenizer:
             return [token_array(request.token_ids)]
         if request.messages is None:
             return [TextSegment(request.text.encode("utf-8", "surrogatepass"), self)]
+        # The chat as one text of words: a role marker word, the content, the end marker, ...
+        # Marker words map to the marker ids, so its words are exactly `render_chat`'s ids,
+        # and one text is memoized a piece at a time across message boundaries.
         vocab = self._vocab
+        words = vocab.words
         out: list[array[int] | TextSegment] = []
-        ids: list[int] = []
+        parts: list[str] = []
         for message in request.messages:
             if not isinstance(message, Mapping):
                 raise InvalidRequest(f"a message must be an object (got {type(message).__name__}).", param="messages")
@@ -177,17 +204,22 @@ class WordTokenizer:
                 text = vocab.content_text(message.get("content"))
             except ValueError as exc:
                 raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
-            ids.append(vocab.role_id(str(message.get("role", ""))))
-            if text:
-                out.append(array("Q", ids))
-                out.append(TextSegment(text.encode("utf-8", "surrogatepass"), self))
-                ids = []
-            ids.append(self._end)
+            role = vocab.role_id(str(message.get("role", "")))
+            marker = words[role] if role < len(words) else None
+            if marker is None:  # a role without a marker word (its id is a hash of its name): as an id
+                if parts:
+                    out.append(TextSegment(" ".join(parts).encode("utf-8", "surrogatepass"), self))
+                    parts = []
+                out.append(array("Q", [role]))
+            else:
+                parts.append(marker)
+            parts.append(text)
+            parts.append(words[self._end])
         options = request.prompt_options or {}
         if options.get("add_generation_prompt", True):
-            ids.append(self._assistant)
-        if ids:
-            out.append(array("Q", ids))
+            parts.append(words[self._assistant])
+        if parts:
+            out.append(TextSegment(" ".join(parts).encode("utf-8", "surrogatepass"), self))
         return out
 
     def prompt_ids(self, request: RouteRequest) -> list[int]:
@@ -367,11 +399,16 @@ def _probe_texts(extra: Sequence[str], rng: random.Random, count: int = 160) -> 
 class ModelTokenizer:
     """A model's tokenizer (``tokenizer.json``) and chat template, with piece-wise reuse.
 
+    ``inline_bytes`` is 0: what a prompt has left to hash when it is sent is kept pending (and
+    prefetched in the background), never tokenized under the router's lock.
+
     Build it with :func:`load_tokenizer`. Text is cut into pieces of at least ``piece_bytes``
     (what the block hasher memoizes), each cut into fine pieces of at least ``fine_bytes``
     (what is tokenized at a time); ``cache_tokens`` bounds the cache of fine pieces' ids.
     It is a `kvroute_tokenizer_prefix.blocks.PieceCodec`.
     """
+
+    inline_bytes = 0
 
     def __init__(
         self,
