@@ -10,14 +10,14 @@ both run under the router's lock. Scenarios:
 
 * ``cold``: a document nobody has seen (nothing matches: hashing stops after the first blocks);
 * ``cold-shared-system``: a new document after a system prompt every backend already holds;
-* ``start-cold``: recording a prompt's first sighting (the blocks ``pick`` hashed, the rest
+* ``start cold``: recording a prompt's first sighting (the blocks ``pick`` hashed, the rest
   kept as a pending tail and handed to the prefetch thread);
 * ``second``: a new question on a document sent once, after the prefetch thread has
   tokenized it (the pending tail is extended from cached pieces);
 * ``second-burst``: the same before any prefetch ran (``prefetch`` off: the shared document is
   tokenized inline, once; what a burst's second sibling pays);
 * ``warm``: a new question on a document seen several times (memoized pieces);
-* ``start-warm``: recording a warm request;
+* ``start warm``: recording a warm request;
 * ``warm-while-prefetching``: ``warm`` while the prefetch thread hashes 32 new documents (and
   how many 8,000-token first sightings per second the thread keeps up with);
 * ``encode-whole``: the ``tokenizers`` library encoding one whole rendered prompt, for scale.
@@ -206,13 +206,23 @@ def main(argv: list[str] | None = None) -> int:
         # New documents, each under its own system prompt so that they spread over the backends
         # (all on one backend, 200 prompts of 8,000 tokens would overflow its 32,768-block LRU).
         cold_docs = [(make(words), make(150)) for _ in range(args.repeat)]
-        timed("cold", lambda i: request(cold_docs[i][0], sys_prompt=cold_docs[i][1]), start=True)
+        cold_requests = [request(doc, sys_prompt=sys_prompt) for doc, sys_prompt in cold_docs]
+        timed("cold", lambda i: cold_requests[i])
+        # Now send them (the prefetch thread gets the rest of each), timing the recording.
+        wall, cpu = [], []
+        for req in cold_requests:
+            decision = strategy.pick(req, candidates)
+            c, t = time.thread_time(), time.perf_counter()
+            strategy.on_request_start(req, decision)
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c)
+        results["start cold"] = percentiles(wall, cpu)
+        strategy.wait_prefetched()
         # Every backend holds the shared system prompt: a new document still stops hashing right after it.
         for b in candidates:
             strategy.index.record(b.id, strategy.prompt_blocks(request("", "")).complete()[:9])
         timed("cold-shared-system", lambda i: request(make(words)))
-        # ``cold`` sent each of its documents once: ask a second question on each, once prefetched.
-        strategy.wait_prefetched()
+        # ``cold`` sent each of its documents once: ask a second question on each, now prefetched.
         timed("second", lambda i: request(cold_docs[i][0], sys_prompt=cold_docs[i][1]))
         results["second_tails_extended"] = strategy.stats()["tails_extended"]
         timed("warm", lambda i: request(docs[rng.randrange(16)]), start=True)

@@ -323,8 +323,8 @@ class PromptBlocks:
         self._tail = b""
         self._done = False
         self._memo = memo
-        #: Where the piece being hashed started: (segment, offset, chain key, hash, leftover bytes, hashes so far).
-        self._resume: tuple[int, int, int, int, bytes, int] | None = None
+        #: Where the piece being hashed started: (segment, offset, chain key, hash, leftover bytes, hashes, ids so far).
+        self._resume: tuple[int, int, int, int, bytes, int, int] | None = None
         #: (segment, byte offset) of the first byte not hashed yet, as of the last pause.
         self._at = (0, 0)
         self.hashes: list[int] = []
@@ -380,7 +380,7 @@ class PromptBlocks:
         """
         if self._done or self._resume is None or self._memo is None:
             return None
-        segment, pos, chain, h, tail, count = self._resume
+        segment, pos, chain, h, tail, count, _ = self._resume
         other = PromptBlocks.__new__(PromptBlocks)
         other._segments = self._segments
         other.block_size = self.block_size
@@ -413,6 +413,25 @@ class PromptBlocks:
         for seg in self._segments[segment:]:
             total += len(seg.data) if isinstance(seg, TextSegment) else 8 * len(seg)
         return max(0, total)
+
+    def skip_memoized(self) -> bool:
+        """If the piece being hashed has been memoized since (by a prefetch), take it from the memo.
+
+        Restarts from the start of that piece, so the fine pieces already hashed in it are not
+        needed again (their ids may have left the cache meanwhile). Returns whether it did.
+        """
+        if self._done or self._resume is None or self._memo is None:
+            return False
+        segment, pos, chain, h, tail, count, tokens = self._resume
+        text = self._segments[segment]
+        assert isinstance(text, TextSegment)
+        end = text.codec.cut(text.data, pos, text.codec.piece_bytes)
+        if xxhash.xxh3_64_intdigest(memoryview(text.data)[pos:end], chain) not in self._memo:
+            return False
+        del self.hashes[count:]
+        self._h, self._tail, self.tokens = h, tail, tokens
+        self._gen = self._run(segment, pos, chain)
+        return True
 
     def advance_past(self, limit: tuple[int, int]) -> None:
         """Hash until the byte or id at ``limit`` (a `position`) is hashed, or everything is."""
@@ -524,7 +543,7 @@ class PromptBlocks:
                             self._at = (number, pos)
                             yield
                         continue
-                    self._resume = (number, pos, chain, self._h, self._tail, len(hashes))
+                    self._resume = (number, pos, chain, self._h, self._tail, len(hashes), self.tokens)
                 first = len(hashes)
                 before = self.tokens
                 ready: list[bytes] = []  # ids of fine pieces not absorbed yet

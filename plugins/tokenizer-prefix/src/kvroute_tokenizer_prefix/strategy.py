@@ -267,6 +267,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             if len(theirs.hashes) != at or theirs.block_size != blocks.block_size or exact != (tail.request_id is not None):
                 continue  # stale: another block size, or the backend switched between exact and approximate mode
             try:
+                theirs.skip_memoized()
                 limit = first_difference(theirs.segments, blocks.segments)
                 if limit is not None:
                     # Hash theirs just past where the two prompts first differ; ours then finds the
