@@ -1,6 +1,7 @@
 """Benchmark the tokenizer-prefix strategy's decision latency and index memory (not a test).
 
-Usage: python benchmarks/bench_tokenizer_prefix.py [--tokenizer DIR] [--repeat N] [--json FILE]
+Usage: python benchmarks/bench_tokenizer_prefix.py [--tokenizer DIR] [--repeat N] [--option K=V] [--json FILE]
+       python benchmarks/bench_tokenizer_prefix.py --simulate multi-turn,rag,long-prefix
 
 Without ``--tokenizer`` a byte-level BPE (Llama-3 split regex, 8,000-entry vocabulary) is
 trained here on generated English-like text: no download. The prompts are chat requests of
@@ -23,8 +24,13 @@ both run under the router's lock. Scenarios:
 * ``encode-whole``: the ``tokenizers`` library encoding one whole rendered prompt, for scale.
 
 Prints p50 and p99 wall clock and the p50 of the thread's CPU time in microseconds (the CPU
-time is the robust figure on a shared machine), the load average and the CPU count, and the
-index's bytes per block (tracemalloc).
+time is the robust figure on a shared machine), the load average and the CPU count, the
+prefetch thread's throughput, and the memory per block of the index and the piece memo and per
+token of the id cache.
+
+With ``--simulate``, it instead runs ``kvroute simulate`` workloads (seed 0, default sizes) with
+tokenizer-prefix and reports the wall time of ``pick``, of ``on_request_start`` and of both
+(what runs under the router's lock), best of three runs, and the hit rate.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import statistics
@@ -46,8 +53,8 @@ from typing import Any
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from kvroute_tokenizer_prefix import BlockIndex, PromptBlocks, TokenizerPrefix, block_hashes, load_tokenizer
-from kvroute_tokenizer_prefix.blocks import PieceMemo, TextSegment
+import structlog
+from kvroute_tokenizer_prefix import BlockIndex, TokenizerPrefix, block_hashes
 
 import kvroute
 
@@ -118,6 +125,61 @@ def percentiles(samples: list[float], cpu: list[float] | None = None) -> dict[st
     return out
 
 
+def simulate_costs(workloads: list[str], repeat: int) -> dict[str, Any]:
+    """``pick`` and ``on_request_start`` wall time of tokenizer-prefix in ``kvroute simulate`` workloads.
+
+    Both run under the router's lock; the simulator's own routing column is ``pick`` alone.
+    Best of ``repeat`` runs for each figure (the machine's speed drifts).
+    """
+    import kvroute_tokenizer_prefix.strategy as module
+
+    from kvroute.simulation.driver import simulate
+    from kvroute.simulation.workloads import make_workload
+
+    times: dict[str, list[float]] = {"pick": [], "start": []}
+    pick, start = module.TokenizerPrefix.pick, module.TokenizerPrefix.on_request_start
+
+    def timed_pick(self: Any, request: kvroute.RouteRequest, candidates: Any) -> kvroute.Decision:
+        t = time.perf_counter()
+        decision = pick(self, request, candidates)
+        times["pick"].append(time.perf_counter() - t)
+        return decision
+
+    def timed_start(self: Any, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        t = time.perf_counter()
+        start(self, request, decision)
+        times["start"].append(time.perf_counter() - t)
+
+    def q(values: list[float], p: float) -> float:
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(len(ordered) * p))] * 1e6)
+
+    out: dict[str, Any] = {}
+    module.TokenizerPrefix.pick, module.TokenizerPrefix.on_request_start = timed_pick, timed_start  # type: ignore[method-assign]
+    try:
+        for name in workloads:
+            arrivals = list(make_workload(name, seed=0).arrivals())
+            best: dict[str, Any] = {}
+            for _ in range(repeat):
+                times["pick"].clear()
+                times["start"].clear()
+                result = simulate(arrivals, "tokenizer-prefix")
+                both = [p + s for p, s in zip(times["pick"], times["start"], strict=False)]
+                run = {
+                    "hit_rate": round(result.hit_rate * 100, 1),
+                    "pick_p50_us": q(times["pick"], 0.5), "pick_p99_us": q(times["pick"], 0.99),
+                    "start_p50_us": q(times["start"], 0.5), "start_p99_us": q(times["start"], 0.99),
+                    "both_p50_us": q(both, 0.5), "both_p99_us": q(both, 0.99),
+                    "lock_total_ms": round((sum(times["pick"]) + sum(times["start"])) * 1e3),
+                }
+                best = run if not best else {k: min(v, best[k]) for k, v in run.items()}
+            out[name] = best
+            print(f"{name:12s} " + "  ".join(f"{k} {v}" for k, v in best.items()))
+    finally:
+        module.TokenizerPrefix.pick, module.TokenizerPrefix.on_request_start = pick, start  # type: ignore[method-assign]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", help="a model directory or tokenizer.json to use instead of the trained one")
@@ -125,7 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", type=int, default=8)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a strategy option (repeatable)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--simulate", metavar="WORKLOADS", help="instead: time pick and on_request_start in these kvroute simulate workloads (comma-separated)"
+    )
     args = parser.parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.simulate:
+        found = simulate_costs(args.simulate.split(","), repeat=3)
+        found["load_average"] = os.getloadavg()[0]
+        if args.json:
+            args.json.write_text(json.dumps(found, indent=2) + "\n")
+        return 0
     options: dict[str, Any] = {"block_size": 16, "max_prefix_tokens": 8192}
     for item in args.option:
         key, _, value = item.partition("=")
@@ -273,13 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         results["index_bytes_per_block_first_backend"] = round(one / len(hashes), 1)
         results["index_bytes_per_block_more_backends"] = round((two - one) / len(hashes), 1)
         # Memory of the piece memo (per block hash it holds) and of the id cache (per token id), one prompt's worth.
+        from kvroute_tokenizer_prefix import PieceMemo, PromptBlocks, TextSegment, load_tokenizer
+
         text = tok.render(request(make(words), "q")).encode()
         memo = PieceMemo()
-        tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
         PromptBlocks([TextSegment(text, tok)], 16, 1 << 20, 0, memo).complete()
-        results["memo_bytes_per_block"] = round((tracemalloc.get_traced_memory()[0] - before) / memo.blocks, 1)
-        tracemalloc.stop()
+        entries = memo._data  # the memo's own objects: its dictionary, keys, entries, hash arrays, leftovers
+        held = sys.getsizeof(entries) + sum(
+            sys.getsizeof(k) + sys.getsizeof(v) + sys.getsizeof(v[0]) + sys.getsizeof(v[1]) + sys.getsizeof(v[2])
+            for k, v in entries.items()
+        )
+        results["memo_bytes_per_block"] = round(held / memo.blocks, 1)
+        results["memo_blocks_per_piece"] = round(memo.blocks / len(memo), 1)
         fresh_tok = load_tokenizer(source)
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
@@ -298,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         f"cpus {results['cpus']}, load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
     )
     print(f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second")
-    print(f"piece memo: {results['memo_bytes_per_block']} bytes per block hash; id cache: {results['id_cache_bytes_per_token']} bytes per token id")
+    print(
+        f"piece memo: {results['memo_bytes_per_block']} bytes per block hash ({results['memo_blocks_per_piece']} blocks per piece); "
+        f"id cache: {results['id_cache_bytes_per_token']} bytes per token id"
+    )
     print(
         f"index: {results['index_bytes_per_block_first_backend']} bytes per block for the first backend holding it, "
         f"{results['index_bytes_per_block_more_backends']} for each further backend"

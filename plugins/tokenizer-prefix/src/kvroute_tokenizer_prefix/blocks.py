@@ -176,7 +176,7 @@ class PieceMemo:
 
     __slots__ = ("_data", "blocks", "max_blocks", "max_entries")
 
-    def __init__(self, max_blocks: int = 1 << 20, max_entries: int = 1 << 16) -> None:
+    def __init__(self, max_blocks: int = 1 << 19, max_entries: int = 1 << 16) -> None:
         self._data: OrderedDict[int, tuple[array[int], bytes, int]] = OrderedDict()
         #: Block hashes held in all entries.
         self.blocks = 0

@@ -70,7 +70,7 @@ _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
 #: Pending tails kept at most, and the bytes of prompt text they may hold (oldest dropped first).
 MAX_TAILS = 4096
-MAX_TAIL_BYTES = 64 << 20
+MAX_TAIL_BYTES = 32 << 20
 #: Pending tails kept per block hash at most (prompts identical up to a block, sent to one backend).
 _MAX_TAILS_PER_BLOCK = 16
 
@@ -120,7 +120,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     piece_bytes: int = int_option(2048, min=1, max=1 << 20)
     fine_bytes: int = int_option(128, min=1, max=1 << 20)
     cache_tokens: int = int_option(1 << 19, min=0, max=1 << 32)
-    memo_blocks: int = int_option(1 << 20, min=0, max=1 << 32)
+    memo_blocks: int = int_option(1 << 19, min=0, max=1 << 32)
     prefetch: bool = bool_option(True)
     #: Decisions by reason, since the strategy was built.
     reasons: Counter[str] = attrs.field(factory=Counter, init=False)
