@@ -29,6 +29,15 @@ _LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
 }
 
 
+#: Top-level logger names of the in-repo plugins and adapters (their modules use kvroute.logs).
+_LIBRARY_LOGGERS = (
+    "kvroute_tokenizer_prefix",
+    "kvroute_vllm",
+    "kvroute_tensorrt_llm",
+    "kvroute_litellm",
+)
+
+
 def configure_logging(level: str = "warning", fmt: str = "console") -> None:
     """Configure structlog for a command-line process (library code never does this)."""
     numeric = logging.getLevelName(level.upper())
@@ -46,6 +55,19 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # Library modules log through the standard library (kvroute.logs): show their events on
+    # stderr too, rendered by the processors above, one line each.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("kvroute")
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    root.propagate = False
+    for name in _LIBRARY_LOGGERS:
+        lib = logging.getLogger(name)
+        lib.handlers[:] = [handler]
+        lib.setLevel(numeric)
+        lib.propagate = False
 
 
 class _LazyGroup(click.Group):

@@ -7,14 +7,14 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Literal
 
 import attrs
-import structlog
 
 from kvroute.backend import Backend, BackendState, EngineLoad
 from kvroute.errors import ConfigError, UnknownBackend
+from kvroute.logs import get_logger
 
 __all__ = ["Fleet", "FleetEvent", "FleetEventKind"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FleetEventKind = Literal["attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight"]
 

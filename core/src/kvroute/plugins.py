@@ -17,11 +17,11 @@ from typing import Any
 
 import attrs
 import pluggy
-import structlog
 
 from kvroute import hookspecs
 from kvroute._markers import PROJECT
 from kvroute.errors import ConfigError, PluginLoadError
+from kvroute.logs import get_logger
 from kvroute.strategy import Strategy, StrategyFactory, build_strategy
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "Registration",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 ENTRY_POINT_GROUP = "kvroute"
 DISABLE_AUTOLOAD_ENV = "KVROUTE_DISABLE_PLUGIN_AUTOLOAD"

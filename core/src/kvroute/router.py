@@ -24,18 +24,18 @@ from typing import Any
 
 import anyio
 import attrs
-import structlog
 
 from kvroute.backend import Backend, BackendState
 from kvroute.errors import KvrouteError, NoBackendAvailable
 from kvroute.fleet import Fleet, FleetEvent
+from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.strategy import Decision, Outcome, Pick, Strategy
 
 __all__ = ["Lease", "Router"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @attrs.define

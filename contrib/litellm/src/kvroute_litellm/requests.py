@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
-
 from kvroute import AFFINITY_HEADER, LORA_HEADER, InvalidRequest, RouteRequest
+from kvroute.logs import get_logger
 
 __all__ = ["METADATA_AFFINITY_KEY", "metadata_of", "route_request"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: A metadata key a caller may set to pin requests to one routing key (a session id).
 METADATA_AFFINITY_KEY = "kvroute_affinity_key"

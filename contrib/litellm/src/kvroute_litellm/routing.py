@@ -32,17 +32,17 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
 from kvroute import ConfigError, Lease, NoBackendAvailable, PluginManager
+from kvroute.logs import get_logger
 from kvroute_litellm.deployments import ModelGroup, deployment_id
 from kvroute_litellm.requests import metadata_of, route_request
 
 __all__ = ["DECISION_KEY", "FAILED_KEY", "LEASE_KEY", "KvrouteRouting", "LeaseCallbacks", "install"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Metadata key holding the lease id of the attempt in progress.
 LEASE_KEY = "kvroute_lease_id"

@@ -27,17 +27,17 @@ from typing import Any
 
 import anyio
 import attrs
-import structlog
 from anyio.abc import TaskStatus
 
 from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
 from kvroute.backend import Backend, EngineLoad
+from kvroute.logs import get_logger
 from kvroute_tensorrt_llm.events import EventFeed, EventFormatError, parse_events
 from kvroute_tensorrt_llm.metrics import TrtllmStats, merge_iteration_stats, parse_prometheus
 
 __all__ = ["TensorRTLLMAdapter"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _RETRY_MAX_S = 30.0
 #: Health rounds between two looks for a Prometheus endpoint that was missing.

@@ -27,13 +27,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import structlog
 
 from kvroute.adapters import KvEventSink
+from kvroute.logs import get_logger
 
 __all__ = ["Created", "EventFeed", "EventFormatError", "FeedStats", "Removed", "Stored", "StoredBlock", "Updated", "parse_events"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _MASK64 = (1 << 64) - 1
 

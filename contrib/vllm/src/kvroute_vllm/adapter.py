@@ -28,19 +28,19 @@ from typing import Any
 
 import anyio
 import attrs
-import structlog
 import zmq
 from anyio.abc import TaskStatus
 
 from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
 from kvroute.backend import Backend, EngineLoad
+from kvroute.logs import get_logger
 from kvroute_vllm.feed import KvEventFeed
 from kvroute_vllm.metrics import VllmMetrics, parse_metrics
 from kvroute_vllm.subscriber import ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
 
 __all__ = ["VllmAdapter"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _RETRY_MAX_S = 30.0
 _RECHECK_S = 60.0

@@ -38,14 +38,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
-import structlog
 
 from kvroute.adapters import KvEventSink
+from kvroute.logs import get_logger
 from kvroute_vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = ["FeedStats", "Gap", "KvEventFeed"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _GPU = (None, "GPU")
 _FULL = (None, "full_attention")

@@ -18,16 +18,16 @@ from urllib.parse import urlsplit
 
 import anyio
 import attrs
-import structlog
 import zmq
 import zmq.asyncio
 
+from kvroute.logs import get_logger
 from kvroute_vllm.events import END_SEQ, EventBatch, EventFormatError, decode_batch, decode_message
 from kvroute_vllm.feed import KvEventFeed
 
 __all__ = ["ZmqSource", "ZmqSubscriber", "engine_binds", "resolve_endpoint"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def engine_binds(endpoint: str) -> bool:

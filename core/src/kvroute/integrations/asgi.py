@@ -20,15 +20,14 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-import structlog
-
 from kvroute.errors import InvalidRequest, KvrouteError, NoBackendAvailable
+from kvroute.logs import get_logger
 from kvroute.request import Endpoint, RouteRequest
 from kvroute.router import Lease, Router, _status_for
 
 __all__ = ["DEFAULT_PATHS", "STATE_KEY", "RoutingMiddleware", "lease_from"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

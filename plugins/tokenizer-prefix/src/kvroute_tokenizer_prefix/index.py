@@ -27,13 +27,12 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
-import structlog
-
+from kvroute.logs import get_logger
 from kvroute_tokenizer_prefix.blocks import block_hashes, root_hash
 
 __all__ = ["DEFAULT_CAPACITY_BLOCKS", "BlockIndex", "RecentDecisions"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Blocks remembered per backend unless ``capacity_blocks`` or `BlockIndex.set_capacity` says otherwise.
 DEFAULT_CAPACITY_BLOCKS = 32_768

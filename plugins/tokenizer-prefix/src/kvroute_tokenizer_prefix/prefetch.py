@@ -23,13 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import structlog
-
+from kvroute.logs import get_logger
 from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, TextSegment
 
 __all__ = ["Prefetcher"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Jobs waiting at most; the oldest are dropped beyond it (the router then hashes inline if asked).
 MAX_QUEUE = 256

@@ -40,13 +40,13 @@ from operator import and_, or_
 from typing import Any
 
 import attrs
-import structlog
 import xxhash
 from kvroute_bounded_load import BoundedLoad, choose
 from kvroute_consistent_hash import Rendezvous
 
 import kvroute
 from kvroute.errors import InvalidRequest
+from kvroute.logs import get_logger
 from kvroute.options import (
     bool_option,
     float_option,
@@ -62,7 +62,7 @@ from kvroute_tokenizer_prefix.tokenizer import ModelTokenizer, PromptTokenizer, 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "TokenizerPrefix"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Block size used until an option or an adapter says otherwise (vLLM's default on GPUs).
 DEFAULT_BLOCK_SIZE = 16

@@ -35,10 +35,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-import structlog
 import xxhash
 
 from kvroute.errors import ConfigError, InvalidRequest
+from kvroute.logs import get_logger
 from kvroute.request import RouteRequest
 from kvroute_tokenizer_prefix.blocks import TextSegment, ids_from_bytes, iter_pieces, token_array, token_bytes
 from kvroute_tokenizer_prefix.chat import ChatTemplate, ContentFormat, select_template
@@ -56,7 +56,7 @@ __all__ = [
     "token_array",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Where a piece may end (a zero-width match), on the UTF-8 bytes of the text:
 #   before a space that sits between an ASCII letter/digit and an ASCII letter ("abc| def"), or

@@ -1,0 +1,30 @@
+"""Loggers for library code: structlog events delivered through the standard library's `logging`.
+
+A library must stay silent unless its host asks for its logs. structlog left unconfigured prints
+every event to stdout, so library modules (the router, the fleet, the plugin manager, strategies
+and adapters) do not take structlog's default logger: they wrap ``logging.getLogger(name)``.
+The host then decides, with the standard library's tools, what it sees
+(``logging.getLogger("kvroute").setLevel(logging.INFO)`` and a handler of its own). Events keep
+structlog's shape: the host's structlog configuration, when it has one, renders them; otherwise
+structlog's default processors turn each event into one line handed to the standard logger.
+
+The command-line entry points (`kvroute simulate`, `kvroute serve`, ...) configure both, so a
+process started from the CLI keeps its current output.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import structlog
+
+__all__ = ["get_logger"]
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger for module ``name`` whose events go to ``logging.getLogger(name)``.
+
+    Use it at module level in library and plugin code: ``log = get_logger(__name__)``.
+    """
+    return structlog.wrap_logger(logging.getLogger(name))
