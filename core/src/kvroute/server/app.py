@@ -5,13 +5,18 @@ Per request: read and validate the body, build a `RouteRequest`, ask the `Router
 lease, forward the original bytes to the chosen backend, and pass the answer back:
 SSE event by event as it arrives, anything else once complete. Failures before the first
 byte reaches the client are retried on another backend (see docs/serve.md).
+
+Hostile input: every body the proxy cannot route gets a 4xx in OpenAI's error shape
+(`kvroute.server._asgi.loads_body` turns any parse failure into `InvalidBody`), a body over
+the limit gets its 413 before the connection closes, bodies over 1 MiB are parsed in a
+worker thread so that they do not stall other requests, and an unexpected exception is
+logged once and answered 500 with a JSON body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import anyio.to_thread
 import attrs
 import structlog
 from anyio.abc import TaskGroup
@@ -33,14 +39,17 @@ from kvroute.router import Lease, Router
 from kvroute.server._asgi import (
     BodyTooLarge,
     ClientGone,
+    InvalidBody,
     Receive,
     Scope,
     Send,
     dumps,
+    loads_body,
     openai_error,
     read_body,
     send_bytes,
     send_error,
+    send_error_draining,
     send_json,
 )
 from kvroute.server.config import BackendConfig, ServerConfig
@@ -72,6 +81,19 @@ _EVENTS_HTTP_TIMEOUT = 10.0
 #: Transport failures. ``TimeoutError`` is an ``OSError``; `_is_timeout` tells our own
 #: timeouts (first byte, idle) from aiohttp's connect timeouts, which are connection errors.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
+#: After a 413, the rest of the body is read and discarded (so that the client reads the answer
+#: rather than a reset) up to the larger of this and 4x ``max_body_bytes``, for at most
+#: `_DRAIN_SECONDS` in all and `_DRAIN_IDLE_SECONDS` between two reads; then the connection closes.
+_DRAIN_MIN_BYTES = 256 * 1024 * 1024
+_DRAIN_SECONDS = 10.0
+_DRAIN_IDLE_SECONDS = 2.0
+#: Bodies larger than this are parsed (JSON, then the `RouteRequest`) in a worker thread:
+#: 32 MiB of small messages takes seconds of CPU, which must not stall the event loop.
+_THREAD_PARSE_BYTES = 1024 * 1024
+#: At most this many such parses at once (each holds the parsed body in memory).
+_THREAD_PARSES = 2
+#: Scope key under which `_proxy` leaves the request id for the last-resort error answer.
+_SCOPE_REQUEST_ID = "kvroute.request_id"
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -122,6 +144,42 @@ def _event_end(data: bytes) -> int:
     return end
 
 
+def _invalid(exc: InvalidRequest | RecursionError) -> InvalidBody:
+    if isinstance(exc, RecursionError):
+        return InvalidBody("The request body nests too deeply to be routed.", code="invalid_json")
+    return InvalidBody(str(exc), code="invalid_value", param=exc.param)
+
+
+def _parse(
+    raw: bytes, endpoint: Endpoint | None, headers: dict[str, str], request_id: str
+) -> tuple[object, RouteRequest | None]:
+    """The body's JSON and, on the generation routes, its `RouteRequest`; any fault is an `InvalidBody`.
+
+    Touches no shared state, so it may run in a worker thread.
+    """
+    body = loads_body(raw)
+    if endpoint is None:
+        return body, None
+    try:
+        return body, RouteRequest.from_openai(body, endpoint=endpoint, headers=headers, request_id=request_id)
+    except (InvalidRequest, RecursionError) as exc:
+        raise _invalid(exc) from None
+
+
+class _ResponseGuard:
+    """Wraps an ASGI ``send`` to tell whether the response has started (for the last-resort handler)."""
+
+    __slots__ = ("send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Any) -> None:
+        self.started = True
+        await self.send(message)
+
+
 def _stream_error_event(message: str, code: str) -> bytes:
     body = openai_error(502, message, code=code)
     return b"data: " + dumps(body) + b"\n\ndata: [DONE]\n\n"
@@ -162,6 +220,7 @@ class ProxyApp:
         self._sink: KvEventSink | None = None
         self._event_scopes: dict[str, anyio.CancelScope] = {}
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
+        self._parse_limiter: anyio.CapacityLimiter | None = None
         self._created = int(time.time())
         from kvroute.server.admin import AdminApi
 
@@ -373,25 +432,75 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            path: str = scope["path"]
-            methods = self._routes.get(path)
-            if methods is None:
-                if self.admin is not None and path.startswith("/admin/"):
-                    await self.admin(scope, receive, send)
-                    return
-                await self._reject(send, 404, f"Unknown route: {scope['method']} {path}.", code="unknown_url")
-                return
-            handler = methods.get(scope["method"])
-            if handler is None:
-                allow = ", ".join(sorted(methods)).encode()
-                await self._reject(
-                    send, 405, f"Method {scope['method']} is not allowed on {path} (allowed: {allow.decode()}).",
-                    code="method_not_allowed", headers=[(b"allow", allow)],
-                )
-                return
-            await handler(scope, receive, send)
+            guard = _ResponseGuard(send)
+            try:
+                await self._dispatch(scope, receive, guard)
+            except Exception as exc:
+                await self._internal_error(scope, guard, exc)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        methods = self._routes.get(path)
+        if methods is None:
+            if self.admin is not None and path.startswith("/admin/"):
+                await self.admin(scope, receive, send)
+                return
+            await self._reject(send, 404, f"Unknown route: {scope['method']} {path}.", code="unknown_url")
+            return
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allow = ", ".join(sorted(methods)).encode()
+            await self._reject(
+                send, 405, f"Method {scope['method']} is not allowed on {path} (allowed: {allow.decode()}).",
+                code="method_not_allowed", headers=[(b"allow", allow)],
+            )
+            return
+        await handler(scope, receive, send)
+
+    async def _internal_error(self, scope: Scope, guard: _ResponseGuard, exc: Exception) -> None:
+        """Last resort for a bug: log it once, answer 500 in OpenAI's shape unless the response has started.
+
+        When it has, returning leaves it incomplete and the ASGI server closes the connection,
+        which is all a client can be told mid-response.
+        """
+        request_id = scope.get(_SCOPE_REQUEST_ID)
+        _events.error(
+            "request_failed", request_id=request_id, method=scope.get("method"), path=scope.get("path"),
+            response_started=guard.started, error=f"{type(exc).__name__}: {exc}", exc_info=exc,
+        )
+        if guard.started:
+            return
+        headers = [(_REQUEST_ID, request_id.encode("latin-1"))] if request_id else []
+        await self._reject(
+            guard.send, 500, f"The proxy failed to handle this request ({type(exc).__name__}); the error is in its log.",
+            code="internal_error", headers=headers,
+        )
+
+    async def _parse_request(
+        self, raw: bytes, endpoint: Endpoint | None, headers: dict[str, str], request_id: str
+    ) -> RouteRequest:
+        """`_parse` on the event loop, or in a worker thread for a large body; raises `InvalidBody`."""
+        if len(raw) <= _THREAD_PARSE_BYTES:
+            body, request = _parse(raw, endpoint, headers, request_id)
+        else:
+            if self._parse_limiter is None:
+                self._parse_limiter = anyio.CapacityLimiter(_THREAD_PARSES)
+            body, request = await anyio.to_thread.run_sync(
+                _parse, raw, endpoint, headers, request_id, limiter=self._parse_limiter
+            )
+        if request is not None:
+            return request
+        try:
+            return self._route_request(body, endpoint, headers, request_id)
+        except (InvalidRequest, RecursionError) as exc:
+            raise _invalid(exc) from None
+
+    def _count_reject(self, status: int, ex: _Exchange | None, message: str) -> None:
+        self.metrics.child(self.metrics.rejected, str(status)).inc()
+        if ex is not None and not ex.status:
+            ex.status, ex.outcome, ex.error = status, "rejected", message
 
     async def _reject(
         self,
@@ -404,9 +513,7 @@ class ProxyApp:
         headers: list[tuple[bytes, bytes]] | None = None,
         ex: _Exchange | None = None,
     ) -> None:
-        self.metrics.child(self.metrics.rejected, str(status)).inc()
-        if ex is not None and not ex.status:
-            ex.status, ex.outcome, ex.error = status, "rejected", message
+        self._count_reject(status, ex, message)
         await send_error(send, status, message, code=code, param=param, headers=headers or ())
 
     # -- simple routes ----------------------------------------------------------------
@@ -478,10 +585,16 @@ class ProxyApp:
             elif name in _ROUTE_HEADERS:
                 route_headers[_ROUTE_HEADERS[name]] = value.decode("latin-1")
         ex = _Exchange(request_id or os.urandom(16).hex(), started)
+        scope[_SCOPE_REQUEST_ID] = ex.request_id
         if self._shared_metrics:
             self.metrics.worker_in_flight_child.inc()
         try:
             await self._handle(scope, receive, send, endpoint, ex, declared, route_headers)
+        except Exception as exc:
+            # Answered by the last-resort handler in __call__ (500, or a cut-off response).
+            ex.status = ex.status if ex.response_started else 500
+            ex.outcome, ex.error = "internal_error", f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             if self._shared_metrics:
                 self.metrics.worker_in_flight_child.dec()
@@ -498,34 +611,23 @@ class ProxyApp:
         route_headers: dict[str, str],
     ) -> None:
         id_header = (_REQUEST_ID, ex.request_id.encode("latin-1"))
+        limit = self.config.max_body_bytes
         try:
-            raw = await read_body(receive, self.config.max_body_bytes, declared)
+            raw = await read_body(receive, limit, declared)
         except BodyTooLarge as exc:
-            await self._reject(send, 413, str(exc), code="request_too_large", headers=[id_header], ex=ex)
+            self._count_reject(413, ex, str(exc))
+            await send_error_draining(
+                receive, send, 413, str(exc), code="request_too_large", headers=[id_header],
+                max_bytes=max(4 * limit, _DRAIN_MIN_BYTES), max_seconds=_DRAIN_SECONDS, idle_seconds=_DRAIN_IDLE_SECONDS,
+            )
             return
         except ClientGone:
             ex.outcome = "cancelled"
             return
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            await self._reject(
-                send, 400, f"The request body must be UTF-8 encoded JSON (invalid byte at offset {exc.start}).",
-                code="invalid_encoding", headers=[id_header], ex=ex,
-            )
-            return
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
-            await self._reject(
-                send, 400, f"The request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.",
-                code="invalid_json", headers=[id_header], ex=ex,
-            )
-            return
-        try:
-            request = self._route_request(body, endpoint, route_headers, ex.request_id)
-        except InvalidRequest as exc:
-            await self._reject(send, 400, str(exc), code="invalid_value", param=exc.param, headers=[id_header], ex=ex)
+            request = await self._parse_request(raw, endpoint, route_headers, ex.request_id)
+        except InvalidBody as exc:
+            await self._reject(send, 400, str(exc), code=exc.code, param=exc.param, headers=[id_header], ex=ex)
             return
         ex.model = request.model
         ex.stream = request.stream

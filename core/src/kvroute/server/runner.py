@@ -3,7 +3,9 @@
 Both use `NoDelayHttpToolsProtocol` (or the h11 equivalent when httptools is missing), which
 sets TCP_NODELAY on every accepted connection explicitly: asyncio and uvloop already do, and
 this keeps it true whatever loop runs the server. A streamed first chunk must never wait
-for Nagle's algorithm and a delayed ACK.
+for Nagle's algorithm and a delayed ACK. It also answers a request uvicorn cannot parse
+(broken chunk framing, a bad header line) with a 400 in OpenAI's error shape rather than
+uvicorn's plain text.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
+from kvroute.server._asgi import dumps, openai_error
 
 __all__ = ["ServerThread", "make_uvicorn_config", "nodelay_protocol", "run_server"]
 
@@ -79,6 +83,20 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
+def _invalid_http_response() -> bytes:
+    """uvicorn's answer to a request it cannot parse, in OpenAI's error shape (the app never sees the request)."""
+    message = "The request is not valid HTTP/1.1 (malformed request line, header, Content-Length or chunked encoding)."
+    body = dumps(openai_error(400, message, code="invalid_http"))
+    head = (
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    )
+    return head + body
+
+
+_INVALID_HTTP = _invalid_http_response()
+
+
 def nodelay_protocol() -> type[asyncio.Protocol]:
     """uvicorn's fastest available HTTP protocol class: TCP_NODELAY set on connect, head and body coalesced."""
     try:
@@ -91,6 +109,11 @@ def nodelay_protocol() -> type[asyncio.Protocol]:
             _set_nodelay(transport)
             super().connection_made(transport)
             self.transport = _CoalescingTransport(transport, asyncio.get_running_loop())  # type: ignore[assignment]
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer is plain text; ``msg`` is always "Invalid HTTP request received.".
+            self.transport.write(_INVALID_HTTP)
+            self.transport.close()
 
     return NoDelayProtocol
 
