@@ -24,6 +24,7 @@ Transport errors raised from these methods count as a failed probe / a skipped p
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +42,7 @@ __all__ = [
     "OpenAIAdapter",
     "kv_event_sink",
     "parse_model_list",
+    "set_backend_exact",
 ]
 
 
@@ -85,7 +87,13 @@ class KvEventSink(Protocol):
     block_size: int
 
     def set_exact(self, backend: str, exact: bool = True) -> None:
-        """Mark ``backend`` as fed by KV events (``False``: back to the strategy's own records)."""
+        """Mark ``backend`` as fed by KV events (``False``: back to the strategy's own records).
+
+        ``exact`` must be true only while no event of that backend could have been skipped or
+        lost since its blocks were last cleared. A sink may also accept an optional keyword
+        ``reason: str | None`` (why the backend is not exact, e.g. ``"lost_batches"``);
+        adapters pass it through `set_backend_exact`, which leaves it out for sinks that do not.
+        """
         ...
 
     def blocks_stored(
@@ -109,6 +117,22 @@ class KvEventSink(Protocol):
     def all_cleared(self, backend: str) -> None:
         """The engine dropped every cached block (cache reset or restart)."""
         ...
+
+
+def _takes_reason(method: object) -> bool:
+    try:
+        parameters = inspect.signature(method).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return "reason" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def set_backend_exact(sink: KvEventSink, backend: str, exact: bool, *, reason: str | None = None) -> None:
+    """``sink.set_exact(backend, exact)``, with ``reason=`` when the sink's ``set_exact`` accepts that keyword."""
+    if reason is not None and _takes_reason(sink.set_exact):
+        sink.set_exact(backend, exact, reason=reason)  # type: ignore[call-arg]
+    else:
+        sink.set_exact(backend, exact)
 
 
 def kv_event_sink(strategy: object) -> KvEventSink | None:

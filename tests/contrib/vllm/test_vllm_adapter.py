@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import anyio
 import pytest
 from kvroute_vllm import VllmAdapter, ZmqSource
@@ -37,6 +39,13 @@ def _sources(endpoint: str, replay: str | None, topic: str = "kv") -> dict[str, 
             "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": topic,
         }
     }
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _metrics_http() -> FakeHttp:
@@ -112,9 +121,10 @@ class TestVllmAdapter:
         assert await _adapter().sources(http) == [ZmqSource("tcp://127.0.0.1:40161", "kv", "tcp://127.0.0.1:41237", bind=False)]
 
     async def test_sources_of_an_engine_that_connects(self) -> None:
-        """A concrete endpoint means the engine connects: kvroute binds it (or the kv_bind address)."""
-        http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources("tcp://10.0.0.9:5557", None))})
-        assert await _adapter().sources(http) == [ZmqSource("tcp://10.0.0.9:5557", "kv", None, bind=True)]
+        """A reported address of this machine where nothing listens: the engine connects, kvroute binds it (or kv_bind)."""
+        free = _free_port()
+        http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources(f"tcp://127.0.0.1:{free}", None))})
+        assert await _adapter().sources(http) == [ZmqSource(f"tcp://127.0.0.1:{free}", "kv", None, bind=True)]
         assert (await _adapter(kv_bind="tcp://*:5557").sources(http))[0].endpoint == "tcp://*:5557"
 
     async def test_sources_disabled_or_unsupported(self) -> None:
@@ -191,8 +201,6 @@ class TestVllmAdapter:
 
     async def test_socket_errors_are_retried(self) -> None:
         """An endpoint that cannot be bound yet is logged and retried; once free, the subscription starts."""
-        import socket
-
         holder = socket.socket()
         holder.bind(("127.0.0.1", 0))
         holder.listen()

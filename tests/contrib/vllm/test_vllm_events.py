@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from kvroute_vllm import AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, decode_batch, decode_message
+from kvroute_vllm import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventFormatError,
+    UnknownEvent,
+    decode_batch,
+    decode_message,
+)
 
 from tests.contrib.vllm.vllm_fakes import as_positional, captured_messages, kv_events
 
@@ -60,10 +68,10 @@ class TestDecodeMessage:
         assert isinstance(removed, BlockRemoved)
         assert removed.block_hashes == (int.from_bytes(digest, "big"),)
 
-    def test_unknown_event_types_are_skipped(self) -> None:
-        """An event type this version does not know is left out, the rest of the batch is kept."""
+    def test_unknown_event_types_are_kept_as_unknown(self) -> None:
+        """An event type this version does not know decodes to UnknownEvent (so the feed can count it), the rest is kept."""
         batch = decode_batch(3, _pack([{"type": "BlockPinned", "x": 1}, {"type": "AllBlocksCleared"}]))
-        assert batch.events == (AllBlocksCleared(),)
+        assert batch.events == (UnknownEvent("BlockPinned"), AllBlocksCleared())
 
     @pytest.mark.parametrize(
         ("frames", "message"),
@@ -72,7 +80,8 @@ class TestDecodeMessage:
             ([b"other", b"\0" * 8, _pack([])], "topic"),
             ([b"kv", b"\0" * 4, _pack([])], "8-byte sequence"),
             ([b"kv", b"\0" * 8, b"\xc1"], "not msgpack"),
-            ([b"kv", b"\0" * 8, msgpack.packb({"ts": 1})], "expected an array"),
+            ([b"kv", b"\0" * 8, msgpack.packb({"ts": 1})], "expected a map with 'ts' and 'events'"),
+            ([b"kv", b"\0" * 8, msgpack.packb("batch")], "expected an array"),
             ([b"kv", b"\0" * 8, msgpack.packb(["x", []])], "timestamp"),
             ([b"kv", b"\0" * 8, msgpack.packb([1.0, {}])], "list of events"),
             ([b"kv", b"\0" * 8, _pack([7])], "'type' key"),

@@ -18,7 +18,19 @@ from kvroute_tokenizer_prefix import BlockIndex, block_hashes
 from kvroute.adapters import HttpReply
 
 FIXTURES = Path(__file__).resolve().parents[2] / "e2e" / "vllm" / "fixtures"
+#: Bytes of vLLM's own publisher code, per release (see fixtures/capture_publisher.py).
+PUBLISHER_FIXTURES = Path(__file__).resolve().parent / "fixtures"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def publisher_capture(name: str) -> dict[str, Any]:
+    """A capture of vLLM's publisher, e.g. ``"0.33.0"`` or ``"0.33.0-map-batch"``, with its frames decoded from base64."""
+    data = json.loads((PUBLISHER_FIXTURES / f"publisher-{name}.json").read_text(encoding="utf-8"))
+    for scenario in data["scenarios"].values():
+        scenario["live"] = [[base64.b64decode(f) for f in m] for m in scenario["live"]]
+        scenario["replay_request"] = [base64.b64decode(f) for f in scenario["replay_request"]]
+        scenario["replay_reply"] = [[base64.b64decode(f) for f in m] for m in scenario["replay_reply"]]
+    return data
 
 
 def fixture_text(name: str) -> str:
@@ -89,6 +101,7 @@ class RecordingSink:
         self.index = BlockIndex(block_size)
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.exact: dict[str, bool] = {}
+        self.reasons: dict[str, str | None] = {}
         self.capacity: dict[str, int] = {}
 
     @property
@@ -98,9 +111,10 @@ class RecordingSink:
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
 
-    def set_exact(self, backend: str, exact: bool = True) -> None:
-        self.calls.append(("set_exact", (backend, exact), {}))
+    def set_exact(self, backend: str, exact: bool = True, *, reason: str | None = None) -> None:
+        self.calls.append(("set_exact", (backend, exact), {"reason": reason}))
         self.exact[backend] = exact
+        self.reasons[backend] = reason
         self.index.set_exact(backend, exact)
 
     def blocks_stored(self, backend: str, token_ids: Sequence[int], **kw: Any) -> list[int]:
@@ -153,10 +167,20 @@ class FakeVllmPublisher:
     """
 
     def __init__(
-        self, topic: bytes = b"kv", *, replay: bool = True, connect_to: str | None = None, ignore_replays: int = 0
+        self,
+        topic: bytes = b"kv",
+        *,
+        replay: bool = True,
+        connect_to: str | None = None,
+        ignore_replays: int = 0,
+        replay_topic: bool = True,
+        bind: str = "tcp://127.0.0.1:*",
     ) -> None:
         self.topic = topic
         self.ignore_replays = ignore_replays
+        #: Replies carry the topic frame (vLLM 0.26+); ``False``: ``[b"", seq, payload]`` as earlier releases.
+        self.replay_topic = replay_topic
+        self.bind = bind
         self.with_replay = replay
         self.connect_to = connect_to
         self.buffer: list[tuple[int, bytes]] = []
@@ -171,7 +195,7 @@ class FakeVllmPublisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if self.connect_to is None:
-            self.pub.bind("tcp://127.0.0.1:*")
+            self.pub.bind(self.bind)
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             self.pub.connect(self.connect_to)
@@ -216,10 +240,11 @@ class FakeVllmPublisher:
             if self.ignore_replays:
                 self.ignore_replays -= 1  # as if the engine were not up yet
                 continue
+            head = [client, b"", self.topic] if self.replay_topic else [client, b""]
             for seq, payload in self.buffer:
                 if seq >= first:
-                    await self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+                    await self.router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", END_SEQ, b""] if self.replay_topic else [client, b"", END_SEQ, b""])
 
 
 async def wait_for(condition: Callable[[], bool], limit_s: float = 10.0) -> None:

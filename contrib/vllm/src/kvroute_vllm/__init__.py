@@ -4,9 +4,11 @@ Public API:
 
 * `VllmAdapter`: the adapter (registered as kind ``vllm``; options in its docstring).
 * `parse_metrics`, `VllmMetrics`: vLLM's Prometheus ``/metrics`` as the router reads it.
-* `decode_message`, `decode_batch` and the event types: vLLM's KV event messages.
-* `KvEventFeed`: applies event batches to a `kvroute.adapters.KvEventSink` in sequence order.
-* `ZmqSubscriber`, `ZmqSource`: the ZMQ subscriber with replay-based gap filling.
+* `decode_message`, `decode_batch`, `decode_replay_reply` and the event types: vLLM's KV event messages.
+* `KvEventFeed`: applies event batches to a `kvroute.adapters.KvEventSink` in sequence order;
+  `ExactFlag`: whether a backend's index may be called exact.
+* `ZmqSubscriber`, `ZmqSource`: the ZMQ subscriber with replay-based gap filling;
+  `locate_publisher`: bind or connect, from the endpoint a server reports.
 """
 
 from __future__ import annotations
@@ -21,32 +23,48 @@ from kvroute_vllm.events import (
     BlockStored,
     EventBatch,
     EventFormatError,
+    UnknownEvent,
     decode_batch,
     decode_message,
+    decode_replay_reply,
 )
-from kvroute_vllm.feed import FeedStats, Gap, KvEventFeed
+from kvroute_vllm.feed import INDEXED_KINDS, WINDOW_KINDS, ExactFlag, FeedStats, Gap, KvEventFeed
 from kvroute_vllm.metrics import VllmMetrics, parse_metrics
-from kvroute_vllm.subscriber import ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
+from kvroute_vllm.subscriber import (
+    ZmqSource,
+    ZmqSubscriber,
+    engine_binds,
+    locate_publisher,
+    resolve_endpoint,
+    split_tcp,
+)
 
 __all__ = [
+    "INDEXED_KINDS",
+    "WINDOW_KINDS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
     "EventFormatError",
+    "ExactFlag",
     "FeedStats",
     "Gap",
     "KvEventFeed",
+    "UnknownEvent",
     "VllmAdapter",
     "VllmMetrics",
     "ZmqSource",
     "ZmqSubscriber",
     "decode_batch",
     "decode_message",
+    "decode_replay_reply",
     "engine_binds",
     "kvroute_register_backend_kinds",
+    "locate_publisher",
     "parse_metrics",
     "resolve_endpoint",
+    "split_tcp",
 ]
 
 

@@ -9,11 +9,13 @@ option                 default        meaning
 ``health_path``        ``/health``    200 when the engine can serve (vLLM answers 503 once its engine died)
 ``models_path``        ``/v1/models`` served model ids
 ``metrics_path``       ``/metrics``   Prometheus text (`kvroute_vllm.metrics`)
-``kv_events``          ``auto``       ``auto``: read the publisher endpoints from ``GET /kv_event_sources``;
-                                      ``off``; or the endpoint exactly as in the engine's
-                                      ``--kv-events-config`` (``tcp://*:5557``: the engine binds,
-                                      kvroute connects to the backend's host; ``tcp://10.0.0.2:5557``:
-                                      the engine connects, kvroute binds that address)
+``kv_events``          ``auto``       ``auto``: read the publisher endpoints from ``GET /kv_event_sources``
+                                      (vLLM 0.31+; who binds is worked out from what the server
+                                      reports, see `kvroute_vllm.subscriber`); ``off``; or the
+                                      endpoint exactly as in the engine's ``--kv-events-config``
+                                      (``tcp://*:5557``: the engine binds, kvroute connects to the
+                                      backend's host; ``tcp://10.0.0.2:5557``: the engine connects,
+                                      kvroute binds that address)
 ``kv_replay``          none           the engine's ``replay_endpoint`` (with ``kv_events`` given)
 ``kv_topic``           ``""``         the engine's ``topic`` (with ``kv_events`` given)
 ``kv_bind``            none           bind this address instead, when the engine connects
@@ -34,9 +36,16 @@ from anyio.abc import TaskStatus
 from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
 from kvroute.backend import Backend, EngineLoad
 from kvroute.logs import get_logger
-from kvroute_vllm.feed import KvEventFeed
+from kvroute_vllm.feed import ExactFlag, KvEventFeed
 from kvroute_vllm.metrics import VllmMetrics, parse_metrics
-from kvroute_vllm.subscriber import ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
+from kvroute_vllm.subscriber import (
+    ZmqSource,
+    ZmqSubscriber,
+    engine_binds,
+    locate_publisher,
+    resolve_endpoint,
+    split_tcp,
+)
 
 __all__ = ["VllmAdapter"]
 
@@ -65,6 +74,11 @@ def _kv_events(value: object) -> str:
         return str(value)
     endpoint = _endpoint(value, "kv_events")
     assert endpoint is not None
+    if endpoint.startswith("tcp://") and split_tcp(endpoint)[1] in ("0", "*"):
+        raise ValueError(
+            f"'kv_events' {endpoint!r} has no fixed port (the engine picks one when it starts): use kv_events = "
+            "'auto' (vLLM 0.31+ reports the port it bound at /kv_event_sources) or configure a fixed port."
+        )
     return endpoint
 
 
@@ -105,6 +119,43 @@ def _offset_port(endpoint: str, rank: int) -> str:
     if endpoint.startswith("tcp://") and port.isdigit() and int(port):
         return f"{head}:{int(port) + rank}"
     return endpoint
+
+
+def _source_entries(data: object) -> list[tuple[int, str, dict[str, Any]]]:
+    """``(rank, where, entry)`` for each publisher in a ``/kv_event_sources`` answer, in rank order.
+
+    Forms: an object keyed by data-parallel rank whose values are the publisher's config
+    (vLLM 0.31 to 0.33); a list of ``{data_parallel_rank, endpoint, replay_endpoint, topic}``
+    (newer builds), bare or as ``{"sources": [...]}``.
+    """
+    if isinstance(data, dict) and isinstance(data.get("sources"), list):
+        data = data["sources"]
+    out: list[tuple[int, str, dict[str, Any]]] = []
+    if isinstance(data, list):
+        for i, entry in enumerate(data):
+            where = f"[{i}]"
+            if not isinstance(entry, dict):
+                raise ValueError(f"/kv_event_sources{where}: expected an object, got {type(entry).__name__}.")
+            rank = entry.get("data_parallel_rank", i)
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise ValueError(f"/kv_event_sources{where}: expected an integer 'data_parallel_rank', got {rank!r}.")
+            out.append((rank, where, entry))
+    elif isinstance(data, dict):
+        for key, entry in data.items():
+            where = f"[{key!r}]"
+            try:
+                rank = int(key)
+            except ValueError:
+                raise ValueError(f"/kv_event_sources: expected integer rank keys, got {key!r}.") from None
+            if not isinstance(entry, dict):
+                raise ValueError(f"/kv_event_sources{where}: expected an object, got {type(entry).__name__}.")
+            out.append((rank, where, entry))
+    else:
+        raise ValueError(
+            "/kv_event_sources: expected an object keyed by data-parallel rank or a list of sources, "
+            f"got {type(data).__name__}."
+        )
+    return sorted(out, key=lambda t: t[0])
 
 
 @attrs.define
@@ -194,30 +245,29 @@ class VllmAdapter:
             return None
         if reply.status != 200:
             raise ValueError(f"/kv_event_sources answered {reply.status}, expected 200.")
-        data = reply.json()
-        if not isinstance(data, dict):
-            raise ValueError(f"/kv_event_sources: expected an object keyed by data-parallel rank, got {type(data).__name__}.")
         out = []
-        for rank_text, config in sorted(data.items(), key=lambda kv: str(kv[0])):
-            if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher", "zmq") != "zmq":
+        for rank, where, entry in _source_entries(reply.json()):
+            if entry.get("enable_kv_cache_events", True) is False or entry.get("publisher", "zmq") != "zmq":
                 continue
-            published = config.get("endpoint")
-            if not isinstance(published, str):
-                raise ValueError(f"/kv_event_sources[{rank_text!r}]: expected an 'endpoint' string, got {published!r}.")
+            published = entry.get("endpoint")
+            if not isinstance(published, str) or not published:
+                raise ValueError(f"/kv_event_sources{where}: expected an 'endpoint' string, got {published!r}.")
             try:
-                rank = int(rank_text)
-            except ValueError:
-                raise ValueError(f"/kv_event_sources: expected integer rank keys, got {rank_text!r}.") from None
-            binds = engine_binds(published)
-            local = resolve_endpoint(published, self.backend.url) if binds else (self.kv_bind or published)
-            configured_replay = config.get("replay_endpoint")
-            replay = (
-                resolve_endpoint(configured_replay, self.backend.url)
-                if isinstance(configured_replay, str) and configured_replay
-                else None
+                address, bind = await locate_publisher(published, self.backend.url, kv_bind=self.kv_bind)
+            except ValueError as exc:
+                raise ValueError(f"/kv_event_sources{where}: {exc}") from None
+            configured_replay = entry.get("replay_endpoint")
+            replay = None
+            if isinstance(configured_replay, str) and configured_replay:
+                replay = resolve_endpoint(configured_replay, self.backend.url)
+                if replay.startswith("tcp://") and split_tcp(replay)[1] in ("0", "*"):
+                    log.warning("kv_replay_port_unknown", backend=self.backend.id, replay_endpoint=configured_replay)
+                    replay = None
+            topic = entry.get("topic") or ""
+            log.info(
+                "kv_event_source", backend=self.backend.id, rank=rank, reported=published, address=address, bind=bind, replay=replay
             )
-            topic = config.get("topic") or ""
-            out.append(ZmqSource(local, str(topic), replay, bind=not binds, rank=rank))
+            out.append(ZmqSource(address, str(topic), replay, bind=bind, rank=rank))
         return out
 
     async def _discover(self, http: HttpGetter) -> list[ZmqSource]:
@@ -256,14 +306,15 @@ class VllmAdapter:
         if not sources:
             return
         backend = self.backend.id
-        self.feeds = [KvEventFeed(backend, sink, rank=s.rank) for s in sources]
+        flag = ExactFlag(backend, sink)
+        self.feeds = [KvEventFeed(backend, sink, rank=s.rank, exact_flag=flag) for s in sources]
         self.subscribers = [ZmqSubscriber(s) for s in sources]
         try:
             async with anyio.create_task_group() as tg:
                 for subscriber, feed in zip(self.subscribers, self.feeds, strict=True):
                     tg.start_soon(self._follow, subscriber, feed, sink)
         finally:
-            sink.set_exact(backend, False)
+            flag.close()
 
     async def _follow(self, subscriber: ZmqSubscriber, feed: KvEventFeed, sink: KvEventSink) -> None:
         backend = self.backend.id
@@ -288,7 +339,7 @@ class VllmAdapter:
             # A new subscription starts from the replay buffer: the index is rebuilt from what it holds.
             feed.reset()
             try:
-                await subscriber.run(feed, on_wake=wake, on_connected=lambda: sink.set_exact(backend, True))
+                await subscriber.run(feed, on_wake=wake, on_connected=lambda: feed.exact_flag.subscribed(feed, True))
             except Exception as exc:  # never let one backend's events take the proxy down; cancellation passes
                 if isinstance(exc, zmq.ZMQError):
                     log.error(
@@ -298,7 +349,7 @@ class VllmAdapter:
                 else:
                     log.exception("kv_events_failed", backend=backend, endpoint=subscriber.source.endpoint, retry_in_s=delay)
                 with contextlib.suppress(Exception):
-                    sink.set_exact(backend, False)
+                    feed.exact_flag.subscribed(feed, False)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
 
@@ -313,6 +364,8 @@ class VllmAdapter:
                     "connected": sub.connected,
                     "expected_seq": feed.expected,
                     "holding": feed.holding,
+                    "exact": feed.exact_flag.reported is True,
+                    "lost_reason": feed.lost_reason,
                     "replays": sub.replays,
                     "replay_failures": sub.replay_failures,
                     "decode_errors": sub.decode_errors,

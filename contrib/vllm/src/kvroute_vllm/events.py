@@ -1,13 +1,20 @@
 """vLLM's KV cache events: decoding the ZMQ messages into plain typed events.
 
 A message is three frames, ``[topic, seq (8 bytes, big-endian), payload]``; the payload is
-msgpack ``[ts, [event, ...], data_parallel_rank]`` (older servers: ``[ts, [event, ...]]``).
-Events come in two layouts, both accepted:
+msgpack-encoded by vLLM's msgspec encoder. The shapes of the releases read from their sources
+(vLLM 0.20 to 0.33, see docs/adapters.md) are all accepted:
 
-* current: maps tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...], ...}``);
-* older: positional arrays whose first item is the type name, fields in declaration order
-  (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]``; older servers stop earlier).
+* the batch: an array ``[ts, [event, ...], data_parallel_rank]`` (released servers; the rank
+  is left out when unset), or a map ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``
+  (builds whose ``EventBatch`` struct is not ``array_like``);
+* events: maps tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...], ...}``,
+  vLLM 0.25 on; fields equal to their default are left out), or positional arrays whose
+  first item is the type name, fields in declaration order (``["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+  group_idx, kv_cache_spec_kind, ...]``, up to 0.23; older servers stop earlier).
+
+Replay replies (`decode_replay_reply`) carry the topic from vLLM 0.26 on, ``[b"", topic, seq,
+payload]``, and none before, ``[b"", seq, payload]``; both end with seq -1 and an empty payload.
 
 Block hashes are unsigned 64-bit integers (or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``,
 raw digests as bytes, turned into integers here): they only name blocks, the router never
@@ -30,8 +37,10 @@ __all__ = [
     "EventBatch",
     "EventFormatError",
     "KvEvent",
+    "UnknownEvent",
     "decode_batch",
     "decode_message",
+    "decode_replay_reply",
 ]
 
 #: The sequence number vLLM's replay socket sends after the last buffered batch (-1, signed).
@@ -49,8 +58,12 @@ _STORED_FIELDS = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
 class EventFormatError(ValueError):
@@ -98,7 +111,11 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     group_idx: int | None = None
+    #: The KV cache group's kind (``full_attention``, ``mla_attention``, ``sliding_window``...; vLLM 0.23+).
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    #: Whether the engine hashed tokens past each block into its hash (vLLM 0.33 ``lookahead_token_ids``).
+    lookahead: bool = False
 
     @classmethod
     def from_fields(cls, data: Mapping[str, Any], where: str = "BlockStored") -> BlockStored:
@@ -128,6 +145,10 @@ class BlockStored:
             extra_keys=tuple(extra) if extra is not None else None,
             group_idx=_optional_int(data.get("group_idx"), f"{where}.group_idx"),
             kv_cache_spec_kind=_optional_str(data.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_optional_int(
+                data.get("kv_cache_spec_sliding_window"), f"{where}.kv_cache_spec_sliding_window"
+            ),
+            lookahead=data.get("lookahead_token_ids") is not None,
         )
 
 
@@ -155,7 +176,14 @@ class AllBlocksCleared:
     """Every cached block was dropped (``/reset_prefix_cache``, or a restart)."""
 
 
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@attrs.frozen
+class UnknownEvent:
+    """An event type this adapter does not know (a newer vLLM's): kept so the feed can say it skipped one."""
+
+    type: str
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
 
 
 @attrs.frozen
@@ -168,8 +196,8 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-def _event(raw: object, where: str) -> KvEvent | None:
-    """One event in either layout; ``None`` for an event type this version does not know."""
+def _event(raw: object, where: str) -> KvEvent:
+    """One event in either layout; an `UnknownEvent` for a type this version does not know."""
     if isinstance(raw, Mapping):
         kind = raw.get("type")
         fields: Mapping[str, Any] = raw
@@ -189,26 +217,36 @@ def _event(raw: object, where: str) -> KvEvent | None:
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     if isinstance(kind, str):
-        return None  # a newer event type: skipped, not an error
+        return UnknownEvent(kind)  # a newer event type: not an error, but the feed cannot apply it
     raise EventFormatError(f"{where}: expected a string event type, got {kind!r}.")
 
 
 def decode_batch(seq: int, payload: bytes) -> EventBatch:
-    """Decode one msgpack payload ``[ts, [event, ...], data_parallel_rank?]``."""
+    """Decode one msgpack payload: ``[ts, [event, ...], data_parallel_rank?]`` or the same as a map."""
     where = f"KV event batch seq {seq}"
     try:
         data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise EventFormatError(f"{where}: payload is not msgpack: {exc}.") from None
-    if not isinstance(data, list | tuple) or len(data) not in (2, 3):
-        raise EventFormatError(f"{where}: expected an array [ts, events, data_parallel_rank], got {str(data)[:80]}.")
-    ts, raw_events = data[0], data[1]
-    rank = data[2] if len(data) == 3 else None
+    if isinstance(data, Mapping):
+        if "ts" not in data or "events" not in data:
+            raise EventFormatError(
+                f"{where}: expected a map with 'ts' and 'events' (and optionally 'data_parallel_rank'), "
+                f"got keys {', '.join(map(str, data)) or 'none'}."
+            )
+        ts, raw_events, rank = data["ts"], data["events"], data.get("data_parallel_rank")
+    elif isinstance(data, list | tuple) and len(data) in (2, 3):
+        ts, raw_events = data[0], data[1]
+        rank = data[2] if len(data) == 3 else None
+    else:
+        raise EventFormatError(
+            f"{where}: expected an array [ts, events, data_parallel_rank] or a map with 'ts' and 'events', got {str(data)[:80]}."
+        )
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise EventFormatError(f"{where}: expected a timestamp first, got {ts!r}.")
     if not isinstance(raw_events, list | tuple):
         raise EventFormatError(f"{where}: expected a list of events second, got {type(raw_events).__name__}.")
-    events = tuple(e for i, raw in enumerate(raw_events) if (e := _event(raw, f"{where} event {i}")) is not None)
+    events = tuple(_event(raw, f"{where} event {i}") for i, raw in enumerate(raw_events))
     return EventBatch(seq=seq, ts=float(ts), events=events, data_parallel_rank=_optional_int(rank, f"{where}.data_parallel_rank"))
 
 
@@ -219,6 +257,32 @@ def decode_message(frames: Sequence[bytes], topic: bytes | None = None) -> Event
     got_topic, seq_bytes, payload = frames
     if topic is not None and got_topic != topic:
         raise EventFormatError(f"expected KV events on topic {topic!r}, got topic {bytes(got_topic)!r}.")
+    if len(seq_bytes) != 8:
+        raise EventFormatError(f"expected an 8-byte sequence number, got {len(seq_bytes)} byte(s).")
+    return decode_batch(int.from_bytes(seq_bytes, "big"), bytes(payload))
+
+
+def decode_replay_reply(frames: Sequence[bytes], topic: bytes | None = None) -> EventBatch | None:
+    """One reply of the replay socket as a DEALER receives it; ``None`` for the end marker.
+
+    vLLM 0.26 and later send ``[b"", topic, seq, payload]``; earlier releases send
+    ``[b"", seq, payload]`` (no topic frame). The end marker is seq -1 with an empty payload
+    (``[b"", b"", -1, b""]`` or ``[b"", -1, b""]``). The topic is checked when given and present.
+    """
+    if len(frames) == 4 and frames[0] == b"":
+        _, got_topic, seq_bytes, payload = frames
+    elif len(frames) == 3 and frames[0] == b"":
+        _, seq_bytes, payload = frames
+        got_topic = None
+    else:
+        got = f"{len(frames)} frame(s) starting with {bytes(frames[0])[:16]!r}" if frames else "no frames"
+        raise EventFormatError(
+            f"expected a replay reply [b'', topic, seq, payload] (vLLM 0.26+) or [b'', seq, payload] (earlier), got {got}."
+        )
+    if bytes(seq_bytes) == END_SEQ:
+        return None
+    if got_topic is not None and topic is not None and got_topic != topic:
+        raise EventFormatError(f"expected replayed KV events on topic {topic!r}, got topic {bytes(got_topic)!r}.")
     if len(seq_bytes) != 8:
         raise EventFormatError(f"expected an 8-byte sequence number, got {len(seq_bytes)} byte(s).")
     return decode_batch(int.from_bytes(seq_bytes, "big"), bytes(payload))

@@ -1,10 +1,26 @@
 """The ZMQ side of vLLM's KV events: a SUB socket for the live stream, a DEALER for replays.
 
-vLLM's publisher binds its PUB socket when the configured endpoint has a wildcard (``*``,
-``::``) or is ``ipc://``/``inproc://``, and connects to it otherwise; the subscriber does the
-opposite (`resolve_endpoint`). The replay endpoint is always bound by the engine (a ROUTER):
-a DEALER sends ``[b"", start seq (8 bytes BE)]`` and receives ``[b"", topic, seq, payload]`` for
-every buffered batch from ``start`` on, then ``[b"", b"", -1 (8 bytes), b""]``.
+Who binds. vLLM decides from its *configured* endpoint: it binds one with a wildcard (``*``,
+``::``) or an ``ipc://``/``inproc://`` one, and connects to any other (`engine_binds`, used
+when the endpoint is given as an adapter option). What ``GET /kv_event_sources`` *reports* is
+not always the configured string: vLLM 0.31+ binds ``tcp://*:0`` on its node IP and reports the
+resolved ``tcp://<node-ip>:<port>``, which looks like a connect address. `locate_publisher`
+works out, for every form reported, which side binds:
+
+* ``ipc://``/``inproc://``, or a wildcard host (``*``, ``0.0.0.0``, ``::``, ``[::]``): the
+  engine bound it; kvroute connects (a wildcard is reached at the backend's host);
+* a concrete address of this machine: kvroute connects when something listens there (the
+  engine bound it: a resolved ``*:0``, or a router on the engine's host), and binds it
+  otherwise (the engine connects to the router);
+* a concrete address elsewhere: the engine's (a resolved ``*:0``) when it is the backend's
+  host or no ``kv_bind`` is set: kvroute connects (binding an address that is not this
+  machine's can only fail); with ``kv_bind`` the engine connects to it and kvroute binds it;
+* a port of 0 (a server that reports the configured ``*:0`` without the port it got) cannot
+  be reached: an error that says so.
+
+The replay endpoint is always bound by the engine (a ROUTER): a DEALER sends ``[b"", start seq
+(8 bytes BE)]`` and receives every buffered batch from ``start`` on, then an end marker with seq
+-1 (`decode_replay_reply`: with the topic frame from vLLM 0.26 on, without it before).
 
 Sockets are pyzmq's asyncio sockets, so the subscriber runs on the proxy's event loop (asyncio
 or uvloop) inside its anyio task group and stops when cancelled, closing its sockets.
@@ -13,6 +29,7 @@ or uvloop) inside its anyio task group and stops when cancelled, closing its soc
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -22,17 +39,30 @@ import zmq
 import zmq.asyncio
 
 from kvroute.logs import get_logger
-from kvroute_vllm.events import END_SEQ, EventBatch, EventFormatError, decode_batch, decode_message
+from kvroute_vllm.events import EventBatch, EventFormatError, decode_message, decode_replay_reply
 from kvroute_vllm.feed import KvEventFeed
 
-__all__ = ["ZmqSource", "ZmqSubscriber", "engine_binds", "resolve_endpoint"]
+__all__ = ["ZmqSource", "ZmqSubscriber", "engine_binds", "locate_publisher", "resolve_endpoint", "split_tcp"]
 
 log = get_logger(__name__)
 
 
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0"})
+
+
 def engine_binds(endpoint: str) -> bool:
-    """Whether vLLM binds ``endpoint`` (wildcard, IPv6 any, ipc, inproc) rather than connecting to it."""
+    """Whether vLLM binds the *configured* ``endpoint`` (wildcard, IPv6 any, ipc, inproc) rather than connecting to it."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def split_tcp(endpoint: str) -> tuple[str, str]:
+    """``(host, port)`` of a ``tcp://host:port`` endpoint (IPv6 hosts without brackets); ``ValueError`` otherwise."""
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"expected a tcp:// endpoint, got {endpoint!r}.")
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"expected a ZMQ endpoint 'tcp://host:port', got {endpoint!r}.")
+    return host.removeprefix("[").removesuffix("]"), port
 
 
 def _host_for_zmq(url: str) -> str:
@@ -41,14 +71,73 @@ def _host_for_zmq(url: str) -> str:
 
 
 def resolve_endpoint(endpoint: str, backend_url: str) -> str:
-    """The address to connect to for an endpoint the engine binds: its wildcard replaced by the backend's host."""
-    if endpoint.startswith(("ipc://", "inproc://")):
+    """The address to connect to for an endpoint the engine binds: a wildcard host replaced by the backend's host."""
+    if not endpoint.startswith("tcp://"):
         return endpoint
-    host = _host_for_zmq(backend_url)
-    for wildcard in ("[::]", "*"):
-        if wildcard in endpoint:
-            return endpoint.replace(wildcard, host, 1)
+    try:
+        host, port = split_tcp(endpoint)
+    except ValueError:
+        return endpoint
+    if host in _WILDCARD_HOSTS:
+        return f"tcp://{_host_for_zmq(backend_url)}:{port}"
     return endpoint
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (a socket can be bound to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0, *address[2:]))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+async def _listening(host: str, port: int) -> bool:
+    """Whether a TCP listener answers at ``host:port`` (only ever asked for this machine's addresses)."""
+    try:
+        stream = await anyio.connect_tcp(host, port)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
+
+
+async def locate_publisher(
+    reported: str, backend_url: str, *, kv_bind: str | None = None, probe_timeout: float = 1.0
+) -> tuple[str, bool]:
+    """``(address, bind)``: where kvroute subscribes to an endpoint a server *reported*, and whether it binds it.
+
+    See the module docstring for the rules; ``ValueError`` for an endpoint that cannot be used.
+    """
+    if reported.startswith(("ipc://", "inproc://")):
+        return reported, False
+    host, port = split_tcp(reported)
+    if port in ("*", "0"):
+        raise ValueError(
+            f"the engine reports KV events endpoint {reported!r} without the port it bound (a server that "
+            "does not resolve 'tcp://*:0'); configure a fixed port, or give the adapter option kv_events."
+        )
+    if not port.isdigit():
+        raise ValueError(f"expected a numeric port in KV events endpoint {reported!r}.")
+    if host in _WILDCARD_HOSTS:
+        return resolve_endpoint(reported, backend_url), False
+    if await anyio.to_thread.run_sync(_is_local, host):
+        listening = False
+        with anyio.move_on_after(probe_timeout):
+            listening = await _listening(host, int(port))
+        if listening:
+            return reported, False
+        return kv_bind or reported, True
+    if host == (urlsplit(backend_url).hostname or "") or kv_bind is None:
+        return reported, False
+    return kv_bind, True
 
 
 @attrs.frozen
@@ -101,20 +190,19 @@ class ZmqSubscriber:
                     self.replay_failures += 1
                     log.warning("kv_replay_timeout", endpoint=self.source.replay, start=start, received=len(out))
                     return out, False
-                if len(frames) != 4 or frames[0] != b"":
+                if len(frames) not in (3, 4) or frames[0] != b"":
                     self.replay_failures += 1
                     log.warning("kv_replay_bad_reply", endpoint=self.source.replay, frames=len(frames))
                     return out, False
-                _, topic, seq_bytes, payload = frames
-                if seq_bytes == END_SEQ:
-                    return out, True
                 try:
-                    if topic != self.topic:
-                        raise EventFormatError(f"expected topic {self.topic!r}, got {bytes(topic)!r}")
-                    out.append(decode_batch(int.from_bytes(seq_bytes, "big"), payload))
+                    batch = decode_replay_reply(frames, self.topic)
                 except EventFormatError as exc:
                     self.decode_errors += 1
                     log.warning("kv_event_undecodable", endpoint=self.source.replay, error=str(exc))
+                    continue
+                if batch is None:
+                    return out, True
+                out.append(batch)
         finally:
             dealer.close(linger=0)
 
@@ -146,6 +234,7 @@ class ZmqSubscriber:
             if on_connected is not None:
                 on_connected()
             # What the engine published before we came (as far as its replay buffer reaches).
+            feed.needs_resync = False
             await self._fill(feed, 0)
             while True:
                 frames: list[bytes] = []
@@ -153,6 +242,11 @@ class ZmqSubscriber:
                     frames = await sub.recv_multipart()
                 if on_wake is not None:
                     on_wake()
+                if feed.needs_resync:
+                    # The sink forgot this backend's blocks (it went back to exact): rebuild from the replay buffer.
+                    feed.needs_resync = False
+                    feed.reset()
+                    await self._fill(feed, 0)
                 if not frames:
                     continue
                 try:
