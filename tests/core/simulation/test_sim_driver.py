@@ -13,8 +13,14 @@ from kvroute import ConfigError
 from kvroute.cli import main
 from kvroute.plugins import PluginManager
 from kvroute.simulation.driver import ScaleEvent, SimulationConfig, StrategyResult, compare, parse_scale, simulate
-from kvroute.simulation.engine import EngineConfig
-from kvroute.simulation.workloads import Arrival, LongPrefix, MultiTurn
+from kvroute.simulation.engine import Engine, EngineConfig, EngineRequest
+from kvroute.simulation.engine import Sequence as EngineSeq
+from kvroute.simulation.workloads import Arrival, LongPrefix, MultiTurn, make_workload
+
+FIXTURES = Path(__file__).parent / "fixtures"
+#: 80 Mooncake lines sharing prefixes; line 41 asks for 135,000 + 155 tokens, over max_model_len.
+SHARED_TRACE = FIXTURES / "mooncake_shared.jsonl"
+OVER_MAX_MODEL_LEN = "prompt + output longer than max_model_len=131,072 tokens"
 
 SMALL = {"groups": 12, "prefix_tokens": 1000, "requests": 150, "rate": 15.0}
 
@@ -101,16 +107,34 @@ class TestSimulate:
         with pytest.raises(ConfigError, match="unknown strategy 'nope'"):
             simulate(arrivals, "nope", plugins=plugins)
 
-    def test_closed_loop_turns_wait_for_the_previous_answer(self, plugins: PluginManager) -> None:
-        """A conversation's next turn is sent think_time after the previous turn finished."""
-        turns = list(MultiTurn(system_tokens=50, requests=60, rate=2.0, think_time=1.0).arrivals())
-        config = SimulationConfig(instances=2)
-        result = simulate(turns, "random", config=config, plugins=plugins)
+    def test_closed_loop_turns_wait_for_the_previous_answer(
+        self, plugins: PluginManager, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A conversation's next turn reaches an engine exactly think_time after the previous turn finished."""
+        # Long answers (~6 s of decoding) and short think times: sent at its nominal time, a turn
+        # would arrive while the turn it follows is still decoding.
+        turns = list(
+            MultiTurn(system_tokens=50, requests=60, rate=2.0, think_time=0.5, answer_tokens=(400, 500)).arrivals()
+        )
+        followers = [a for a in turns if a.follows is not None]
+        assert len(followers) > 20
+        submitted: dict[str, tuple[float, EngineSeq]] = {}
+        original = Engine.submit
+
+        def recording_submit(engine: Engine, request: EngineRequest, now: float) -> EngineSeq:
+            seq = original(engine, request, now)
+            submitted[request.request_id] = (now, seq)
+            return seq
+
+        monkeypatch.setattr(Engine, "submit", recording_submit)
+        result = simulate(turns, "random", config=SimulationConfig(instances=2), plugins=plugins)
         assert result.completed == 60
-        # Each follow-up's TTFT window starts after its predecessor's finish: total makespan grows
-        # beyond the nominal schedule by the answers' durations.
-        nominal_end = max(a.time for a in turns)
-        assert result.makespan > nominal_end
+        for turn in followers:
+            assert turn.follows is not None
+            sent, _ = submitted[turn.request_id]
+            finished = submitted[turn.follows][1].finish_time
+            assert finished is not None
+            assert sent == pytest.approx(finished + turn.think_time, abs=1e-9), turn.request_id
 
     def test_scale_events_add_and_remove_instances(self, plugins: PluginManager) -> None:
         """A scale-up adds a cold instance at its time; a scale-down removes the newest; every request completes."""
@@ -145,6 +169,38 @@ class TestSimulate:
         assert small.hit_rate < big.hit_rate
 
 
+class TestRejections:
+    def test_a_request_over_max_model_len_is_rejected_and_the_rest_served(self, plugins: PluginManager) -> None:
+        """An engine refuses a request longer than max_model_len (as vLLM's 400): it counts as rejected, with its reason."""
+        arrivals = list(make_workload("trace", path=SHARED_TRACE).arrivals())
+        result = simulate(arrivals, "consistent-hash", config=SimulationConfig(instances=3), plugins=plugins)
+        assert result.rejected == 1
+        assert result.rejected_reasons == {OVER_MAX_MODEL_LEN: 1}
+        assert result.completed == len(arrivals) - 1
+        assert sum(i.requests for i in result.instances) == len(arrivals) - 1
+        # The router saw it routed and released (as an error), like every other request.
+        assert sum(result.decisions.values()) == len(arrivals)
+
+    def test_engine_limits_apply(self, plugins: PluginManager) -> None:
+        """A lower max_model_len refuses more requests; the reason names the limit."""
+        arrivals = list(make_workload("trace", path=SHARED_TRACE).arrivals())
+        config = SimulationConfig(instances=2, engine=EngineConfig(max_model_len=2048))
+        result = simulate(arrivals, "random", config=config, plugins=plugins)
+        expected = sum(1 for a in arrivals if a.prompt_len + a.output_len > 2048)
+        assert expected > 1
+        assert result.rejected_reasons == {"prompt + output longer than max_model_len=2,048 tokens": expected}
+        assert result.completed == len(arrivals) - expected
+
+    def test_no_backend_is_a_rejection_reason(self, plugins: PluginManager) -> None:
+        """Requests arriving after a scale-down to no instance are rejected as such."""
+        arrivals = list(LongPrefix(**{**SMALL, "requests": 40}).arrivals())  # type: ignore[arg-type]
+        config = SimulationConfig(instances=1, scale=(ScaleEvent(1.0, -1),))
+        result = simulate(arrivals, "random", config=config, plugins=plugins)
+        late = sum(1 for a in arrivals if a.time >= 1.0)
+        assert late > 0
+        assert result.rejected_reasons == {"no instance in the fleet": late}
+
+
 JSON_FIELDS = {
     "workload",
     "workload_options",
@@ -153,6 +209,8 @@ JSON_FIELDS = {
     "engine",
     "scale",
     "requests",
+    "rejected",
+    "rejected_reasons",
     "prompt_tokens",
     "upper_bound_hit_rate",
     "baseline",
@@ -165,6 +223,7 @@ STRATEGY_FIELDS = {
     "requests",
     "completed",
     "rejected",
+    "rejected_reasons",
     "ttft_p50",
     "ttft_p90",
     "ttft_p99",
@@ -248,10 +307,57 @@ class TestSimulateCommand:
 
     def test_trace_replay(self) -> None:
         """--trace replays a Mooncake file."""
-        fixture = Path(__file__).parent / "fixtures" / "mooncake.jsonl"
+        fixture = FIXTURES / "mooncake.jsonl"
         result = CliRunner().invoke(main, ["simulate", "--trace", str(fixture), "-s", "random", "-n", "2"])
         assert result.exit_code == 0, result.output
         assert "trace, 4 requests" in result.output
+        assert "rejected" not in result.output
+
+    def test_trace_with_an_oversized_request_completes_and_says_so(self, tmp_path: Path) -> None:
+        """--trace FILE -n 8 with a request over max_model_len prints the table, the count and the reason."""
+        out = tmp_path / "results.json"
+        result = CliRunner().invoke(
+            main,
+            ["simulate", "--trace", str(SHARED_TRACE), "-n", "8", "-s", "random,consistent-hash", "--json", str(out)],
+        )
+        assert result.exit_code == 0, result.output
+        assert result.exception is None
+        assert "trace, 80 requests, 8 instances" in result.output
+        assert "rejected: 1 of 80 requests" in result.output
+        assert f"1: {OVER_MAX_MODEL_LEN}" in result.output
+        data = json.loads(out.read_text())
+        assert (data["rejected"], data["rejected_reasons"]) == (1, {OVER_MAX_MODEL_LEN: 1})
+        for strategy in data["strategies"]:
+            assert (strategy["rejected"], strategy["rejected_reasons"]) == (1, {OVER_MAX_MODEL_LEN: 1})
+            assert strategy["completed"] == 79
+
+    @pytest.mark.parametrize(
+        ("content", "message"),
+        [
+            (
+                b'{"timestamp": 0, "input_length": 100, "output_length": 4}\n{"timestamp": 1, "input_le',
+                ":2: expected a JSON object (got invalid JSON",
+            ),
+            (
+                b'{"timestamp": 0, "input_length": "12x", "output_length": 4}\n',
+                ":1: 'input_length' must be an integer >= 1 (got '12x')",
+            ),
+            (
+                b'{"timestamp": 0, "input_length": 100, "output_length": 4}\n\xff\xfe\n',
+                ":2: expected UTF-8 text (got byte 0xff",
+            ),
+            (b"[1, 2]\n", ":1: expected a JSON object (got list)"),
+        ],
+        ids=["truncated-json", "bad-field", "not-utf8", "not-an-object"],
+    )
+    def test_malformed_trace_line_is_a_clean_error(self, tmp_path: Path, content: bytes, message: str) -> None:
+        """A bad trace line exits with status 1 and a message naming the file and line, never a traceback."""
+        trace = tmp_path / "bad.jsonl"
+        trace.write_bytes(content)
+        result = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "-n", "8", "-s", "random"])
+        assert result.exit_code == 1
+        assert type(result.exception) is SystemExit, result.exception  # a ClickException, not a crash
+        assert f"Error: {trace}{message}" in result.output
 
     @pytest.mark.parametrize(
         ("args", "message"),
@@ -261,14 +367,23 @@ class TestSimulateCommand:
             (["-W", "groups"], "expected KEY=VALUE"),
             (["-W", "colour=blue"], "has no option 'colour'"),
             (["-o", "random.seed=1", "-s", "consistent-hash"], "options given for 'random', which does not run"),
-            (["-E", "max_num_seqs=0"], "'max_num_seqs' must be positive"),
+            (["-E", "max_num_seqs=0"], "'max_num_seqs' must be a positive integer"),
             (["-w", "trace"], "needs --trace FILE"),
+            (["-W", "rate=fast"], "'rate' must be a positive number (got 'fast')"),
+            (["-W", "groups=1.5"], "'groups' must be a positive integer (got 1.5)"),
+            (["-W", "question_tokens=many"], "'question_tokens' must be a number of tokens N or a range LO..HI"),
+            (["-W", "question_tokens=9..3"], "with 1 <= LO <= HI (got (9, 3))"),
+            (["-W", "seed=x"], "'seed' must be an integer (got 'x')"),
+            (["-w", "hot-prefix", "-W", "hot_share=2"], "'hot_share' must be a number between 0 and 1 (got 2)"),
+            (["-E", "block_size=big"], "'block_size' must be a positive integer (got 'big')"),
+            (["-E", "enable_prefix_caching=maybe"], "'enable_prefix_caching' must be true or false (got 'maybe')"),
         ],
     )
     def test_bad_arguments_are_explained(self, args: list[str], message: str) -> None:
-        """A wrong option exits with an error message saying what is wrong."""
-        result = CliRunner().invoke(main, ["simulate", "--requests", "5", *args])
-        assert result.exit_code != 0
+        """A wrong option exits with an error message saying what is wrong, never a traceback."""
+        result = CliRunner().invoke(main, ["simulate", "--requests", "5", "-s", "random", *args])
+        assert result.exit_code in (1, 2)
+        assert type(result.exception) is SystemExit, result.exception
         assert message in result.output
 
     def test_help_has_examples(self) -> None:

@@ -62,7 +62,7 @@ class TestCapacity:
 
     def test_invalid_config_names_the_field(self) -> None:
         """A non-positive setting is rejected with its name and value."""
-        with pytest.raises(ValueError, match=r"'max_num_seqs' must be positive \(got 0\)"):
+        with pytest.raises(ValueError, match=r"'max_num_seqs' must be a positive integer \(got 0\)"):
             EngineConfig(max_num_seqs=0)
 
 

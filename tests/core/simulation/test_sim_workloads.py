@@ -102,8 +102,23 @@ class TestGeneratedWorkloads:
 
     def test_length_ranges_are_validated(self) -> None:
         """A length range must have 1 <= lo <= hi."""
-        with pytest.raises(ConfigError, match=r"'question_tokens' must be a range"):
+        with pytest.raises(ConfigError, match=r"'question_tokens' must be a number of tokens N or a range LO..HI"):
             LongPrefix(question_tokens=(0, 5))
+
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            ({"rate": "fast"}, r"'rate' must be a positive number \(got 'fast'\)"),
+            ({"groups": 2.5}, r"'groups' must be a positive integer \(got 2.5\)"),
+            ({"requests": True}, r"'requests' must be a positive integer \(got True\)"),
+            ({"question_tokens": "many"}, r"'question_tokens' must be a number of tokens N or a range"),
+            ({"seed": "x"}, r"'seed' must be an integer \(got 'x'\)"),
+        ],
+    )
+    def test_options_of_the_wrong_type_are_config_errors(self, options: dict[str, object], message: str) -> None:
+        """An option of the wrong type is refused with its name and value, not a TypeError deep inside."""
+        with pytest.raises(ConfigError, match=message):
+            LongPrefix(**options)  # type: ignore[arg-type]
 
 
 class TestLongPrefix:
@@ -247,7 +262,7 @@ class TestSimpleTrace:
 
 
 BAD_LINES = [
-    ("{not json", r"expected a JSON object \(got invalid JSON: .* at column 2\)"),
+    ("{not json", r"expected a JSON object \(got invalid JSON at column 2: .*\)"),
     ("[1, 2]", r"expected a JSON object \(got list\)"),
     (
         '{"input_length": 10, "output_length": 1, "hash_ids": []}',

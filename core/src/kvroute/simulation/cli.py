@@ -120,12 +120,33 @@ def render_table(comparison: Comparison, title: str) -> Any:
 def _caption(comparison: Comparison) -> str:
     fair = 100 / comparison.config.instances
     lines = [
-        f"upper bound hit rate (every instance holding every prefix): {comparison.upper_bound_hit_rate * 100:.1f}%",
+        f"upper bound hit rate (one instance with an infinite cache serving every request): "
+        f"{comparison.upper_bound_hit_rate * 100:.1f}%",
         f"changes are against {_BASELINE}; a fair share is {fair:.1f}% per instance; routing cost is wall clock per pick",
     ]
     if comparison.baseline(_BASELINE) is None:
         lines[1] = f"{_BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"
-    return "\n".join(lines)
+    return "\n".join([*lines, *_rejection_lines(comparison)])
+
+
+def _rejection_lines(comparison: Comparison) -> list[str]:
+    """Say how many requests were refused and why, one line per reason (nothing when none was)."""
+    results = comparison.results
+    if not comparison.rejected and not any(r.rejected for r in results):
+        return []
+    head = (
+        f"of {comparison.requests:,} requests, answered with an error as vLLM's HTTP 400 "
+        "(hit rates, shares and the bound leave them out)"
+    )
+    if all(dict(r.rejected_reasons) == dict(comparison.rejected_reasons) for r in results):
+        lines = [f"rejected: {comparison.rejected:,} {head}:"]
+        lines += [f"  {count:,}: {reason}" for reason, count in comparison.rejected_reasons.items()]
+        return lines
+    lines = [f"rejected per strategy, {head}:"]
+    for r in results:
+        reasons = "; ".join(f"{count:,} {reason}" for reason, count in r.rejected_reasons.items())
+        lines.append(f"  {r.strategy}: {r.rejected:,}" + (f" ({reasons})" if reasons else ""))
+    return lines
 
 
 def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed: int, wall: float) -> dict[str, Any]:
@@ -161,6 +182,8 @@ def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed
         },
         "scale": [{"time": e.time, "delta": e.delta} for e in comparison.scale],
         "requests": comparison.requests,
+        "rejected": comparison.rejected,
+        "rejected_reasons": dict(comparison.rejected_reasons),
         "prompt_tokens": comparison.prompt_tokens,
         "upper_bound_hit_rate": comparison.upper_bound_hit_rate,
         "baseline": _BASELINE if base is not None else None,

@@ -7,7 +7,9 @@ time, earliest first (at equal times: scale events, then arrivals, then engine s
 
 * an arrival is parsed with ``RouteRequest.from_openai`` from its request body, routed with
   ``router.acquire`` (the wall-clock cost of the strategy's ``pick`` is recorded), and
-  submitted to the chosen backend's engine;
+  submitted to the chosen backend's engine; a request the engine refuses (longer than
+  ``max_model_len``, or than the whole cache) is answered at once, as vLLM's HTTP 400: its
+  lease is released as an error and it counts as rejected, with its reason;
 * an engine step completes; finished requests are released to the router (so the strategy's
   ``on_request_finish`` and the in-flight counts see them), and a conversation's next turn is
   scheduled ``think_time`` after the turn it follows finished (closed loop);
@@ -37,11 +39,12 @@ from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
-from kvroute.simulation.engine import CostModel, Engine, EngineConfig, ideal_hit_tokens
+from kvroute.simulation.engine import CostModel, Engine, EngineConfig, EngineRequest, ideal_hit_tokens
 from kvroute.simulation.engine import Sequence as EngineSeq
 from kvroute.simulation.workloads import Arrival
 
 __all__ = [
+    "NO_BACKEND",
     "Comparison",
     "InstanceResult",
     "ScaleEvent",
@@ -56,6 +59,9 @@ log = structlog.get_logger(__name__)
 
 _SCALE_ITEM = re.compile(r"^\s*(?P<time>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h)?\s*:\s*(?P<delta>[+-]\d+)\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+#: The rejection reason of a request that arrived while the fleet had no member.
+NO_BACKEND = "no instance in the fleet"
 
 
 @attrs.frozen
@@ -130,6 +136,8 @@ class StrategyResult:
     requests: int
     completed: int
     rejected: int
+    #: Rejected requests per reason (an engine's limit, or an empty fleet).
+    rejected_reasons: Mapping[str, int]
     ttft_p50: float
     ttft_p90: float
     ttft_p99: float
@@ -155,6 +163,7 @@ class StrategyResult:
         """A JSON-ready dict (TTFT samples only with ``include_samples``)."""
         data = attrs.asdict(self, recurse=True, filter=lambda a, _v: a.name not in ("ttfts", "timeline"))
         data["options"] = dict(self.options)
+        data["rejected_reasons"] = dict(self.rejected_reasons)
         data["instances"] = [dict(attrs.asdict(i), hit_rate=i.hit_rate) for i in self.instances]
         data["timeline"] = [{"t": t, "hit_rate": h, "in_flight": dict(f)} for t, h, f in self.timeline]
         if include_samples:
@@ -164,7 +173,11 @@ class StrategyResult:
 
 @attrs.frozen
 class Comparison:
-    """Several strategies over the same arrivals, with the hit-rate upper bound."""
+    """Several strategies over the same arrivals, with the hit-rate upper bound.
+
+    ``prompt_tokens`` and the bound cover the requests the engines accept; ``rejected``
+    counts the others (per reason in ``rejected_reasons``), which every strategy sees refused.
+    """
 
     workload: str
     requests: int
@@ -173,6 +186,8 @@ class Comparison:
     config: SimulationConfig
     results: tuple[StrategyResult, ...]
     scale: tuple[ScaleEvent, ...] = ()
+    rejected: int = 0
+    rejected_reasons: Mapping[str, int] = attrs.field(factory=dict)
 
     def baseline(self, name: str = "random") -> StrategyResult | None:
         """The result of ``name`` if it ran."""
@@ -251,7 +266,7 @@ class _Run:
         self.ttfts: list[float] = []
         self.route_costs: list[float] = []
         self.spills = 0
-        self.rejected = 0
+        self.rejected: dict[str, int] = {}
         self.completed = 0
         self.decisions: dict[str, int] = {}
         self.first_arrival: float | None = None
@@ -306,8 +321,7 @@ class _Run:
         try:
             lease = self.router.acquire(request)
         except NoBackendAvailable:
-            self.rejected += 1
-            self._done(arrival.request_id, now)
+            self._reject(NO_BACKEND, arrival, now)
             return
         decision = lease.decision
         self.route_costs.append(decision.duration_s)
@@ -315,9 +329,21 @@ class _Run:
         if decision.spilled:
             self.spills += 1
         instance = self.instances[decision.backend.id]
+        engine_request = arrival.engine_request()
+        refused = instance.engine.config.rejection(engine_request)
+        if refused is not None:
+            # The engine answers at once with an error (vLLM: HTTP 400) and serves the others.
+            self.router.release(lease, ("error", refused.message))
+            self._reject(refused.reason, arrival, now)
+            return
         instance.requests += 1
-        seq = instance.engine.submit(arrival.engine_request(), now)
+        seq = instance.engine.submit(engine_request, now)
         self.flights[id(seq)] = _Flight(arrival, lease, instance, seq)
+
+    def _reject(self, reason: str, arrival: Arrival, now: float) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.debug("request_rejected", request_id=arrival.request_id, reason=reason, at=now)
+        self._done(arrival.request_id, now)
 
     def _finish(self, seq: EngineSeq, now: float) -> None:
         flight = self.flights.pop(id(seq))
@@ -435,7 +461,8 @@ class _Run:
             options=self.options,
             requests=len(self.arrivals),
             completed=self.completed,
-            rejected=self.rejected,
+            rejected=sum(self.rejected.values()),
+            rejected_reasons=dict(sorted(self.rejected.items())),
             ttft_p50=_quantile(ttfts, 0.50),
             ttft_p90=_quantile(ttfts, 0.90),
             ttft_p99=_quantile(ttfts, 0.99),
@@ -504,7 +531,8 @@ def compare(
     plugins = plugins or PluginManager()
     options = options or {}
     requests = [a.engine_request() for a in arrivals]
-    hits, total = ideal_hit_tokens(requests, config.engine.block_size)
+    hits, total = ideal_hit_tokens(requests, config.engine)
+    refused = _refusals(requests, config.engine)
     results = tuple(
         simulate(arrivals, name, options.get(name), config, plugins=plugins, progress=progress) for name in strategies
     )
@@ -516,4 +544,16 @@ def compare(
         config=config,
         results=results,
         scale=config.scale,
+        rejected=sum(refused.values()),
+        rejected_reasons=refused,
     )
+
+
+def _refusals(requests: Iterable[EngineRequest], engine: EngineConfig) -> dict[str, int]:
+    """Count the requests engines with these settings refuse, per reason."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        refused = engine.rejection(request)
+        if refused is not None:
+            counts[refused.reason] = counts.get(refused.reason, 0) + 1
+    return dict(sorted(counts.items()))

@@ -56,8 +56,10 @@ __all__ = [
     "HardwareSpec",
     "KvEventListener",
     "ModelSpec",
+    "Rejection",
     "Sequence",
     "StepResult",
+    "final_computed_tokens",
     "ideal_hit_tokens",
     "kv_capacity_blocks",
 ]
@@ -67,14 +69,28 @@ log = structlog.get_logger(__name__)
 GB = 10**9
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not value > 0:
+    if not (_is_number(value) and value > 0):
         raise ValueError(f"'{attr.name}' must be positive (got {value!r}).")
 
 
+def _count(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"'{attr.name}' must be a positive integer (got {value!r}).")
+
+
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not value >= 0:
+    if not (_is_number(value) and value >= 0):
         raise ValueError(f"'{attr.name}' must be zero or positive (got {value!r}).")
+
+
+def _flag(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"'{attr.name}' must be true or false (got {value!r}).")
 
 
 @attrs.frozen
@@ -127,17 +143,58 @@ DEFAULT_CAPACITY_BLOCKS = kv_capacity_blocks()
 class EngineConfig:
     """Scheduler and cache settings of one engine (vLLM's names and defaults)."""
 
-    block_size: int = attrs.field(default=16, validator=_positive)
-    capacity_blocks: int = attrs.field(default=DEFAULT_CAPACITY_BLOCKS, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_model_len: int = attrs.field(default=131_072, validator=_positive)
-    enable_prefix_caching: bool = True
+    block_size: int = attrs.field(default=16, validator=_count)
+    capacity_blocks: int = attrs.field(default=DEFAULT_CAPACITY_BLOCKS, validator=_count)
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=_count)
+    max_num_seqs: int = attrs.field(default=256, validator=_count)
+    max_model_len: int = attrs.field(default=131_072, validator=_count)
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_flag)
 
     @property
     def capacity_tokens(self) -> int:
         """Tokens the KV cache holds."""
         return self.capacity_blocks * self.block_size
+
+    def rejection(self, request: EngineRequest) -> Rejection | None:
+        """Return why an engine with these settings refuses ``request`` (None when it accepts it).
+
+        vLLM answers such a request with HTTP 400 and goes on serving the others.
+        """
+        total = len(request.prompt) + request.output_len
+        if total > self.max_model_len:
+            return Rejection(
+                f"prompt + output longer than max_model_len={self.max_model_len:,} tokens",
+                f"request {request.request_id!r}: prompt + output must be at most max_model_len="
+                f"{self.max_model_len} tokens (got {total}).",
+            )
+        blocks = -(-total // self.block_size)
+        if blocks > self.capacity_blocks:
+            return Rejection(
+                f"more KV blocks than the whole cache (capacity_blocks={self.capacity_blocks:,})",
+                f"request {request.request_id!r}: needs {blocks} KV blocks, more than the "
+                f"cache's capacity_blocks={self.capacity_blocks}.",
+            )
+        return None
+
+    def block_hashes(self, request: EngineRequest) -> list[int]:
+        """Return the hashes by which the engine finds ``request``'s blocks (none without prefix caching)."""
+        return request.block_hashes(self.block_size) if self.enable_prefix_caching else []
+
+    def lookup_limit(self, num_hashes: int, num_tokens: int) -> int:
+        """Return how many leading blocks a lookup may reuse: hashed full blocks, leaving >= 1 token to compute."""
+        return min(num_hashes, (num_tokens - 1) // self.block_size)
+
+    def stored_blocks(self, num_hashes: int, num_computed: int) -> int:
+        """Return how many leading blocks are findable by hash once ``num_computed`` tokens are computed."""
+        return min(num_hashes, num_computed // self.block_size)
+
+
+@attrs.frozen
+class Rejection:
+    """Why an engine refuses a request at submit: ``reason`` names the limit, ``message`` the request and its size."""
+
+    reason: str
+    message: str
 
 
 @attrs.frozen(kw_only=True)
@@ -441,23 +498,15 @@ class Engine:
 
     def submit(self, request: EngineRequest, now: float) -> Sequence:
         """Queue ``request`` arriving at ``now``; start a step if the engine is idle."""
-        total = len(request.prompt) + request.output_len
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt + output must be at most max_model_len="
-                f"{self.config.max_model_len} tokens (got {total})."
-            )
-        if -(-total // self._bs) > self._capacity:
-            raise ValueError(
-                f"request {request.request_id!r}: needs {-(-total // self._bs)} KV blocks, more than the "
-                f"cache's capacity_blocks={self._capacity}."
-            )
+        refused = self.config.rejection(request)
+        if refused is not None:
+            raise ValueError(refused.message)
         if self._batch is not None and now > self._batch.end + 1e-9:
             raise ValueError(
                 f"engine {self.name!r}: submit at {now!r} is past next_event_time()={self._batch.end!r}; "
                 "call step() first."
             )
-        hashes = request.block_hashes(self._bs) if self.config.enable_prefix_caching else []
+        hashes = self.config.block_hashes(request)
         seq = Sequence(request, now, hashes, num_tokens=len(request.prompt))
         self._waiting.append(seq)
         self.stats.submitted += 1
@@ -724,7 +773,7 @@ class Engine:
         """Return the cached blocks holding the longest prefix of ``seq`` (leaving >= 1 token to compute)."""
         if not seq.hashes:
             return []
-        limit = min(len(seq.hashes), (seq.num_tokens - 1) // self._bs)
+        limit = self.config.lookup_limit(len(seq.hashes), seq.num_tokens)
         cached = self._cached
         hits: list[int] = []
         for h in seq.hashes[:limit]:
@@ -805,7 +854,7 @@ class Engine:
 
     def _register(self, seq: Sequence, stored: list[int]) -> None:
         """Make the newly completed full blocks of ``seq`` findable by hash (first writer wins)."""
-        upto = min(seq.num_computed // self._bs, len(seq.hashes))
+        upto = self.config.stored_blocks(len(seq.hashes), seq.num_computed)
         if upto <= seq.registered:
             return
         cached, block_hash, hashes, blocks = self._cached, self._block_hash, seq.hashes, seq.blocks
@@ -819,21 +868,36 @@ class Engine:
         seq.registered = upto
 
 
-def ideal_hit_tokens(requests: Iterable[EngineRequest], block_size: int = 16) -> tuple[int, int]:
-    """Return (hit tokens, prompt tokens) if one infinite cache had seen every earlier request.
+def final_computed_tokens(request: EngineRequest) -> int:
+    """Return the tokens an engine has computed when ``request`` finishes: all but the last sampled one."""
+    return len(request.prompt) + request.output_len - 1
 
-    This is the upper bound of any routing: every instance holding every prefix.
+
+def ideal_hit_tokens(requests: Iterable[EngineRequest], config: EngineConfig | None = None) -> tuple[int, int]:
+    """Return (hit tokens, prompt tokens) of one engine with an infinite cache that served every request.
+
+    This is the upper bound of any routing over engines with these settings: one pooled
+    instance that keeps every block it ever computed, serving the requests in the given
+    order (arrival order). It follows the engine's own rules: the same chained block hashes
+    (none when prefix caching is off), a lookup of at most ``prompt - 1`` tokens in full
+    blocks, and, once a request finishes, every full block of what it computed findable,
+    prompt and known output alike (a multi-turn answer, which the next turn hits). Requests
+    the engine refuses (:meth:`EngineConfig.rejection`) count neither in the hits nor in the
+    prompt tokens, as in the engines' own counters.
     """
+    config = config or EngineConfig()
     seen: set[int] = set()
     hits = total = 0
     for request in requests:
-        hashes = request.block_hashes(block_size)
+        if config.rejection(request) is not None:
+            continue
+        hashes = config.block_hashes(request)
         prompt = len(request.prompt)
-        limit = min(len(hashes), (prompt - 1) // block_size)
+        limit = config.lookup_limit(len(hashes), prompt)
         n = 0
         while n < limit and hashes[n] in seen:
             n += 1
-        hits += n * block_size
+        hits += n * config.block_size
         total += prompt
-        seen.update(hashes[: prompt // block_size])
+        seen.update(hashes[: config.stored_blocks(len(hashes), final_computed_tokens(request))])
     return hits, total

@@ -115,32 +115,53 @@ class Workload(Protocol):
         ...
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"'{attr.name}' must be positive (got {value!r}).")
+    if value is not None and not (_is_number(value) and value > 0):
+        raise ConfigError(f"'{attr.name}' must be a positive number (got {value!r}).")
+
+
+def _count(_inst: object, attr: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and not (_is_int(value) and value > 0):
+        raise ConfigError(f"'{attr.name}' must be a positive integer (got {value!r}).")
+
+
+def _integer(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if not _is_int(value):
+        raise ConfigError(f"'{attr.name}' must be an integer (got {value!r}).")
 
 
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0:
-        raise ConfigError(f"'{attr.name}' must be zero or positive (got {value!r}).")
+    if not (_is_number(value) and value >= 0):
+        raise ConfigError(f"'{attr.name}' must be a number >= 0 (got {value!r}).")
 
 
 def _share(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not 0 <= value <= 1:
-        raise ConfigError(f"'{attr.name}' must be between 0 and 1 (got {value!r}).")
+    if not (_is_number(value) and 0 <= value <= 1):
+        raise ConfigError(f"'{attr.name}' must be a number between 0 and 1 (got {value!r}).")
 
 
 def _length(_inst: object, attr: attrs.Attribute[Any], value: Length) -> None:
-    lo, hi = value
-    if not 1 <= lo <= hi:
-        raise ConfigError(f"'{attr.name}' must be a range (lo, hi) with 1 <= lo <= hi (got {value!r}).")
+    if not (isinstance(value, tuple) and len(value) == 2 and all(map(_is_int, value)) and 1 <= value[0] <= value[1]):
+        raise ConfigError(
+            f"'{attr.name}' must be a number of tokens N or a range LO..HI with 1 <= LO <= HI (got {value!r})."
+        )
 
 
-def _to_length(value: Any) -> Length:
-    if isinstance(value, int):
+def _to_length(value: Any) -> Any:
+    """Turn N into (N, N) and a pair into a tuple; anything else is left for the validator to refuse."""
+    if _is_int(value):
         return (value, value)
-    lo, hi = value
-    return (int(lo), int(hi))
+    if isinstance(value, tuple | list) and len(value) == 2:
+        return tuple(value)
+    return value
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -161,9 +182,9 @@ class _Open:
     """Parameters shared by the generated workloads."""
 
     rate: float = attrs.field(default=4.0, validator=_positive)
-    requests: int | None = attrs.field(default=1000, validator=_positive)
+    requests: int | None = attrs.field(default=1000, validator=_count)
     duration: float | None = attrs.field(default=None, validator=_positive)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_integer)
     model: str = DEFAULT_MODEL
 
     def __attrs_post_init__(self) -> None:
@@ -206,13 +227,13 @@ class LongPrefix(_Open):
 
     name: ClassVar[str] = "long-prefix"
 
-    groups: int = attrs.field(default=360, validator=_positive)
-    prefix_tokens: int = attrs.field(default=8000, validator=_positive)
+    groups: int = attrs.field(default=360, validator=_count)
+    prefix_tokens: int = attrs.field(default=8000, validator=_count)
     question_tokens: Length = attrs.field(default=(50, 350), converter=_to_length, validator=_length)
     output_tokens: Length = attrs.field(default=(100, 300), converter=_to_length, validator=_length)
     rate: float = attrs.field(default=7.0, validator=_positive)
-    requests: int | None = attrs.field(default=2000, validator=_positive)
-    concurrency: int | None = attrs.field(default=None, validator=_positive)
+    requests: int | None = attrs.field(default=2000, validator=_count)
+    concurrency: int | None = attrs.field(default=None, validator=_count)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -269,8 +290,8 @@ class HotPrefix(LongPrefix):
 
     name: ClassVar[str] = "hot-prefix"
 
-    groups: int = attrs.field(default=16, validator=_positive)
-    prefix_tokens: int = attrs.field(default=4000, validator=_positive)
+    groups: int = attrs.field(default=16, validator=_count)
+    prefix_tokens: int = attrs.field(default=4000, validator=_count)
     hot_share: float = attrs.field(default=0.5, validator=_share)
 
     def _pick(self, rng: random.Random) -> int:
@@ -306,8 +327,8 @@ class MultiTurn(_Open):
 
     rate: float = attrs.field(default=1.0, validator=_positive)
     mean_turns: float = attrs.field(default=4.0, validator=_positive)
-    max_turns: int = attrs.field(default=16, validator=_positive)
-    system_tokens: int = attrs.field(default=500, validator=_positive)
+    max_turns: int = attrs.field(default=16, validator=_count)
+    system_tokens: int = attrs.field(default=500, validator=_count)
     user_tokens: Length = attrs.field(default=(20, 300), converter=_to_length, validator=_length)
     answer_tokens: Length = attrs.field(default=(50, 500), converter=_to_length, validator=_length)
     think_time: float = attrs.field(default=15.0, validator=_non_negative)
@@ -384,11 +405,11 @@ class Rag(_Open):
 
     name: ClassVar[str] = "rag"
 
-    documents: int = attrs.field(default=500, validator=_positive)
+    documents: int = attrs.field(default=500, validator=_count)
     doc_tokens: Length = attrs.field(default=(300, 1200), converter=_to_length, validator=_length)
-    docs_per_request: int = attrs.field(default=4, validator=_positive)
+    docs_per_request: int = attrs.field(default=4, validator=_count)
     zipf_s: float = attrs.field(default=1.0, validator=_non_negative)
-    system_tokens: int = attrs.field(default=300, validator=_positive)
+    system_tokens: int = attrs.field(default=300, validator=_count)
     question_tokens: Length = attrs.field(default=(10, 60), converter=_to_length, validator=_length)
     output_tokens: Length = attrs.field(default=(50, 300), converter=_to_length, validator=_length)
     rate: float = attrs.field(default=5.0, validator=_positive)
@@ -459,14 +480,6 @@ class Rag(_Open):
 TraceFormat = Literal["auto", "mooncake", "simple"]
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _shown(value: object) -> str:
     text = json.dumps(value) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -493,13 +506,13 @@ class Trace:
 
     path: Path = attrs.field(converter=Path)
     format: TraceFormat = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "mooncake", "simple")))
-    block_tokens: int = attrs.field(default=512, validator=_positive)
+    block_tokens: int = attrs.field(default=512, validator=_count)
     time_scale: float = attrs.field(default=1.0, validator=_positive)
-    requests: int | None = attrs.field(default=None, validator=_positive)
+    requests: int | None = attrs.field(default=None, validator=_count)
     duration: float | None = attrs.field(default=None, validator=_positive)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_integer)
     model: str = DEFAULT_MODEL
-    cache_blocks: int = attrs.field(default=65_536, validator=_positive)
+    cache_blocks: int = attrs.field(default=65_536, validator=_count)
 
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the trace's requests; raises :class:`TraceFormatError` on a bad line."""
@@ -510,16 +523,28 @@ class Trace:
         first: float | None = None
         last = -math.inf
         emitted = 0
-        with self.path.open(encoding="utf-8") as lines:
-            for lineno, line in enumerate(lines, 1):
+        try:
+            lines = self.path.open("rb")
+        except OSError as exc:
+            raise ConfigError(
+                f"'path' must be a readable trace file (got {str(self.path)!r}: {exc.strerror})."
+            ) from None
+        with lines:
+            for lineno, raw in enumerate(lines, 1):
+                where = f"{self.path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceFormatError(
+                        f"{where}: expected UTF-8 text (got byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})."
+                    ) from None
                 if not line.strip():
                     continue
-                where = f"{self.path}:{lineno}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TraceFormatError(
-                        f"{where}: expected a JSON object (got invalid JSON: {exc.msg} at column {exc.colno})."
+                        f"{where}: expected a JSON object (got invalid JSON at column {exc.colno}: {exc.msg})."
                     ) from None
                 if not isinstance(record, dict):
                     raise TraceFormatError(f"{where}: expected a JSON object (got {type(record).__name__}).")
