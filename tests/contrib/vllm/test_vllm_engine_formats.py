@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import msgpack
 import pytest
-from kvroute_tokenizer_prefix import block_hashes
+from kvroute_tokenizer_prefix import BlockIndex, block_hashes
 from kvroute_vllm import (
     INDEXED_KINDS,
     WINDOW_KINDS,
@@ -263,6 +263,14 @@ class TestExactness:
         assert sink.exact == {"b0": False} and sink.reasons == {"b0": reason}
         assert feed.stats.inexact == 1 and feed.stats.inexact_reasons.get(reason, 0) >= 1
         assert [(e["backend"], e["reason"], e["log_level"]) for e in _inexact_logs(logs)] == [("b0", reason, "warning")]
+
+    def test_sink_without_a_reason_keyword_goes_inexact_too(self) -> None:
+        """A sink whose set_exact takes no reason (the tokenizer-prefix BlockIndex today) is still told, without one."""
+        index = BlockIndex(BS)
+        index.set_exact("b0", True)
+        feed = KvEventFeed("b0", index)
+        _unknown_kind(feed)
+        assert not index.is_exact("b0") and feed.lost_reason == "unknown_cache_kind"
 
     def test_rejected_store_makes_the_index_inexact(self) -> None:
         """A store the sink refuses (ValueError) is a loss like any other."""

@@ -8,7 +8,7 @@ msgpack-encoded by vLLM's msgspec encoder. The shapes of the releases read from 
   is left out when unset), or a map ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``
   (builds whose ``EventBatch`` struct is not ``array_like``);
 * events: maps tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...], ...}``,
-  vLLM 0.25 on; fields equal to their default are left out), or positional arrays whose
+  vLLM 0.24 on; fields equal to their default are left out), or positional arrays whose
   first item is the type name, fields in declaration order (``["BlockStored", block_hashes,
   parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
   group_idx, kv_cache_spec_kind, ...]``, up to 0.23; older servers stop earlier).
@@ -111,7 +111,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     group_idx: int | None = None
-    #: The KV cache group's kind (``full_attention``, ``mla_attention``, ``sliding_window``...; vLLM 0.23+).
+    #: The KV cache group's kind (``full_attention``, ``mla_attention``, ``sliding_window``...; vLLM 0.22+).
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     #: Whether the engine hashed tokens past each block into its hash (vLLM 0.33 ``lookahead_token_ids``).

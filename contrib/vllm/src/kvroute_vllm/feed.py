@@ -20,7 +20,7 @@ What is applied, per event:
   whose kind is prefix-cacheable the way the router's index models it (`INDEXED_KINDS`: a
   hit needs every block from the start of the prompt): ``full_attention``,
   ``mla_attention`` (DeepSeek-style models) and ``sink_full_attention``; events without a
-  kind (older servers) count as full attention. The first such group seen is followed;
+  kind (vLLM before 0.22) count as full attention. The first such group seen is followed;
   other groups of those kinds hold the same prefixes and are ignored. The sink recomputes
   the router's own hashes from ``token_ids``, the LoRA name and the ``cache_salt`` found in
   the first block's extra keys; the engine's hashes are kept only to resolve later parents
@@ -76,7 +76,7 @@ _GPU = (None, "GPU")
 
 #: KV cache group kinds whose blocks the index holds: prefix-cacheable, a hit needs every block from the start.
 INDEXED_KINDS: frozenset[str | None] = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
-#: Kinds vLLM 0.23-0.33 label and the index does not hold (a hit does not need the whole prefix, or no prefix cache).
+#: Kinds vLLM 0.22-0.33 label and the index does not hold (a hit does not need the whole prefix, or no prefix cache).
 WINDOW_KINDS: frozenset[str] = frozenset(
     {
         "sliding_window",
