@@ -303,6 +303,28 @@ class TestExactness:
         assert sink.exact == {"b0": False}
 
     @pytest.mark.anyio
+    async def test_resync_rebuilds_from_the_replay_buffer(self) -> None:
+        """When the sink forgot the backend's blocks (another rank made it exact again), the subscriber replays from 0."""
+        payloads = captured_payloads()[:3]
+        sink = RecordingSink()
+        feed = KvEventFeed("b0", sink)
+        async with FakeVllmPublisher() as pub:
+            for payload in payloads:
+                pub.store(payload)
+            subscriber = ZmqSubscriber(ZmqSource(pub.endpoint, "kv", pub.replay_endpoint), wake_every=0.05)
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(subscriber.run, feed)
+                    await wait_for(lambda: feed.expected == 3)
+                    sink.index.set_exact("b0", True)  # what a switch back to exact does: the index drops the backend
+                    assert sink.index.blocks("b0") == 0
+                    feed.needs_resync = True
+                    await wait_for(lambda: len(pub.replay_requests) == 2 and not feed.needs_resync and feed.expected == 3)
+                    tg.cancel_scope.cancel()
+        assert pub.replay_requests == [0, 0] and feed.lost_reason is None
+        assert set(sink.index.holders) == model_router_hashes(payloads)
+
+    @pytest.mark.anyio
     async def test_gap_with_failed_replay_through_the_subscriber(self) -> None:
         """On the wire: a batch never sent live and a replay socket that does not answer end in an inexact backend."""
         payloads = captured_payloads()
