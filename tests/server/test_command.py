@@ -1,10 +1,12 @@
-"""The real commands as processes: `kvroute serve` from a TOML file in front of `kvroute emulate` processes."""
+"""The real commands as processes: `kvroute serve` from a TOML file in front of `kvroute emulate` processes,
+and what a new user meets first: help, mistakes and log lines."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +60,13 @@ def _process(args: list[str], ready: str, log: Path) -> Iterator[subprocess.Pope
                 proc.wait(timeout=15)
 
 
+def _kvroute(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvroute`` console script installed next to this interpreter, as a user would."""
+    script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
+    assert script is not None, f"no kvroute script next to {sys.executable}"
+    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
 def _emulate(port: int) -> list[str]:
     return [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.02", "--num-gpu-blocks", "2048"]
 
@@ -79,13 +88,15 @@ class TestCommands:
             stack.enter_context(
                 _process([sys.executable, "-m", "kvroute", "serve", "--config", str(config)], f"http://127.0.0.1:{p_port}/health", proxy_log)
             )
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{p_port}/v1", api_key="k", max_retries=0, timeout=30)
+            client = stack.enter_context(openai.OpenAI(base_url=f"http://127.0.0.1:{p_port}/v1", api_key="k", max_retries=0, timeout=30))
             reply = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hello " * 300}], max_tokens=3)
             assert reply.headers["x-kvroute-backend"] in ("e0", "e1")
             assert reply.parse().usage.completion_tokens == 3
         lines = [json.loads(line) for line in proxy_log.read_text().splitlines() if line.startswith("{")]
         requests = [line for line in lines if line["event"] == "request"]
         assert len(requests) == 1
+        added = [line["backend"] for line in lines if line["event"] == "fleet_changed" and line["change"] == "added"]
+        assert added == ["e0", "e1"]  # the library's own events reach the default (info) log too
         assert requests[0]["strategy"] == "consistent-hash" and requests[0]["key"] is not None
 
     def test_killed_emulator_process_is_survived_and_rejoins(self, tmp_path: Path) -> None:
@@ -134,3 +145,49 @@ class TestCommands:
             assert e0_healthy() == "1"
             backends = {http("POST", proxy_url + "/v1/chat/completions", chat_body(f"back {i}"))[1]["x-kvroute-backend"] for i in range(12)}
             assert "e0" in backends
+
+
+class TestFirstContact:
+    def test_serve_help_shows_the_default_strategy(self) -> None:
+        """`kvroute serve --help` exits 0 and documents --strategy with its default, bounded-load."""
+        result = _kvroute("serve", "--help")
+        assert result.returncode == 0 and result.stderr == ""
+        assert "--strategy TEXT Routing strategy plugin name [default: bounded-load]." in " ".join(result.stdout.split())
+
+    @pytest.mark.parametrize(
+        ("args", "message"),
+        [
+            (["serve", "--bogus"], "Error: No such option '--bogus'"),
+            (["serve", "--port", "http"], "Error: Invalid value for '--port': 'http' is not a valid integer."),
+            (["emulate", "--port", "x"], "Error: Invalid value for '--port': 'x' is not a valid integer."),
+            (["check-parity"], "Error: Missing option '--backend'."),
+        ],
+    )
+    def test_mistakes_exit_2_without_traceback(self, args: list[str], message: str) -> None:
+        """A wrong flag or value for serve, emulate or check-parity prints usage and one error line, exit 2."""
+        result = _kvroute(*args)
+        assert result.returncode == 2
+        assert message in result.stderr and f"Usage: kvroute {args[0]} [OPTIONS]" in result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+
+    def test_bad_configuration_exits_1_without_traceback(self) -> None:
+        """A configuration the proxy rejects is one error line and exit 1."""
+        result = _kvroute("serve", "--backend", "ftp://x", "--check")
+        assert result.returncode == 1
+        assert result.stderr.startswith("Error: --backend 'ftp://x': 'url' must be an http:// or https:// URL")
+        assert "Traceback" not in result.stderr
+
+    def test_serve_logs_fleet_changes_on_stderr(self) -> None:
+        """`kvroute serve --log-level info --check` prints the configuration on stdout and one fleet_changed JSON line per backend on stderr."""
+        result = _kvroute("serve", "--backend", "a=http://127.0.0.1:9", "--backend", "b=http://127.0.0.1:10", "--log-level", "info", "--check")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["strategy"] == "bounded-load"
+        lines = [json.loads(line) for line in result.stderr.splitlines()]
+        changes = [(line["backend"], line["change"], line["level"]) for line in lines if line["event"] == "fleet_changed"]
+        assert changes == [("a", "added", "info"), ("b", "added", "info")]
+
+    def test_serve_log_level_filters(self) -> None:
+        """`kvroute serve --log-level warning --check` leaves the info-level fleet_changed lines out."""
+        result = _kvroute("serve", "--backend", "http://127.0.0.1:9", "--log-level", "warning", "--check")
+        assert result.returncode == 0, result.stderr
+        assert "fleet_changed" not in result.stderr

@@ -10,7 +10,14 @@ from click.testing import CliRunner
 
 from kvroute.errors import ConfigError
 from kvroute.server.cli import build_config, serve
-from kvroute.server.config import BackendConfig, ServerConfig, load_toml, parse_backend_flag, parse_option_flags
+from kvroute.server.config import (
+    DEFAULT_STRATEGY,
+    BackendConfig,
+    ServerConfig,
+    load_toml,
+    parse_backend_flag,
+    parse_option_flags,
+)
 from kvroute.server.sagemaker import import_sagemaker, load_sagemaker
 
 FULL_TOML = """
@@ -228,6 +235,30 @@ class TestServeCommand:
         assert result.exit_code != 0
         assert message in result.output
 
-    def test_default_config_is_valid(self) -> None:
-        """The defaults build without error."""
-        assert ServerConfig().strategy == "least-outstanding"
+    def test_default_strategy_is_prefix_aware(self) -> None:
+        """Without --strategy, kvroute serve routes with bounded-load and its default options."""
+        assert ServerConfig().strategy == DEFAULT_STRATEGY == "bounded-load"
+        result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", "--check"])
+        assert result.exit_code == 0, result.output
+        printed = json.loads(result.stdout)
+        assert (printed["strategy"], printed["options"]) == ("bounded-load", {})
+
+    def test_missing_default_strategy_says_what_to_install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """With the server extra but not bounded-load, kvroute serve names the extra to install and the --strategy way out."""
+        monkeypatch.setenv("KVROUTE_BLOCK_PLUGINS", "bounded-load")
+        result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", "--check"])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+        assert result.stdout == ""
+        assert result.stderr.startswith(
+            "Error: the strategy 'bounded-load' (kvroute serve's default) is not installed. "
+            'Install it with: pip install "kvroute[bounded-load]", or choose an installed strategy with --strategy NAME '
+            "(installed: "
+        )
+        assert "least-outstanding" in result.stderr.partition("(installed: ")[2]
+
+    def test_other_strategy_without_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without bounded-load installed, an explicitly chosen installed strategy still works."""
+        monkeypatch.setenv("KVROUTE_BLOCK_PLUGINS", "bounded-load")
+        result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", "--strategy", "least-outstanding", "--check"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["strategy"] == "least-outstanding"

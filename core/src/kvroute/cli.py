@@ -1,31 +1,79 @@
 """The ``kvroute`` command line.
 
-Subcommands live in the modules that implement them and are loaded lazily, so
-``kvroute plugins`` does not import the proxy or the simulator. A subcommand whose module
-is not part of this installation (for example ``serve`` without ``kvroute[server]``)
-explains how to get it.
+Subcommands live in the modules that implement them and are loaded lazily, from the table
+`_LAZY_COMMANDS`, so ``kvroute plugins`` or ``kvroute --help`` does not import the proxy or the
+simulator. Every subcommand is always listed. One whose extra is not installed (``serve``
+without ``kvroute[server]``) is marked with the pip command in ``kvroute --help``, and running
+it, with any arguments, prints that command and exits 1 instead of "No such command".
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import logging
 import sys
 from typing import Any
 
+import attrs
 import click
 import structlog
 
 from kvroute import __version__
 from kvroute.errors import KvrouteError
 
-#: name -> ("module:attribute", the extra that provides its dependencies, one-line help)
-_LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
-    "simulate": ("kvroute.simulation.cli:simulate", None, "Simulate a fleet and compare strategies."),
-    "serve": ("kvroute.server.cli:serve", "server", "Run the OpenAI-compatible routing proxy."),
-    "emulate": ("kvroute.emulator.cli:emulate", "server", "Run an engine emulator (a fake vLLM server)."),
-    "check-parity": ("kvroute.parity:check_parity", "server", "Compare the router's tokenizer with an engine's."),
+
+@attrs.frozen
+class _LazyCommand:
+    """A subcommand implemented in another module, imported only when it runs.
+
+    ``extra`` is the pip extra that installs its third-party dependencies and ``needs`` the
+    top-level modules of that extra it imports, checked without importing them; ``what``
+    names them in the message a user sees when one is missing.
+    """
+
+    target: str  # "module:attribute" of the click command
+    help: str  # its line in `kvroute --help` (listing imports nothing)
+    extra: str | None = None
+    needs: tuple[str, ...] = ()
+    what: str = "its dependencies"
+
+    def missing_module(self) -> str | None:
+        """The first module of ``needs`` that cannot be imported here, or ``None``."""
+        for module in self.needs:
+            try:
+                if importlib.util.find_spec(module) is None:
+                    return module
+            except (ImportError, ValueError):
+                return module
+        return None
+
+    def install_hint(self, name: str, missing: str) -> str:
+        """What to tell a user who runs ``kvroute NAME`` without module ``missing``."""
+        what = f"{self.what} (missing module {missing!r})"
+        if self.extra is None:
+            return f"'kvroute {name}' needs {what}, which is not installed."
+        return f'\'kvroute {name}\' needs {what}. Install them with: pip install "kvroute[{self.extra}]"'
+
+
+_SERVER_MODULES = ("uvicorn", "aiohttp", "prometheus_client")
+
+#: Every subcommand kvroute ships besides `plugins`. Each one is always listed by
+#: `kvroute --help`, and says what to install when its extra is missing.
+_LAZY_COMMANDS: dict[str, _LazyCommand] = {
+    "simulate": _LazyCommand("kvroute.simulation.cli:simulate", "Simulate a fleet and compare strategies."),
+    "serve": _LazyCommand(
+        "kvroute.server.cli:serve", "Run the OpenAI-compatible routing proxy.", "server", _SERVER_MODULES, "the proxy's dependencies"
+    ),
+    "emulate": _LazyCommand(
+        "kvroute.emulator.cli:emulate", "Run an engine emulator (a fake vLLM server).", "server", _SERVER_MODULES,
+        "the emulator's dependencies",
+    ),
+    "check-parity": _LazyCommand(
+        "kvroute.parity:check_parity", "Compare the router's tokenizer with an engine's.", "server", ("aiohttp",),
+        "the HTTP client's dependencies",
+    ),
 }
 
 
@@ -70,39 +118,77 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
         lib.propagate = False
 
 
+def _missing_extra_command(name: str, message: str) -> click.Command:
+    """A stand-in for a command whose dependencies are missing: whatever it is given, it says what to install."""
+
+    def explain(args: tuple[str, ...]) -> None:
+        raise click.ClickException(message)
+
+    return click.Command(
+        name,
+        callback=explain,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+        help=message,
+        short_help=message,
+    )
+
+
 class _LazyGroup(click.Group):
-    def _available(self) -> dict[str, tuple[str, str | None, str]]:
-        out = {}
-        for name, spec in _LAZY_COMMANDS.items():
-            module = spec[0].split(":")[0]
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except ModuleNotFoundError:
-                found = False
-            if found:
-                out[name] = spec
-        return out
+    """A group whose table-listed commands are imported when invoked, never just to be listed."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self._available()))
+        return sorted(set(super().list_commands(ctx)) | set(_LAZY_COMMANDS))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             return command
-        spec = self._available().get(cmd_name)
+        spec = _LAZY_COMMANDS.get(cmd_name)
         if spec is None:
             return None
-        module_name, attr = spec[0].split(":")
+        missing = spec.missing_module()
+        if missing is not None:
+            return _missing_extra_command(cmd_name, spec.install_hint(cmd_name, missing))
+        module_name, attr = spec.target.split(":")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            extra = spec[1]
-            hint = f' Install it with: pip install "kvroute[{extra}]"' if extra else ""
-            raise click.ClickException(f"'kvroute {cmd_name}' needs {exc.name!r}, which is not installed.{hint}") from None
+            # A dependency that `needs` does not list (or that is installed but broken). A
+            # module of kvroute itself missing is a broken installation: let it surface.
+            if exc.name is None or exc.name.partition(".")[0] == "kvroute":
+                raise
+            return _missing_extra_command(cmd_name, spec.install_hint(cmd_name, exc.name))
         cmd = getattr(module, attr)
         assert isinstance(cmd, click.Command)
         return cmd
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            if close:
+                ctx.fail(f"No such command {name!r}. Did you mean {close[0]!r}?")
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names), default=0)
+        rows = []
+        for name in names:
+            spec = _LAZY_COMMANDS.get(name)
+            if spec is None:
+                command = super().get_command(ctx, name)
+                if command is not None and not command.hidden:
+                    rows.append((name, command.get_short_help_str(limit)))
+            elif spec.extra is not None and spec.missing_module() is not None:
+                rows.append((name, f'{spec.help} [needs: pip install "kvroute[{spec.extra}]"]'))
+            else:
+                rows.append((name, spec.help))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

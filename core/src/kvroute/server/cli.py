@@ -9,7 +9,9 @@ import attrs
 import click
 
 from kvroute.errors import KvrouteError
+from kvroute.plugins import PluginManager
 from kvroute.server.config import (
+    DEFAULT_STRATEGY,
     HealthConfig,
     ServerConfig,
     TimeoutConfig,
@@ -74,6 +76,21 @@ def describe(config: ServerConfig) -> dict[str, Any]:
     for backend in data["backends"]:
         backend["api_key"] = "***" if backend.get("api_key") else None
     return data
+
+
+def _check_default_strategy(config: ServerConfig, plugins: PluginManager) -> None:
+    """Say what to install when the configured strategy is the default one and its plugin is missing.
+
+    (Another strategy that is not installed gets the plugin manager's own message.)
+    """
+    if config.strategy != DEFAULT_STRATEGY or DEFAULT_STRATEGY in plugins.strategies:
+        return
+    installed = ", ".join(sorted(plugins.strategies)) or "none"
+    raise click.ClickException(
+        f"the strategy {DEFAULT_STRATEGY!r} (kvroute serve's default) is not installed. "
+        f'Install it with: pip install "kvroute[{DEFAULT_STRATEGY}]", or choose an installed strategy with '
+        f"--strategy NAME (installed: {installed})."
+    )
 
 
 _D_TIMEOUT = TimeoutConfig()
@@ -147,7 +164,9 @@ def serve(
         configure_logging(log_level, log_format)
         from kvroute.server.app import ProxyApp
 
-        app = ProxyApp(config)
+        plugins = PluginManager()
+        _check_default_strategy(config, plugins)
+        app = ProxyApp(config, plugins=plugins)
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
     if check:

@@ -20,6 +20,7 @@ from kvroute.backend import Backend
 from kvroute.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "BackendConfig",
     "HealthConfig",
     "ServerConfig",
@@ -30,6 +31,10 @@ __all__ = [
 ]
 
 _DEFAULT_HOP_BY_HOP = ()
+
+#: The strategy `kvroute serve` routes with when none is configured: prefix-aware, with a load
+#: cap (docs/serve.md, "Why bounded-load by default"). Its plugin comes with ``kvroute[bounded-load]``.
+DEFAULT_STRATEGY = "bounded-load"
 
 
 def _check_url(url: object, where: str) -> str:
@@ -218,7 +223,7 @@ class ServerConfig:
     """Everything ``kvroute serve`` needs; see docs/serve.md for each key."""
 
     backends: tuple[BackendConfig, ...] = ()
-    strategy: str = "least-outstanding"
+    strategy: str = DEFAULT_STRATEGY
     options: Mapping[str, Any] = attrs.field(factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
