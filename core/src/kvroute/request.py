@@ -8,9 +8,15 @@ is rendered as follows (documented in docs/architecture.md, stable across versio
 
 * chat: if ``tools`` are given, ``<|tools|>`` + their canonical JSON + ``\\n`` first;
   then every message in order as ``<|ROLE|>`` (``<|ROLE:NAME|>`` when it has a
-  ``name``) + its text content + its tool calls as canonical JSON + ``\\n``.
-  Text parts of a list content are concatenated; an image part renders as
-  ``<|image:HASH|>`` where HASH is a stable hash of its URL (data URLs are large).
+  ``name``) + its content + ``<|tool_calls|>`` and their canonical JSON if any + ``\\n``.
+  Text parts of a list content are concatenated; a media part renders as
+  ``<|image:HASH|>`` (``audio``, ``video``, ``file``) where HASH is a stable hash of the
+  URL, base64 data or file id that identifies it; any other part as ``<|part|>`` + JSON.
+* escaping keeps the rendering one-to-one: in text, ``<`` + any backslashes + ``|`` gets
+  one more backslash before the ``|`` (ordinary text is unchanged); in ROLE and NAME a
+  backslash escapes ``\\`` and ``|`` (and ``:`` in ROLE); a role spelled like a marker
+  (``tools``, ``tool_calls``, ``part``, ``image``, ``audio``, ``video``, ``file``) gets a
+  leading backslash. So message text cannot pass for a message boundary or a media part.
 * completions: the prompt string; a list of strings joined with ``\\n``; token ids
   rendered as ``<|ids|>`` + the ids joined by spaces (so character prefixes work on
   token prompts too), and also exposed as ``token_ids``.
@@ -22,6 +28,8 @@ turn N+1 text always starts with turn N's text: multi-turn prefixes nest.
 from __future__ import annotations
 
 import json
+import re
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -29,7 +37,7 @@ from typing import Any, Literal
 import attrs
 
 from kvroute.errors import InvalidRequest
-from kvroute.hashing import hash64
+from kvroute.hashing import hash64, hash_parts
 
 __all__ = [
     "AFFINITY_HEADER",
@@ -50,6 +58,8 @@ REQUEST_ID_HEADER = "x-request-id"
 Endpoint = Literal["chat", "completions"]
 
 _MAX_CACHE_SALT = 128
+#: Token ids are unsigned 64-bit integers (engines and block hashes store them so).
+_TOKEN_ID_LIMIT = 2**64
 
 #: Body fields that change how an engine builds the prompt's tokens (kept in ``prompt_options``).
 _PROMPT_OPTIONS = (
@@ -66,17 +76,123 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in ``value`` (iterative, and each container counted
+    once, so any depth and even a cycle are safe; exact for trees such as parsed JSON)."""
+    deepest, stack, seen = 0, [(value, 0)], set()
+    while stack:
+        item, level = stack.pop()
+        if not isinstance(item, Mapping | list | tuple) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        children = item.values() if isinstance(item, Mapping) else item
+        stack.extend((child, level + 1) for child in children)
+        deepest = max(deepest, level + 1)
+    return deepest
+
+
+def _canonical_json(value: object, where: str, param: str | None = None) -> str:
+    """Sorted keys, no spaces; a value JSON cannot encode raises InvalidRequest naming ``where``."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise InvalidRequest(
+            f"'{where}' must be JSON nested less deeply than the recursion limit "
+            f"({sys.getrecursionlimit()}) (got {_depth(value)} levels).",
+            param=param or where,
+        ) from None
+    except (TypeError, ValueError) as exc:  # non-JSON types, non-string keys, cycles, huge ints
+        raise InvalidRequest(f"'{where}' must be a JSON value ({exc}).", param=param or where) from None
+
+
+# -- escaping: user-controlled text never reads as a marker ----------------------------
+#
+# Markers all open with ``<|``. In text, ``<`` followed by zero or more backslashes and
+# ``|`` gets one more backslash before the ``|``: ``<|`` -> ``<\|``, ``<\|`` -> ``<\\|``.
+# The mapping is one-to-one, leaves text without such sequences unchanged, and escaped
+# text never contains ``<|``.
+_MARKER_OPENING = re.compile(r"<(\\*)\|")
+
+#: Roles that would render like a marker (``<|image:HASH|>``, ``<|tools|>``...): their
+#: header gets a leading backslash. Elsewhere an escaped role has a backslash only before
+#: ``\``, ``|`` or ``:``, so ``\image`` can only be the reserved role.
+_RESERVED_ROLES = frozenset({"tools", "tool_calls", "part", "image", "audio", "video", "file"})
+
+
+def _escape_text(text: str) -> str:
+    if "<|" not in text and "<\\" not in text:
+        return text
+    return _MARKER_OPENING.sub(r"<\1\\|", text)
+
+
+def _escape_field(value: str, specials: str) -> str:
+    if not any(c in value for c in specials):
+        return value
+    return "".join("\\" + c if c in specials else c for c in value)
+
+
+def _header(role: str, name: object) -> str:
+    """``<|ROLE|>`` or ``<|ROLE:NAME|>``; a backslash escapes ``\\ | :`` in the role and ``\\ |`` in the name."""
+    head = "\\" + role if role in _RESERVED_ROLES else _escape_field(role, "\\|:")
+    if isinstance(name, str) and name:
+        head += ":" + _escape_field(name, "\\|")
+    return f"<|{head}|>"
+
+
+# -- media parts ------------------------------------------------------------------------
+
+#: Content part type -> the marker name it renders as.
+_MEDIA_KINDS = {
+    "image_url": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "file": "file",
+    "input_file": "file",
+}
+#: The fields that identify a media part's content, looked up in this order in the part's
+#: payload (``part[type]``) or, for flat parts (the Responses API's ``input_image`` and
+#: ``input_file``), in the part itself; each with the kind of source it is.
+_MEDIA_SOURCES = {
+    "url": "url",
+    "image_url": "url",
+    "file_url": "url",
+    "data": "data",
+    "file_data": "data",
+    "file_id": "file_id",
+}
+
+
+def _media_marker(part: Mapping[str, Any], kind: str, where: str, param: str) -> str:
+    """``<|image:HASH|>`` (or audio, video, file): HASH is 16 hex digits of a stable hash of
+    the value that identifies the content (its URL, base64 data or file id)."""
+    payload = part.get(kind)
+    source: str = "part"  # nothing identifies it: the whole part does
+    value: object = part
+    if isinstance(payload, str):  # {"type": "image_url", "image_url": "https://..."}
+        source, value = "url", payload
+    else:
+        holder = payload if isinstance(payload, Mapping) else part
+        for field, kind_of_source in _MEDIA_SOURCES.items():
+            if holder.get(field) is not None:
+                source, value = kind_of_source, holder[field]
+                break
+    ident = _canonical_json(value, where, param)
+    # A URL hashes as in earlier versions (image and video keys stay the same); other sources
+    # are tagged with their kind, so a file id never renders like an equal URL.
+    digest = hash64(ident) if source == "url" else hash_parts(source, ident)
+    return f"<|{_MEDIA_KINDS[kind]}:{digest:016x}|>"
 
 
 def _render_content(content: object, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _escape_text(content)
     if isinstance(content, list):
         pieces: list[str] = []
+        texts: list[str] = []  # adjacent text parts are escaped together: "<" + "|" is "<|"
         for i, part in enumerate(content):
             if not isinstance(part, Mapping):
                 raise InvalidRequest(
@@ -91,14 +207,18 @@ def _render_content(content: object, where: str) -> str:
                         f"'{where}[{i}].text' must be a string (got {_type_name(text)}).",
                         param=where,
                     )
-                pieces.append(text)
-            elif kind in ("image_url", "input_image", "input_audio", "video_url"):
-                ref = part.get(kind) or part.get("image_url") or part
-                url = ref.get("url", "") if isinstance(ref, Mapping) else str(ref)
-                pieces.append(f"<|{kind.split('_')[0]}:{hash64(_canonical_json(url)):016x}|>")
+                texts.append(text)
+                continue
+            if texts:
+                pieces.append(_escape_text("".join(texts)))
+                texts.clear()
+            if isinstance(kind, str) and kind in _MEDIA_KINDS:
+                pieces.append(_media_marker(part, kind, f"{where}[{i}]", where))
             else:
                 # Unknown part types still shape the prompt: render them canonically.
-                pieces.append(f"<|part|>{_canonical_json(part)}")
+                pieces.append(f"<|part|>{_canonical_json(part, f'{where}[{i}]', where)}")
+        if texts:
+            pieces.append(_escape_text("".join(texts)))
         return "".join(pieces)
     raise InvalidRequest(
         f"'{where}' must be a string or a list of content parts (got {_type_name(content)}).",
@@ -110,7 +230,7 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: object = None)
     """Render chat messages (and tools) to the canonical routing text; validates shapes."""
     out: list[str] = []
     if tools:
-        out.append(f"<|tools|>{_canonical_json(tools)}\n")
+        out.append(f"<|tools|>{_canonical_json(tools, 'tools')}\n")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -124,14 +244,17 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: object = None)
                 f"'{where}.role' must be a non-empty string (got {_type_name(role)}).",
                 param="messages",
             )
-        name = message.get("name")
-        head = f"<|{role}:{name}|>" if isinstance(name, str) and name else f"<|{role}|>"
         body = _render_content(message.get("content"), f"{where}.content")
         calls = message.get("tool_calls")
         if calls:
-            body += f"<|tool_calls|>{_canonical_json(calls)}"
-        out.append(f"{head}{body}\n")
+            body += f"<|tool_calls|>{_canonical_json(calls, f'{where}.tool_calls', 'messages')}"
+        out.append(f"{_header(role, message.get('name'))}{body}\n")
     return "".join(out)
+
+
+def _describe_int(value: int) -> str:
+    # str() of an int over 4,300 digits raises ValueError: name huge values by their size.
+    return str(value) if value.bit_length() <= 256 else f"an integer of {value.bit_length()} bits"
 
 
 def _is_token_list(value: object) -> bool:
@@ -228,9 +351,8 @@ class RouteRequest:
             raise InvalidRequest(f"'stream' must be a boolean (got {_type_name(stream)}).", param="stream")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
-            raise InvalidRequest(
-                f"'max_tokens' must be a non-negative integer (got {max_tokens!r}).", param="max_tokens"
-            )
+            got = _describe_int(max_tokens) if isinstance(max_tokens, int) else _type_name(max_tokens)
+            raise InvalidRequest(f"'max_tokens' must be a non-negative integer (got {got}).", param="max_tokens")
         cache_salt = _optional_str(body, "cache_salt")
         if cache_salt is not None and len(cache_salt) > _MAX_CACHE_SALT:
             raise InvalidRequest(
@@ -270,9 +392,16 @@ class RouteRequest:
                     param="prompt",
                 )
             if token_ids is not None:
+                bad = next((t for t in token_ids if not 0 <= t < _TOKEN_ID_LIMIT), None)
+                if bad is not None:
+                    raise InvalidRequest(
+                        f"'prompt' token ids must be integers from 0 to 2**64 - 1 (got {_describe_int(bad)}).",
+                        param="prompt",
+                    )
                 text = "<|ids|>" + " ".join(map(str, token_ids))
         else:
-            raise InvalidRequest(f"endpoint must be 'chat' or 'completions' (got {endpoint!r}).")
+            got = repr(endpoint) if isinstance(endpoint, str) else _type_name(endpoint)
+            raise InvalidRequest(f"endpoint must be 'chat' or 'completions' (got {got}).")
 
         return cls(
             request_id=request_id or headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex,
