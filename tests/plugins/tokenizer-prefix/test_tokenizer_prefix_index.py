@@ -317,6 +317,15 @@ class TestBlockIndex:
         index.set_exact("a")
         assert index.is_exact("a") and index.blocks("a") == 0
 
+    def test_inexact_reason_is_kept_until_exact_again(self) -> None:
+        """The reason an adapter gives for leaving exact mode is readable until the backend is exact again."""
+        index = BlockIndex(block_size=1)
+        index.set_exact("a")
+        index.set_exact("a", False, reason="lost_batches")
+        assert not index.is_exact("a") and index.inexact_reason("a") == "lost_batches"
+        index.set_exact("a")
+        assert index.is_exact("a") and index.inexact_reason("a") is None
+
     def test_removed_backend_frees_its_bit(self) -> None:
         """A removed backend's blocks vanish and its bit is reused by the next new backend."""
         index = BlockIndex(block_size=1)

@@ -58,6 +58,8 @@ class BlockIndex:
         self._engine: dict[str, dict[int, int]] = {}
         self._capacity: dict[str, int] = {}
         self._exact: set[str] = set()
+        #: backend -> why it is not exact (as the adapter said), while it is not.
+        self._reasons: dict[str, str | None] = {}
         #: Events whose parent block was unknown (lost or evicted): their blocks were skipped.
         self.orphan_events = 0
         self.evictions = 0
@@ -96,6 +98,7 @@ class BlockIndex:
             self._engine.pop(backend, None)
             self._capacity.pop(backend, None)
             self._exact.discard(backend)
+            self._reasons.pop(backend, None)
             if bit is not None:
                 self._free.append(bit)
 
@@ -113,14 +116,23 @@ class BlockIndex:
         """Blocks remembered for ``backend``."""
         return self._capacity.get(backend, self.capacity_blocks)
 
-    def set_exact(self, backend: str, exact: bool = True) -> None:
-        """Mark a backend as fed by KV events; switching to exact forgets its approximate records."""
+    def set_exact(self, backend: str, exact: bool = True, *, reason: str | None = None) -> None:
+        """Mark a backend as fed by KV events; switching to exact forgets its approximate records.
+
+        ``reason`` says why a backend stops being exact (``"lost_batches"``, ``"unknown_kind"``...);
+        `inexact_reason` returns it until the backend is exact again.
+        """
         with self.lock:
             if exact and backend not in self._exact:
                 self._drop_all(backend)
                 self._exact.add(backend)
             elif not exact:
                 self._exact.discard(backend)
+            self._reasons[backend] = None if exact else reason
+
+    def inexact_reason(self, backend: str) -> str | None:
+        """Why ``backend`` is not exact, as its adapter last said (``None`` when exact or not said)."""
+        return self._reasons.get(backend)
 
     def is_exact(self, backend: str) -> bool:
         """Whether ``backend``'s blocks come from KV events."""
