@@ -1,19 +1,25 @@
-"""A server that replays TensorRT-LLM's documented answers (fixtures/ written from engines.md), and its client.
+"""A server that replays TensorRT-LLM's answers (fixtures/, written as the engine's serializers write them), and its client.
 
 ``trtllm-serve`` has no CPU build, so the adapter is tested against this: ``GET /metrics`` and
 ``POST /kv_cache_events`` pop the next answer of their fixture sequence (then answer ``[]``, as
 a drained buffer does), ``GET /health`` answers ``health_status`` (503 "LLM is unavailable"
 when set so), ``/prometheus/metrics`` exists only when ``prometheus`` is set.
+
+``metrics_hold`` / ``events_hold`` make a call hold its answer that many seconds after taking
+it from the buffer, as trtllm-serve does while iterations or events keep coming (its loop ends
+only after two seconds without a new item): a client that gives up meanwhile loses the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import attrs
 import pytest
 from aiohttp import web
 
@@ -32,11 +38,15 @@ class ReplayServer:
 
     def __init__(self) -> None:
         self.metrics: list[Any] = fixture("metrics_sequence.json")
-        self.events: list[Any] = fixture("kv_cache_events_sequence.json")
+        self.events: list[Any] = fixture("kv_events_v1.json")
         self.prometheus: str | None = None
         self.health_status = 200
         self.events_status = 200
+        self.metrics_hold = 0.0
+        self.events_hold = 0.0
         self.calls: list[str] = []
+        #: Answers taken from a buffer and then lost because the client hung up before the answer was written.
+        self.lost: list[Any] = []
         self.url = ""
 
     def app(self) -> web.Application:
@@ -57,9 +67,22 @@ class ReplayServer:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(fixture("models.json"))
 
+    async def _held(self, request: web.Request, answer: Any, hold: float) -> None:
+        if hold:
+            try:
+                await asyncio.sleep(hold)
+            except asyncio.CancelledError:
+                self.lost.append(answer)
+                raise
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                self.lost.append(answer)
+
     async def _metrics(self, request: web.Request) -> web.Response:
         self.calls.append("metrics")
-        return web.json_response(self.metrics.pop(0) if self.metrics else [])
+        answer = self.metrics.pop(0) if self.metrics else []
+        await self._held(request, answer, self.metrics_hold)
+        return web.json_response(answer)
 
     async def _prometheus(self, request: web.Request) -> web.Response:
         self.calls.append("prometheus")
@@ -71,24 +94,26 @@ class ReplayServer:
         self.calls.append("kv_cache_events")
         if self.events_status != 200:
             return web.Response(status=self.events_status)
+        answer = self.events.pop(0) if self.events else []
+        await self._held(request, answer, self.events_hold)
         # Written as trtllm-serve writes JSON: Python's json, big integers as they are.
-        body = json.dumps(self.events.pop(0) if self.events else [])
-        return web.Response(text=body, content_type="application/json")
+        return web.Response(text=json.dumps(answer), content_type="application/json")
 
 
+@attrs.frozen
 class Client:
-    """An `HttpClient` (get and post) for one base URL, over aiohttp."""
+    """An `HttpClient` (get and post) for one base URL over aiohttp, with a total timeout per call (as the proxy's)."""
 
-    def __init__(self, session: aiohttp.ClientSession, base: str) -> None:
-        self.session = session
-        self.base = base
+    session: aiohttp.ClientSession
+    base: str
+    timeout: float = 10.0
 
     async def get(self, path: str) -> HttpReply:
-        async with self.session.get(self.base + path) as r:
+        async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             return HttpReply(r.status, await r.read())
 
     async def post(self, path: str, body: object) -> HttpReply:
-        async with self.session.post(self.base + path, json=body) as r:
+        async with self.session.post(self.base + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             return HttpReply(r.status, await r.read())
 
 
@@ -108,6 +133,6 @@ async def trtllm() -> AsyncIterator[tuple[ReplayServer, Client]]:
     await site.start()
     port = runner.addresses[0][1]
     server.url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+    async with aiohttp.ClientSession() as session:
         yield server, Client(session, server.url)
     await runner.cleanup()

@@ -1,4 +1,4 @@
-"""TensorRT-LLM load telemetry: JSON iteration stats (drained, nulls, empty lists) and Prometheus gauges."""
+"""TensorRT-LLM load telemetry: JSON iteration stats (drained, nulls, empty lists, attention-DP ranks) and Prometheus."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm"
 """
 
 
-def _metrics() -> list[Any]:
-    return json.loads((FIXTURES / "metrics_sequence.json").read_text())
+def _metrics(name: str = "metrics_sequence.json") -> list[Any]:
+    return json.loads((FIXTURES / name).read_text())
 
 
 class TestIterationStats:
@@ -61,6 +61,21 @@ class TestIterationStats:
         stats = merge_iteration_stats(None, [{"kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 75}}])
         assert stats.kv_usage == pytest.approx(0.25)
 
+    def test_attention_dp_ranks_are_added_up(self) -> None:
+        """With attention DP each rank's latest row counts: requests and blocks are summed, usage is over all blocks."""
+        first = merge_iteration_stats(None, _metrics("metrics_attention_dp.json")[0])
+        assert (first.running, first.waiting, first.iteration, first.max_blocks) == (4 + 6, 0 + 2, 301, 2 * 50000)
+        assert first.kv_usage == pytest.approx((1300 + 2100) / 100000)
+        assert (first.prefix_cache_hits, first.prefix_cache_queries) == ((41 + 12) * 32, (41 + 420 + 12 + 640) * 32)
+        later = merge_iteration_stats(first, _metrics("metrics_attention_dp.json")[1])  # only rank 1 reported
+        assert (later.running, later.waiting, later.iteration) == (4 + 7, 0 + 1, 302)
+        assert later.kv_usage == pytest.approx((1300 + 2200) / 100000)
+
+    def test_rows_without_a_rank_are_rank_zero(self) -> None:
+        """Rows of servers that do not tag attentionDpRank count as one rank: the latest row wins."""
+        stats = merge_iteration_stats(None, [{"numActiveRequests": 2}, {"numActiveRequests": 5, "attentionDpRank": 0}])
+        assert stats.running == 5
+
     def test_to_load(self) -> None:
         """The EngineLoad carries the values and the observation time."""
         load = TrtllmStats(running=1, waiting=2, block_size=32).to_load(observed_at=3.0)
@@ -84,15 +99,22 @@ class TestIterationStats:
 
 class TestPrometheus:
     def test_trtllm_names(self) -> None:
-        """trtllm-serve's Prometheus gauges give running, waiting, utilization and tokens per block."""
+        """trtllm-serve's collector gives running, waiting, utilization, blocks and the reuse counters in tokens."""
         gauges = parse_prometheus((FIXTURES / "prometheus.txt").read_text())
-        assert gauges == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.125, "block_size": 32.0}
+        assert gauges == {
+            "running": 4.0, "waiting": 2.0, "kv_usage": 0.125, "block_size": 32.0, "max_blocks": 8192.0,
+            "used_blocks": 1024.0, "prefix_cache_hits": 128 * 32.0, "prefix_cache_queries": (128 + 384) * 32.0,
+        }
 
     def test_triton_backend_names(self) -> None:
         """Triton's TensorRT-LLM backend metrics are read by their type labels."""
-        assert parse_prometheus(TRITON) == {"running": 5.0, "waiting": 3.0, "kv_usage": 0.75, "block_size": 64.0}
+        assert parse_prometheus(TRITON) == {"running": 5.0, "waiting": 3.0, "kv_usage": 0.75, "block_size": 64.0, "max_blocks": 8000.0}
 
     def test_no_known_gauges(self) -> None:
-        """A body without any known gauge is an error."""
-        with pytest.raises(ValueError, match="found none"):
-            parse_prometheus("# TYPE up gauge\nup 1\n")
+        """A body without any known gauge (a server that has not logged iteration stats yet) gives nothing."""
+        assert parse_prometheus("# TYPE up gauge\nup 1\n") == {}
+
+    def test_unparsable(self) -> None:
+        """Text that is not Prometheus' format is an error saying so."""
+        with pytest.raises(ValueError, match="does not parse"):
+            parse_prometheus("trtllm_num_requests_running{model_name= 3\n")

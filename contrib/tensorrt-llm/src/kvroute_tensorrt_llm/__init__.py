@@ -2,10 +2,12 @@
 
 Public API:
 
-* `TensorRTLLMAdapter`: the adapter (registered as kind ``tensorrt-llm``; options in its module).
+* `TensorRTLLMAdapter`: the adapter (registered as kind ``tensorrt-llm``; options in its module),
+  `LoadStats`: how its load polling went.
 * `merge_iteration_stats`, `parse_prometheus`, `TrtllmStats`: the load telemetry as the router reads it.
 * `parse_events`, `EventFeed`: ``/kv_cache_events`` answers and applying them to a
-  `kvroute.adapters.KvEventSink`.
+  `kvroute.adapters.KvEventSink`, with an honest exact flag.
+* `v1_block_hash`: the engine's ``v1_block_key`` block hash (to tell what a block is keyed on).
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import kvroute
-from kvroute_tensorrt_llm.adapter import TensorRTLLMAdapter
+from kvroute_tensorrt_llm.adapter import LoadStats, TensorRTLLMAdapter
 from kvroute_tensorrt_llm.events import (
     Created,
     EventFeed,
     EventFormatError,
     FeedStats,
     KvCacheEvent,
+    Malformed,
     Removed,
     Stored,
     StoredBlock,
+    UnknownEvent,
     Updated,
     parse_events,
 )
+from kvroute_tensorrt_llm.hashing import v1_block_hash
 from kvroute_tensorrt_llm.metrics import TrtllmStats, merge_iteration_stats, parse_prometheus
 
 __all__ = [
@@ -34,16 +39,20 @@ __all__ = [
     "EventFormatError",
     "FeedStats",
     "KvCacheEvent",
+    "LoadStats",
+    "Malformed",
     "Removed",
     "Stored",
     "StoredBlock",
     "TensorRTLLMAdapter",
     "TrtllmStats",
+    "UnknownEvent",
     "Updated",
     "kvroute_register_backend_kinds",
     "merge_iteration_stats",
     "parse_events",
     "parse_prometheus",
+    "v1_block_hash",
 ]
 
 

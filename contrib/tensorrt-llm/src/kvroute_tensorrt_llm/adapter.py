@@ -7,21 +7,33 @@ option                    default                   meaning
 ========================  ========================  ======================================================
 ``health_path``           ``/health``               200 when serving; 503 "LLM is unavailable" otherwise
 ``models_path``           ``/v1/models``            served model ids
-``metrics_path``          ``/metrics``              JSON iteration stats (drained on each poll); ``""``: off
-``prometheus_path``       ``/prometheus/metrics``   Prometheus gauges, read when the server has them; ``""``: off
+``metrics_path``          ``/metrics``              JSON iteration stats (drained on each answer); ``""``: off
+``metrics_timeout``       ``120``                   seconds one ``/metrics`` call may take (the server holds it
+                                                    while iterations keep coming)
+``prometheus_path``       ``/prometheus/metrics``   Prometheus gauges; when they are there, they are the load
+                                                    and JSON ``/metrics`` is not read; ``""``: off
 ``kv_events``             ``true``                  poll ``POST /kv_cache_events`` (needs
                                                     ``kv_cache_config.event_buffer_max_size > 0`` on the server)
 ``kv_events_path``        ``/kv_cache_events``
 ``kv_events_interval``    ``0.25``                  seconds between event polls
+``kv_events_timeout``     ``120``                   seconds one ``/kv_cache_events`` call may take
+``kv_events_resync``      ``60``                    seconds after events were lost before the backend's
+                                                    blocks are cleared and trusted again; ``0``: never
 ========================  ========================  ======================================================
 
-Both JSON endpoints drain a server-side buffer: with several router replicas, each gets a share
-of the iterations and events. Give each replica its own server-side consumer, or let one
+TensorRT-LLM's JSON endpoints answer only after two seconds without a new item (each new
+iteration or event re-arms the wait, TensorRT-LLM issue #4926), and they drain the server's
+buffer as they go: a client that gives up early loses what was drained. So both get their own,
+long timeouts, and ``/metrics`` runs in the background: a load poll waits for it briefly and
+otherwise answers with the last values, stamped with the time they were read (strategies
+ignore stale load). Both endpoints drain a server-side buffer: with several router replicas,
+each gets a share of the iterations and events; give each replica its own server, or let one
 replica read them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -32,16 +44,23 @@ from anyio.abc import TaskStatus
 from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
 from kvroute.backend import Backend, EngineLoad
 from kvroute.logs import get_logger
-from kvroute_tensorrt_llm.events import EventFeed, EventFormatError, parse_events
-from kvroute_tensorrt_llm.metrics import TrtllmStats, merge_iteration_stats, parse_prometheus
+from kvroute_tensorrt_llm.events import EventFeed, parse_events
+from kvroute_tensorrt_llm.metrics import ITERATION_GAUGES, TrtllmStats, merge_iteration_stats, parse_prometheus
 
-__all__ = ["TensorRTLLMAdapter"]
+__all__ = ["LoadStats", "TensorRTLLMAdapter"]
 
 log = get_logger(__name__)
 
 _RETRY_MAX_S = 30.0
 #: Health rounds between two looks for a Prometheus endpoint that was missing.
 _PROMETHEUS_RECHECK = 60
+#: How long a load poll waits for a ``/metrics`` answer before answering with the last values.
+_METRICS_WAIT_S = 0.5
+_COUNTS = ("running", "waiting", "block_size", "max_blocks", "used_blocks")
+
+
+class _StatusError(ValueError):
+    """An endpoint answered another status than 200."""
 
 
 def _path(value: object, name: str, *, allow_empty: bool = False) -> str:
@@ -60,14 +79,31 @@ def _bool(value: object) -> bool:
     raise ValueError(f"'kv_events' must be true or false (got {value!r}).")
 
 
-def _interval(value: object) -> float:
+def _seconds(value: object, name: str, low: float, high: float, *, zero: bool = False) -> float:
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         number = -1.0
-    if isinstance(value, bool) or not 0.01 <= number <= 60:
-        raise ValueError(f"'kv_events_interval' must be a number of seconds between 0.01 and 60 (got {value!r}).")
+    if isinstance(value, bool) or not (low <= number <= high or (zero and number == 0)):
+        extra = " (0: never)" if zero else ""
+        raise ValueError(f"'{name}' must be a number of seconds between {low:g} and {high:g}{extra} (got {value!r}).")
     return number
+
+
+def _metrics_timeout(value: object) -> float:
+    return _seconds(value, "metrics_timeout", 0.05, 3600)
+
+
+def _events_interval(value: object) -> float:
+    return _seconds(value, "kv_events_interval", 0.01, 60)
+
+
+def _events_timeout(value: object) -> float:
+    return _seconds(value, "kv_events_timeout", 0.05, 3600)
+
+
+def _events_resync(value: object) -> float:
+    return _seconds(value, "kv_events_resync", 0.05, 86400, zero=True)
 
 
 def _health_path(value: object) -> str:
@@ -90,6 +126,45 @@ def _kv_events_path(value: object) -> str:
     return _path(value, "kv_events_path")
 
 
+def _loss_reason(exc: Exception) -> str:
+    """Why a failed ``/kv_cache_events`` call may have cost events (the ``kv_index_inexact`` reason)."""
+    if isinstance(exc, TimeoutError):
+        return "poll_timeout"  # the server held the call; what it drained went with the answer
+    if isinstance(exc, _StatusError):
+        return "poll_status"  # an error answer: the server may have drained before failing
+    if isinstance(exc, ValueError):
+        return "unreadable_answer"  # drained, but not JSON or not a list
+    return "poll_failed"  # the connection broke; a drained answer may have been on its way
+
+
+def _with_timeout(http: Any, seconds: float) -> Any:
+    """``http`` with its own timeout set to ``seconds``, when the client lets us set it.
+
+    A client offering ``with_timeout(seconds)`` is asked; an attrs client with a ``timeout``
+    field (the proxy's) is copied with it; any other keeps its own timeout.
+    """
+    method = getattr(http, "with_timeout", None)
+    if callable(method):
+        return method(seconds)
+    cls = type(http)
+    if attrs.has(cls) and any(f.name == "timeout" for f in attrs.fields(cls)):
+        return attrs.evolve(http, timeout=seconds)
+    return http
+
+
+@attrs.define
+class LoadStats:
+    """Counters of the load polling (``adapter.stats()["load_polling"]``)."""
+
+    #: ``/metrics`` answers read; polls that answered with older values because a call was held.
+    answers: int = 0
+    held_polls: int = 0
+    #: ``/metrics`` calls given up after ``metrics_timeout``: the stats the server drained were lost.
+    timeouts: int = 0
+    #: Where the load comes from now: ``"json"``, ``"prometheus"`` or ``None`` (nothing yet).
+    source: str | None = None
+
+
 @attrs.define
 class TensorRTLLMAdapter:
     """Everything engine-specific about one ``trtllm-serve`` server (options in the module docstring)."""
@@ -98,14 +173,22 @@ class TensorRTLLMAdapter:
     health_path: str = attrs.field(default="/health", converter=_health_path)
     models_path: str = attrs.field(default="/v1/models", converter=_models_path)
     metrics_path: str = attrs.field(default="/metrics", converter=_metrics_path)
+    metrics_timeout: float = attrs.field(default=120.0, converter=_metrics_timeout)
     prometheus_path: str = attrs.field(default="/prometheus/metrics", converter=_prometheus_path)
     kv_events: bool = attrs.field(default=True, converter=_bool)
     kv_events_path: str = attrs.field(default="/kv_cache_events", converter=_kv_events_path)
-    kv_events_interval: float = attrs.field(default=0.25, converter=_interval)
-    #: Load as last read (JSON stats folded together, Prometheus gauges on top).
+    kv_events_interval: float = attrs.field(default=0.25, converter=_events_interval)
+    kv_events_timeout: float = attrs.field(default=120.0, converter=_events_timeout)
+    kv_events_resync: float = attrs.field(default=60.0, converter=_events_resync)
+    #: Load as last read (JSON stats folded together, or Prometheus gauges).
     stats_seen: TrtllmStats | None = attrs.field(default=None, init=False)
     feed: EventFeed | None = attrs.field(default=None, init=False)
+    load_stats: LoadStats = attrs.field(factory=LoadStats, init=False)
     _prometheus_missing: int = attrs.field(default=0, init=False)
+    _json: TrtllmStats | None = attrs.field(default=None, init=False)
+    _json_at: float | None = attrs.field(default=None, init=False)
+    _fetch: asyncio.Task[None] | None = attrs.field(default=None, init=False)
+    _fetch_error: Exception | None = attrs.field(default=None, init=False)
 
     @classmethod
     def create(cls, backend: Backend, **options: Any) -> TensorRTLLMAdapter:
@@ -135,6 +218,8 @@ class TensorRTLLMAdapter:
             raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
         return parse_model_list(reply.json())
 
+    # -- load -----------------------------------------------------------------------------
+
     async def _prometheus(self, http: HttpGetter) -> dict[str, float] | None:
         if not self.prometheus_path:
             return None
@@ -149,67 +234,144 @@ class TensorRTLLMAdapter:
             raise ValueError(f"{self.prometheus_path} answered {reply.status}, expected 200.")
         return parse_prometheus(reply.body.decode("utf-8", "replace"))
 
-    async def poll_load(self, http: HttpGetter) -> EngineLoad | None:
-        """Drain the JSON iteration stats (and read Prometheus when present) into an `EngineLoad` stamped now.
+    def _source(self, source: str, reason: str) -> None:
+        if self.load_stats.source != source:
+            self.load_stats.source = source
+            log.info("trtllm_load_source", backend=self.backend.id, source=source, reason=reason)
 
-        An empty list keeps the last values (no iteration ran since the previous poll); ``None``
-        until the server has reported anything. ``ValueError`` when an answer cannot be read.
-        """
-        stats = self.stats_seen
-        if self.metrics_path:
-            reply = await http.get(self.metrics_path)
-            if reply.status != 200:
-                raise ValueError(f"{self.metrics_path} answered {reply.status}, expected 200.")
-            stats = merge_iteration_stats(stats, reply.json())
-        gauges = await self._prometheus(http)
-        if gauges:
-            changes: dict[str, Any] = {k: (round(v) if k in ("running", "waiting", "block_size") else v) for k, v in gauges.items()}
-            stats = attrs.evolve(stats or TrtllmStats(), **changes)
+    def _seen(self, stats: TrtllmStats | None, observed_at: float | None) -> EngineLoad | None:
         self.stats_seen = stats
-        if stats is None or stats == TrtllmStats():
+        if stats is None or stats == TrtllmStats() or observed_at is None:
             return None
         if self.feed is not None and stats.block_size:
             self.feed.engine_block_size = stats.block_size
-        return stats.to_load(time.monotonic())
+        return stats.to_load(observed_at)
+
+    async def poll_load(self, http: HttpGetter) -> EngineLoad | None:
+        """The server's load as an `EngineLoad` stamped with when it was read; ``None`` until it reported any.
+
+        Prometheus first: a server started with ``return_perf_metrics`` mounts it, and its own
+        collector then drains the iteration stats that JSON ``/metrics`` would return (that one
+        mostly answers ``[]``), so once its iteration gauges are there they are the load and
+        ``/metrics`` is not asked. Otherwise ``/metrics`` is read in the background (see the
+        module docstring). ``ValueError`` when an answer cannot be read.
+        """
+        gauges = await self._prometheus(http)
+        if gauges is not None and ITERATION_GAUGES & gauges.keys():
+            self._source("prometheus", "the server's Prometheus collector reads the iteration stats (return_perf_metrics)")
+            changes: dict[str, Any] = {k: round(v) if k in _COUNTS else v for k, v in gauges.items()}
+            return self._seen(TrtllmStats(**changes), time.monotonic())
+        stats = self._json
+        observed_at = self._json_at
+        if self.metrics_path:
+            await self._poll_json(http)
+            stats, observed_at = self._json, self._json_at
+            if stats is not None:
+                self._source("json", "no Prometheus endpoint" if gauges is None else "no iteration gauges in Prometheus yet")
+        if gauges:  # some gauges but no iteration ones (e.g. tokens per block): on top of the JSON values
+            changes = {k: round(v) if k in _COUNTS else v for k, v in gauges.items()}
+            stats = attrs.evolve(stats or TrtllmStats(), **changes)
+            observed_at = observed_at if observed_at is not None else time.monotonic()
+        return self._seen(stats, observed_at)
+
+    async def _poll_json(self, http: HttpGetter) -> None:
+        """Start a ``/metrics`` call unless one is held by the server; wait for it a little."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not on asyncio (the proxy is): read it inline
+            await self._read_json(http)
+            self._raise_fetch_error()
+            return
+        task = self._fetch
+        if task is None or task.done():
+            self._raise_fetch_error()  # the previous call's failure, once; the next poll starts a new one
+            client = _with_timeout(http, self.metrics_timeout)
+            task = self._fetch = asyncio.get_running_loop().create_task(
+                self._read_json(client), name=f"trtllm-metrics {self.backend.id}"
+            )
+        if not task.done():
+            # Never cancels the call: only this poll stops waiting for it.
+            await asyncio.wait({task}, timeout=_METRICS_WAIT_S)
+        if task.done():
+            self._raise_fetch_error()
+        else:  # held by the server (iterations keep coming): answer with what was read last
+            self.load_stats.held_polls += 1
+
+    def _raise_fetch_error(self) -> None:
+        error, self._fetch_error = self._fetch_error, None
+        if error is not None:
+            raise error
+
+    async def _read_json(self, http: HttpGetter) -> None:
+        """One ``/metrics`` call, folded in as soon as it answers (whoever waits for it)."""
+        try:
+            with anyio.fail_after(self.metrics_timeout):
+                reply = await http.get(self.metrics_path)
+            if reply.status != 200:
+                raise ValueError(f"{self.metrics_path} answered {reply.status}, expected 200.")
+            self._json = merge_iteration_stats(self._json, reply.json())
+            self._json_at = time.monotonic()
+            self.load_stats.answers += 1
+        except TimeoutError as exc:
+            self.load_stats.timeouts += 1
+            log.warning(
+                "trtllm_metrics_timeout", backend=self.backend.id, timeout_s=self.metrics_timeout,
+                hint="the server held /metrics while iterations kept coming; the stats it drained meanwhile are lost",
+            )
+            self._fetch_error = exc
+        except Exception as exc:  # kept for the next poll to raise; cancellation passes
+            self._fetch_error = exc
+
+    async def aclose(self) -> None:
+        """Stop a ``/metrics`` call the server still holds (when the backend goes away; tests)."""
+        task, self._fetch = self._fetch, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+    # -- KV events ------------------------------------------------------------------------
 
     async def run_events(
         self, http: HttpGetter, sink: KvEventSink, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Poll ``kv_events_path`` into ``sink`` until cancelled (see `kvroute.adapters`)."""
+        """Poll ``kv_events_path`` into ``sink`` until cancelled (see `kvroute.adapters` and `kvroute_tensorrt_llm.events`)."""
         task_status.started()
         if not self.kv_events:
             return
-        post = getattr(http, "post", None)
-        if post is None:
+        if getattr(http, "post", None) is None:
             log.error("kv_events_need_post", backend=self.backend.id, hint="the proxy's HTTP client cannot POST")
             return
         backend = self.backend.id
+        post = _with_timeout(http, self.kv_events_timeout).post
         self.feed = feed = EventFeed(backend, sink)
         if self.stats_seen is not None and self.stats_seen.block_size:
             feed.engine_block_size = self.stats_seen.block_size
-        exact = False
+        started = False
         delay = self.kv_events_interval
         try:
             while True:
                 try:
-                    reply = await post(self.kv_events_path, {})
+                    with anyio.fail_after(self.kv_events_timeout):
+                        reply = await post(self.kv_events_path, {})
                     if reply.status == 404:
                         log.warning("kv_events_unsupported", backend=backend, path=self.kv_events_path)
                         return
                     if reply.status != 200:
-                        raise ValueError(f"{self.kv_events_path} answered {reply.status}, expected 200.")
+                        raise _StatusError(f"{self.kv_events_path} answered {reply.status}, expected 200.")
                     items = parse_events(reply.json())
-                except (OSError, TimeoutError, ValueError) as exc:
-                    # The server buffers its events meanwhile: the index stays exact (a restart sends 'created').
-                    kind = "kv_events_unreadable" if not isinstance(exc, EventFormatError) else "kv_events_malformed"
-                    log.info(kind, backend=backend, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.info("kv_events_unreadable", backend=backend, error=error, retry_in_s=delay)
+                    if started:
+                        # The server may have drained its buffer into the answer that did not arrive.
+                        feed.mark_inexact(_loss_reason(exc), error=error)
                     await anyio.sleep(delay)
                     delay = min(max(delay * 2, 1.0), _RETRY_MAX_S)
                     continue
                 delay = self.kv_events_interval
-                if not exact:
-                    sink.set_exact(backend, True)
-                    exact = True
+                if not started:
+                    started = True
+                    feed.start()
                     max_blocks = self.stats_seen.max_blocks if self.stats_seen is not None else None
                     set_capacity = getattr(sink, "set_capacity", None)
                     if max_blocks and set_capacity is not None:
@@ -218,16 +380,21 @@ class TensorRTLLMAdapter:
                     feed.receive(items)
                     if feed.holding:
                         feed.resume()
-                except Exception:  # a bug must not take the proxy down; cancellation passes
+                except Exception as exc:  # a bug must not take the proxy down; cancellation passes
                     log.exception("kv_events_failed", backend=backend)
+                    feed.mark_inexact("feed_error", error=f"{type(exc).__name__}: {exc}")
+                waited = feed.inexact_for
+                if self.kv_events_resync and waited is not None and waited >= self.kv_events_resync:
+                    feed.resync("resync")
                 await anyio.sleep(self.kv_events_interval)
         finally:
-            if exact:
-                sink.set_exact(backend, False)
+            feed.stop()
 
     def stats(self) -> dict[str, Any]:
-        """Counters for operators: the last load and the event feed's counters."""
+        """Counters for operators: the last load, how it was polled, and the event feed's counters."""
+        feed = self.feed
         return {
             "load": attrs.asdict(self.stats_seen) if self.stats_seen is not None else None,
-            "kv_events": attrs.asdict(self.feed.stats) | {"holding": self.feed.holding} if self.feed is not None else None,
+            "load_polling": attrs.asdict(self.load_stats),
+            "kv_events": attrs.asdict(feed.stats) | {"holding": feed.holding, "exact": feed.exact} if feed is not None else None,
         }

@@ -1,45 +1,87 @@
 """TensorRT-LLM's KV cache events (``POST /kv_cache_events``) and applying them to a KV event sink.
 
 The server answers a JSON list and drains its buffer (``kv_cache_config.event_buffer_max_size``
-must be > 0). Each item is ``{"event_id", "data", "window_size"?, "attention_dp_rank"?}``;
+must be > 0). Each item is ``{"event_id", "data", "window_size", "attention_dp_rank"?,
+"hash_algo"?, "layer_group_id"?}`` (the last two from the V2 KV cache manager's serializer);
 ``data.type`` is one of:
 
 * ``created``: the cache was (re)created: every block of the backend is forgotten;
-* ``stored``: ``{"parent_hash", "blocks": [{"block_hash", "tokens": [{"token_id", "token_extra_id"}],
-  "cache_level", "priority", "lora_id"?, "mm_keys"?}]}``, blocks chained from ``parent_hash``;
+* ``stored``: ``{"parent_hash", "blocks": [{"type": "stored_block", "block_hash", "tokens":
+  [{"type": "unique_token", "token_id", "token_extra_id"}], "cache_level", "priority",
+  "mm_keys"?, "cache_salt"?, "lora_id"?}]}``, blocks chained from ``parent_hash``;
 * ``removed``: ``{"block_hashes": [...]}``;
-* ``updated``: a block's ``cache_level`` or ``priority`` changed; a block moved off the GPU
-  (``cache_level`` 0 -> 1, offloaded to host memory) counts as removed.
+* ``updated``: ``{"block_hash", "cache_level": {"type": "event_diff", "new_value", "old_value"} | null,
+  "priority": ...}``; a block moved off the GPU (new cache level not 0) counts as removed.
 
-Hashes are unsigned 64-bit and may exceed the signed range (JSON integers are arbitrary
-precision in Python; a negative value from a signed serializer is read modulo 2**64).
-The router hashes the blocks' token ids itself; a block with a non-zero ``token_extra_id``
-(prompt-tuning or multimodal), multimodal keys or a LoRA id (the router keys adapters by
-name) ends the stored run: it and its successors are skipped. Only the largest attention
-window is tracked (full attention when a model mixes window sizes); ranks of attention data
-parallelism get their engine hashes offset by ``rank << 64``.
+Two encodings of a hash, by ``hash_algo``: integers (``v1_block_key``, the default of the V1
+manager, and ``v2_sha256_64``; unsigned 64-bit, a negative value from a signed serializer is
+read modulo 2**64) and hex strings (``v2_sha256``, the V2 manager's digests). Parsed hashes are
+Python ints; a hex hash ``s`` becomes ``~int(s, 16)`` (negative), so the two encodings never
+share a value. A token id may also be a hex string (a multimodal token of the V2 manager).
+
+What the router indexes: it hashes the blocks' token ids itself (with the block's
+``cache_salt`` on the first block of a chain, as the engine does). A block stops the stored run
+(it and its successors are skipped) when it is keyed on something token ids do not carry: a
+non-zero ``token_extra_id``, a multimodal token or key, a ``lora_id`` (the router keys adapters
+by name), or, for ``v1_block_key`` hashes, an engine hash that differs from the one recomputed
+from its tokens (`kvroute_tensorrt_llm.hashing`): V1 serializers never send ``lora_id``, so a
+LoRA (or salted, or prompt-tuned) block looks like a base-model block except for its hash.
+Only one KV stream is followed: the largest attention window, and within it the first layer
+group seen (the V2 manager repeats each block once per layer group). Ranks of attention data
+parallelism keep their engine hashes apart.
+
+Exactness: the backend is exact (`EventFeed.exact`, ``sink.set_exact``) only while no event
+can have been skipped or lost since its blocks were last cleared. A gap in a rank's event ids,
+a malformed or unknown event, a poll that timed out after the server may have drained its
+buffer (`EventFeed.mark_inexact`) each turn it off, with a ``kv_index_inexact`` log line and
+counters. It comes back, with the backend's blocks cleared (an empty index claims nothing the
+engine lacks), when the engine reports a new cache (``created``, or event ids starting again)
+or when the adapter resyncs (`EventFeed.resync`).
 """
 
 from __future__ import annotations
 
+import re
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from kvroute.adapters import KvEventSink
 from kvroute.logs import get_logger
+from kvroute_tensorrt_llm.hashing import v1_block_hash
 
-__all__ = ["Created", "EventFeed", "EventFormatError", "FeedStats", "Removed", "Stored", "StoredBlock", "Updated", "parse_events"]
+__all__ = [
+    "Created",
+    "EventFeed",
+    "EventFormatError",
+    "FeedStats",
+    "KvCacheEvent",
+    "Malformed",
+    "Removed",
+    "Stored",
+    "StoredBlock",
+    "UnknownEvent",
+    "Updated",
+    "parse_events",
+]
 
 log = get_logger(__name__)
 
 _MASK64 = (1 << 64) - 1
+_HEX = re.compile(r"[0-9a-fA-F]+")
+#: Attention-DP ranks a key can tell apart (engine hash * _RANKS + rank).
+_RANKS = 1 << 16
+#: Hash algorithms whose integer hashes are the engine's V1 block-key hash (None: an older serializer).
+_V1_ALGOS = (None, "v1_block_key")
+#: Mismatching V1 hashes, with none matching, after which the check is taken to be wrong for this engine.
+_HASH_CHECK_TRIALS = 32
 
 
 class EventFormatError(ValueError):
-    """A ``/kv_cache_events`` answer does not have the layout TensorRT-LLM documents."""
+    """A ``/kv_cache_events`` answer, or one event in it, does not have the layout TensorRT-LLM documents."""
 
 
 def _int(value: object, where: str, *, optional: bool = False) -> int | None:
@@ -51,6 +93,11 @@ def _int(value: object, where: str, *, optional: bool = False) -> int | None:
 
 
 def _hash(value: object, where: str) -> int:
+    """An engine hash: an integer (read as unsigned 64-bit) or a hex string (as ``~int(value, 16)``)."""
+    if isinstance(value, str):
+        if not _HEX.fullmatch(value):
+            raise EventFormatError(f"{where}: expected an integer or a hex string, got {value!r}.")
+        return ~int(value, 16)
     h = _int(value, where)
     assert h is not None
     return h & _MASK64
@@ -58,13 +105,18 @@ def _hash(value: object, where: str) -> int:
 
 @attrs.frozen
 class StoredBlock:
-    """One stored block: its engine hash, token ids and what else keys it."""
+    """One stored block: its engine hash, token ids and what else keys it.
+
+    ``opaque``: token ids do not determine the block (extra ids, multimodal tokens or keys);
+    a multimodal (hex) token id is kept as -1 so that the block still counts its tokens.
+    """
 
     block_hash: int
     token_ids: tuple[int, ...]
     opaque: bool = False
     cache_level: int | None = None
     lora_id: int | None = None
+    cache_salt: str | None = None
 
 
 @attrs.frozen
@@ -95,17 +147,50 @@ class Updated:
     cache_level: int | None = None
 
 
-Event = Created | Stored | Removed | Updated
+@attrs.frozen
+class UnknownEvent:
+    """An event of a type this adapter does not know (a newer server)."""
+
+    kind: str
+
+
+@attrs.frozen
+class Malformed:
+    """An event that does not have the documented layout; ``error`` says what did not fit."""
+
+    error: str
+
+
+Event = Created | Stored | Removed | Updated | UnknownEvent | Malformed
 
 
 @attrs.frozen
 class KvCacheEvent:
-    """One item of the ``/kv_cache_events`` list."""
+    """One item of the ``/kv_cache_events`` list (``event_id`` ``None``: not readable)."""
 
-    event_id: int
-    event: Event | None
+    event_id: int | None
+    event: Event
     window_size: int | None = None
     rank: int = 0
+    layer_group: int | None = None
+    hash_algo: str | None = None
+
+
+def _token(raw: object, where: str) -> tuple[int, bool]:
+    """(token id, opaque) of one serialized token."""
+    extra: int | None = 0
+    if isinstance(raw, Mapping):
+        tid = raw.get("token_id")
+        extra = _int(raw.get("token_extra_id", 0), f"{where}.token_extra_id", optional=True)
+    else:
+        tid = raw  # a bare id
+    if isinstance(tid, str):
+        if not _HEX.fullmatch(tid):
+            raise EventFormatError(f"{where}.token_id: expected an integer or a hex string, got {tid!r}.")
+        return -1, True  # a multimodal token: its content is not a token id
+    value = _int(tid, f"{where}.token_id")
+    assert value is not None
+    return value, bool(extra)
 
 
 def _stored_block(raw: object, where: str) -> StoredBlock:
@@ -117,25 +202,26 @@ def _stored_block(raw: object, where: str) -> StoredBlock:
     ids = []
     opaque = False
     for j, token in enumerate(tokens):
-        if isinstance(token, Mapping):
-            tid = _int(token.get("token_id"), f"{where}.tokens[{j}].token_id")
-            extra = _int(token.get("token_extra_id", 0), f"{where}.tokens[{j}].token_extra_id", optional=True)
-            opaque = opaque or bool(extra)
-        else:
-            tid = _int(token, f"{where}.tokens[{j}]")
-        assert tid is not None
+        tid, odd = _token(token, f"{where}.tokens[{j}]")
         ids.append(tid)
+        opaque = opaque or odd
     mm = raw.get("mm_keys")
+    if mm is not None and not isinstance(mm, list):
+        raise EventFormatError(f"{where}.mm_keys: expected a list or null, got {type(mm).__name__}.")
+    salt = raw.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise EventFormatError(f"{where}.cache_salt: expected a string or null, got {salt!r}.")
     return StoredBlock(
         block_hash=_hash(raw.get("block_hash"), f"{where}.block_hash"),
         token_ids=tuple(ids),
         opaque=opaque or bool(mm),
         cache_level=_int(raw.get("cache_level"), f"{where}.cache_level", optional=True),
         lora_id=_int(raw.get("lora_id"), f"{where}.lora_id", optional=True),
+        cache_salt=salt,
     )
 
 
-def _event(data: object, where: str) -> Event | None:
+def _event(data: object, where: str) -> Event:
     if not isinstance(data, Mapping):
         raise EventFormatError(f"{where}: expected an object with a 'type', got {type(data).__name__}.")
     kind = data.get("type")
@@ -164,29 +250,48 @@ def _event(data: object, where: str) -> Event | None:
             new_level = _int(level, f"{where}.cache_level", optional=True)
         return Updated(_hash(data.get("block_hash"), f"{where}.block_hash"), new_level)
     if isinstance(kind, str):
-        return None  # a newer event type: skipped
+        return UnknownEvent(kind)
     raise EventFormatError(f"{where}.type: expected a string, got {kind!r}.")
 
 
+def _item(raw: object, where: str) -> KvCacheEvent:
+    if not isinstance(raw, Mapping):
+        raise EventFormatError(f"{where}: expected an object with 'event_id' and 'data', got {type(raw).__name__}.")
+    event_id = _int(raw.get("event_id"), f"{where}.event_id")
+    try:
+        rank = _int(raw.get("attention_dp_rank"), f"{where}.attention_dp_rank", optional=True) or 0
+        if not 0 <= rank < _RANKS:
+            raise EventFormatError(f"{where}.attention_dp_rank: expected 0 to {_RANKS - 1}, got {rank}.")
+        algo = raw.get("hash_algo")
+        if algo is not None and not isinstance(algo, str):
+            raise EventFormatError(f"{where}.hash_algo: expected a string or null, got {algo!r}.")
+        return KvCacheEvent(
+            event_id=event_id,
+            event=_event(raw.get("data"), f"{where}.data"),
+            window_size=_int(raw.get("window_size"), f"{where}.window_size", optional=True),
+            rank=rank,
+            layer_group=_int(raw.get("layer_group_id"), f"{where}.layer_group_id", optional=True),
+            hash_algo=algo,
+        )
+    except EventFormatError as exc:
+        return KvCacheEvent(event_id=event_id, event=Malformed(str(exc)))
+
+
 def parse_events(data: object) -> list[KvCacheEvent]:
-    """Parse a ``/kv_cache_events`` answer; `EventFormatError` names the first thing that does not fit."""
+    """Parse a ``/kv_cache_events`` answer, one event at a time.
+
+    An event that does not fit becomes a `Malformed` item (with its ``event_id`` when that
+    much is readable) and costs only itself; `EventFormatError` only when the answer is not a list.
+    """
     if not isinstance(data, list):
         raise EventFormatError(f"expected /kv_cache_events to answer a JSON list, got {type(data).__name__}.")
     out = []
-    for i, item in enumerate(data):
+    for i, raw in enumerate(data):
         where = f"/kv_cache_events[{i}]"
-        if not isinstance(item, Mapping):
-            raise EventFormatError(f"{where}: expected an object with 'event_id' and 'data', got {type(item).__name__}.")
-        event_id = _int(item.get("event_id"), f"{where}.event_id")
-        assert event_id is not None
-        out.append(
-            KvCacheEvent(
-                event_id=event_id,
-                event=_event(item.get("data"), f"{where}.data"),
-                window_size=_int(item.get("window_size"), f"{where}.window_size", optional=True),
-                rank=_int(item.get("attention_dp_rank"), f"{where}.attention_dp_rank", optional=True) or 0,
-            )
-        )
+        try:
+            out.append(_item(raw, where))
+        except EventFormatError as exc:
+            out.append(KvCacheEvent(event_id=None, event=Malformed(str(exc))))
     return out
 
 
@@ -204,29 +309,100 @@ class FeedStats:
     orphan_events: int = 0
     skipped: int = 0
     rejected: int = 0
+    malformed: int = 0
+    unknown: int = 0
+    #: Blocks whose engine hash says they are keyed on more than their tokens (LoRA, salt...).
+    keyed_blocks: int = 0
+    #: Times the index went inexact, in all and per reason; times it was made exact again.
+    inexact: int = 0
+    inexact_reasons: dict[str, int] = attrs.field(factory=dict)
+    resyncs: int = 0
 
 
 def _key(engine_hash: int, rank: int) -> int:
-    return engine_hash + (rank << 64) if rank else engine_hash
+    """The sink's key of an engine hash on an attention-DP rank (distinct for every pair)."""
+    return engine_hash * _RANKS + rank
+
+
+_UNSET: Any = object()
 
 
 class EventFeed:
-    """Apply one backend's TensorRT-LLM events to ``sink``, in order, holding them while block sizes disagree.
+    """Apply one backend's TensorRT-LLM events to ``sink``, in order, and keep its exact flag honest.
 
     ``engine_block_size`` (tokens per block) comes from the metrics when known; otherwise a
-    stored block's token count tells it.
+    stored block's token count tells it. While the sink hashes blocks of another size, events
+    are held in order (`resume` applies them).
     """
 
-    def __init__(self, backend: str, sink: KvEventSink, *, max_held: int = 100_000) -> None:
+    def __init__(
+        self, backend: str, sink: KvEventSink, *, max_held: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.backend = backend
         self.sink = sink
         self.max_held = max_held
+        self.clock = clock
         self.engine_block_size: int | None = None
         self.stats = FeedStats()
+        self._exact = False
+        self._inexact_since: float | None = None
         self._last_id: dict[int, int] = {}
         self._window: int | None = None
+        self._group: int | None = _UNSET
         self._held: deque[KvCacheEvent] = deque()
         self._warned: set[str] = set()
+        #: V1 hash check: None until a hash matched (or enough did not), then on (True) or off (False).
+        self._hash_check: bool | None = None
+        self._hash_misses = 0
+
+    # -- exactness ----------------------------------------------------------------------
+
+    @property
+    def exact(self) -> bool:
+        """Whether the sink holds this backend as exact (no event skipped or lost since its last clear)."""
+        return self._exact
+
+    @property
+    def inexact_for(self) -> float | None:
+        """Seconds since the feed went inexact after a loss (``None``: exact, or never started)."""
+        return None if self._inexact_since is None else self.clock() - self._inexact_since
+
+    def start(self) -> None:
+        """The first answer arrived: clear the backend and mark it exact."""
+        self._make_exact("subscribed")
+
+    def stop(self) -> None:
+        """The feed ends: the backend goes back to the strategy's own records."""
+        if self._exact:
+            self.sink.set_exact(self.backend, False)
+        self._exact = False
+        self._inexact_since = None
+
+    def mark_inexact(self, reason: str, **context: Any) -> None:
+        """Events may have been skipped or lost: the sink stops trusting this backend's blocks."""
+        self.stats.inexact += 1
+        self.stats.inexact_reasons[reason] = self.stats.inexact_reasons.get(reason, 0) + 1
+        self._inexact_since = self.clock()
+        if self._exact:
+            self.sink.set_exact(self.backend, False)
+            self._exact = False
+        log.warning("kv_index_inexact", backend=self.backend, reason=reason, **context)
+
+    def resync(self, reason: str = "resync") -> None:
+        """Clear the backend's blocks and trust the events again (no stale block can remain)."""
+        self._make_exact(reason)
+
+    def _make_exact(self, reason: str) -> None:
+        was_inexact = self._inexact_since is not None
+        self.sink.all_cleared(self.backend)
+        self.sink.set_exact(self.backend, True)
+        self._exact = True
+        self._inexact_since = None
+        if was_inexact:
+            self.stats.resyncs += 1
+            log.info("kv_index_exact", backend=self.backend, reason=reason)
+
+    # -- events -------------------------------------------------------------------------
 
     @property
     def holding(self) -> int:
@@ -246,18 +422,8 @@ class EventFeed:
         """Events from one poll, in order."""
         for item in items:
             self.stats.events += 1
-            last = self._last_id.get(item.rank)
-            if last is not None and item.event_id <= last:
-                # The counter started again: the server restarted, and its cache with it.
-                log.warning("kv_events_restarted", backend=self.backend, rank=item.rank, event_id=item.event_id, last=last)
-                self.sink.all_cleared(self.backend)
-                self.stats.cleared += 1
-                self._held.clear()
-                self._last_id.clear()
-            elif last is not None and item.event_id > last + 1:
-                self.stats.lost_events += item.event_id - last - 1
-                log.warning("kv_events_lost", backend=self.backend, rank=item.rank, after=last, count=item.event_id - last - 1)
-            self._last_id[item.rank] = item.event_id
+            if item.event_id is not None:
+                self._sequence(item.rank, item.event_id)
             if self._held or not self._fits(item):
                 self._held.append(item)
                 self.stats.held += 1
@@ -269,8 +435,26 @@ class EventFeed:
                         engine_block_size=self.engine_block_size,
                         hint="leave the strategy's block_size unset or set it to the engine's tokens_per_block",
                     )
+                    self.mark_inexact("held_events_dropped", held=len(self._held))
                 continue
             self._apply(item)
+
+    def _sequence(self, rank: int, event_id: int) -> None:
+        last = self._last_id.get(rank)
+        if last is not None and event_id <= last:
+            # The counter started again: the server restarted, and its cache with it.
+            log.warning("kv_events_restarted", backend=self.backend, rank=rank, event_id=event_id, last=last)
+            self.sink.all_cleared(self.backend)
+            self.stats.cleared += 1
+            self._held.clear()
+            self._last_id.clear()
+            if not self._exact and self._inexact_since is not None:
+                self._make_exact("engine_restarted")
+        elif last is not None and event_id > last + 1:
+            count = event_id - last - 1
+            self.stats.lost_events += count
+            self.mark_inexact("event_gap", rank=rank, after=last, count=count)
+        self._last_id[rank] = event_id
 
     def resume(self) -> int:
         """Apply held events once the sink's block size equals the engine's; returns how many."""
@@ -285,45 +469,94 @@ class EventFeed:
             self._warned.add(key)
             log.warning(event, backend=self.backend, **context)
 
+    def _follows(self, item: KvCacheEvent) -> bool:
+        """Whether the event belongs to the stream the index follows (largest window, first layer group)."""
+        window = item.window_size
+        if window is not None:
+            if self._window is None or window > self._window:
+                self._window = window
+                self._group = item.layer_group
+                return True
+            if window < self._window:
+                return False
+        if self._group is _UNSET:
+            self._group = item.layer_group
+        return bool(item.layer_group == self._group)
+
     def _apply(self, item: KvCacheEvent) -> None:
         event = item.event
+        if isinstance(event, Malformed):
+            self.stats.malformed += 1
+            self.mark_inexact("malformed_event", event_id=item.event_id, error=event.error)
+            return
+        if isinstance(event, UnknownEvent):
+            self.stats.unknown += 1
+            self.mark_inexact("unknown_event", event_id=item.event_id, type=event.kind)
+            return
         if isinstance(event, Created):
             self.sink.all_cleared(self.backend)
             self.stats.cleared += 1
             self._last_id.clear()
-            self._last_id[item.rank] = item.event_id
+            if item.event_id is not None:
+                self._last_id[item.rank] = item.event_id
+            if not self._exact and self._inexact_since is not None:
+                self._make_exact("cache_created")
             return
-        if item.window_size is not None:
-            if self._window is None or item.window_size > self._window:
-                self._window = item.window_size
-            elif item.window_size < self._window:
-                self.stats.skipped += 1
-                return
+        if not self._follows(item):
+            self.stats.skipped += 1
+            return
         if isinstance(event, Stored):
-            self._stored(event, item.rank)
+            self._stored(event, item)
         elif isinstance(event, Removed):
             self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [_key(h, item.rank) for h in event.block_hashes])
-        elif isinstance(event, Updated):
-            if event.cache_level is not None and event.cache_level != 0:
-                self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [_key(event.block_hash, item.rank)])
-        else:
-            self.stats.skipped += 1
+        elif event.cache_level is not None and event.cache_level != 0:  # Updated: moved off the GPU
+            self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [_key(event.block_hash, item.rank)])
 
-    def _stored(self, event: Stored, rank: int) -> None:
+    def _keyed_as_tokens(self, block: StoredBlock, parent: int | None, algo: str | None) -> bool:
+        """Whether the engine's V1 hash of ``block`` is the hash of its tokens alone (True when it cannot tell)."""
+        if self._hash_check is False or algo not in _V1_ALGOS or block.block_hash < 0 or (parent is not None and parent < 0):
+            return True
+        if parent is None and block.cache_salt is not None:
+            return True  # a named salt on the first block: mixed in by the engine, and by the router too
+        if v1_block_hash(block.token_ids, parent or 0) == block.block_hash:
+            if self._hash_check is None:
+                self._hash_check = True
+            return True
+        self.stats.keyed_blocks += 1
+        if self._hash_check is None:
+            self._hash_misses += 1
+            if self._hash_misses >= _HASH_CHECK_TRIALS:
+                self._hash_check = False
+                log.warning(
+                    "kv_events_hash_check_off", backend=self.backend, mismatches=self._hash_misses,
+                    hint="this engine's v1_block_key hash differs from the known one: LoRA blocks cannot be told apart",
+                )
+        return False
+
+    def _stored(self, event: Stored, item: KvCacheEvent) -> None:
         size = self._size_of(event)
         if not size:
             return
         usable: list[StoredBlock] = []
+        parent = event.parent_hash
         for block in event.blocks:
             if block.opaque or block.lora_id is not None or block.cache_level not in (None, 0) or len(block.token_ids) != size:
                 if block.lora_id is not None:
                     self._warn_once("lora", "kv_events_lora_by_id", hint="TensorRT-LLM names LoRA adapters by id only")
                 break
+            if not self._keyed_as_tokens(block, parent, item.hash_algo):
+                self._warn_once(
+                    "keyed", "kv_events_keyed_blocks_skipped",
+                    hint="blocks keyed on a LoRA task, cache salt or extra ids the event does not name are not indexed",
+                )
+                break
             usable.append(block)
+            parent = block.block_hash
         if not usable:
             self.stats.skipped += 1
             return
         tokens: list[int] = [t for b in usable for t in b.token_ids]
+        rank = item.rank
         try:
             stored = self.sink.blocks_stored(
                 self.backend,
@@ -331,6 +564,7 @@ class EventFeed:
                 block_size=size,
                 parent_engine_hash=None if event.parent_hash is None else _key(event.parent_hash, rank),
                 engine_hashes=[_key(b.block_hash, rank) for b in usable],
+                cache_salt=usable[0].cache_salt if event.parent_hash is None else None,
             )
         except ValueError as exc:
             self.stats.rejected += 1

@@ -1,24 +1,28 @@
-"""TensorRT-LLM's load telemetry: ``trtllm-serve``'s JSON ``/metrics``, and Prometheus when present.
+"""TensorRT-LLM's load telemetry: ``trtllm-serve``'s JSON ``/metrics``, or its Prometheus endpoint.
 
-JSON ``GET /metrics`` answers a list of iteration-stat objects and drains it: each poll gets
+JSON ``GET /metrics`` answers a list of iteration-stat objects and drains it: each answer holds
 the iterations since the previous one, an empty list when none ran (then the last values
-still hold). Fields read (``null`` or missing = not reported, the earlier value is kept):
+still hold). With attention data parallelism every iteration gives one row per rank, tagged
+``attentionDpRank`` (recent servers tag every row, 0 without attention DP): the router keeps
+each rank's latest row and adds the ranks up. Fields read (``null`` or missing = not reported,
+the rank's earlier value is kept):
 
 =============================  =================================================================
-`TrtllmStats` field            JSON field
+`TrtllmStats` field            JSON field (summed over ranks)
 =============================  =================================================================
 ``running``                    ``numActiveRequests``
 ``waiting``                    ``numQueuedRequests``
 ``kv_usage``                   ``kvCacheStats.usedNumBlocks / kvCacheStats.maxNumBlocks``
+                               (``maxNumBlocks - freeNumBlocks`` when ``usedNumBlocks`` is missing)
 ``block_size``                 ``kvCacheStats.tokensPerBlock``
 ``prefix_cache_hits``          ``kvCacheStats.reusedBlocks`` x tokens per block (cumulative)
 ``prefix_cache_queries``       ``(reusedBlocks + missedBlocks)`` x tokens per block (cumulative)
 ``max_blocks``                 ``kvCacheStats.maxNumBlocks``
 =============================  =================================================================
 
-Prometheus (newer servers mount it at ``/prometheus/metrics``): ``trtllm_num_requests_running``,
-``trtllm_num_requests_waiting``, ``trtllm_kv_cache_utilization``, ``trtllm_kv_cache_tokens_per_block``;
-Triton's TensorRT-LLM backend: ``nv_trt_llm_request_metrics{request_type="active"|"waiting"}`` and
+Prometheus: a server started with ``return_perf_metrics`` mounts ``/prometheus/metrics``
+(``trtllm_`` names, from ``tensorrt_llm/metrics/collector.py``); Triton's TensorRT-LLM backend
+has ``nv_trt_llm_request_metrics{request_type="active"|"waiting"}`` and
 ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"|"used"|"tokens_per"|"fraction"}``.
 """
 
@@ -34,12 +38,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.backend import EngineLoad
 
-__all__ = ["TrtllmStats", "merge_iteration_stats", "parse_prometheus"]
+__all__ = ["ITERATION_GAUGES", "TrtllmStats", "merge_iteration_stats", "parse_prometheus"]
+
+#: Keys of `parse_prometheus` that only iteration stats fill (their presence means the server logs them).
+ITERATION_GAUGES = frozenset({"running", "waiting", "kv_usage"})
+
+_SUMMED = ("running", "waiting", "max_blocks", "used_blocks", "prefix_cache_hits", "prefix_cache_queries")
 
 
 @attrs.frozen
 class TrtllmStats:
-    """What the router knows of one TensorRT-LLM server's load; ``None`` = never reported."""
+    """What the router knows of one TensorRT-LLM server's load; ``None`` = never reported.
+
+    ``ranks`` holds each attention-DP rank's own latest values (empty when the values did not
+    come from JSON rows); the other fields are their total.
+    """
 
     running: int | None = None
     waiting: int | None = None
@@ -49,6 +62,8 @@ class TrtllmStats:
     prefix_cache_queries: float | None = None
     max_blocks: int | None = None
     iteration: int | None = None
+    used_blocks: int | None = None
+    ranks: tuple[tuple[int, TrtllmStats], ...] = ()
 
     def to_load(self, observed_at: float | None = None) -> EngineLoad:
         """The core's `EngineLoad` (``observed_at``: a ``time.monotonic()`` reading, default now)."""
@@ -76,76 +91,114 @@ def _count(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
+def _row(stats: TrtllmStats, item: Mapping[str, Any], where: str) -> TrtllmStats:
+    """One rank's values after one of its iteration rows."""
+    changes: dict[str, Any] = {}
+    for name, key in (("running", "numActiveRequests"), ("waiting", "numQueuedRequests"), ("iteration", "iter")):
+        value = _count(_number(item, key, where))
+        if value is not None:
+            changes[name] = value
+    kv = item.get("kvCacheStats")
+    if kv is not None:
+        if not isinstance(kv, Mapping):
+            raise ValueError(f"{where}.kvCacheStats: expected an object or null, got {type(kv).__name__}.")
+        kwhere = f"{where}.kvCacheStats"
+        max_blocks = _number(kv, "maxNumBlocks", kwhere)
+        used = _number(kv, "usedNumBlocks", kwhere)
+        if used is None and max_blocks is not None:
+            free = _number(kv, "freeNumBlocks", kwhere)
+            used = max_blocks - free if free is not None else None
+        per_block = _count(_number(kv, "tokensPerBlock", kwhere))
+        reused = _number(kv, "reusedBlocks", kwhere)
+        missed = _number(kv, "missedBlocks", kwhere)
+        if max_blocks is not None:
+            changes["max_blocks"] = round(max_blocks)
+        if used is not None:
+            changes["used_blocks"] = round(used)
+            if max_blocks:
+                changes["kv_usage"] = min(1.0, max(0.0, used / max_blocks))
+        if per_block:
+            changes["block_size"] = per_block
+        tokens = per_block or stats.block_size
+        if tokens and reused is not None:
+            changes["prefix_cache_hits"] = reused * tokens
+            if missed is not None:
+                changes["prefix_cache_queries"] = (reused + missed) * tokens
+    return attrs.evolve(stats, **changes)
+
+
+def _total(ranks: dict[int, TrtllmStats]) -> TrtllmStats:
+    """The server's values: the ranks' counts added up, usage over all their blocks."""
+    rows = list(ranks.values())
+    changes: dict[str, Any] = {}
+    for name in _SUMMED:
+        values = [getattr(r, name) for r in rows if getattr(r, name) is not None]
+        changes[name] = sum(values) if values else None
+    both = [r for r in rows if r.used_blocks is not None and r.max_blocks]
+    if both and len(both) == len([r for r in rows if r.max_blocks]):
+        changes["kv_usage"] = min(1.0, max(0.0, sum(r.used_blocks or 0 for r in both) / sum(r.max_blocks or 0 for r in both)))
+    else:
+        usages = [r.kv_usage for r in rows if r.kv_usage is not None]
+        changes["kv_usage"] = sum(usages) / len(usages) if usages else None
+    sizes = [r.block_size for r in rows if r.block_size]
+    changes["block_size"] = sizes[0] if sizes else None
+    iterations = [r.iteration for r in rows if r.iteration is not None]
+    changes["iteration"] = max(iterations) if iterations else None
+    return TrtllmStats(**changes, ranks=tuple(sorted(ranks.items())))
+
+
 def merge_iteration_stats(previous: TrtllmStats | None, data: object) -> TrtllmStats:
     """Fold a ``/metrics`` JSON answer into the previous stats (an empty list changes nothing)."""
     if not isinstance(data, list):
         raise ValueError(f"expected TensorRT-LLM's /metrics to be a JSON list of iteration stats, got {type(data).__name__}.")
-    stats = previous or TrtllmStats()
+    if not data and previous is not None:
+        return previous
+    ranks = dict(previous.ranks) if previous is not None else {}
+    if previous is not None and not ranks and previous != TrtllmStats():
+        ranks[0] = previous  # values from before per-rank tracking (e.g. another source): rank 0's
     for i, item in enumerate(data):
         where = f"/metrics[{i}]"
         if not isinstance(item, Mapping):
             raise ValueError(f"{where}: expected an object of iteration stats, got {type(item).__name__}.")
-        changes: dict[str, Any] = {}
-        running = _count(_number(item, "numActiveRequests", where))
-        waiting = _count(_number(item, "numQueuedRequests", where))
-        iteration = _count(_number(item, "iter", where))
-        for name, value in (("running", running), ("waiting", waiting), ("iteration", iteration)):
-            if value is not None:
-                changes[name] = value
-        kv = item.get("kvCacheStats")
-        if kv is not None:
-            if not isinstance(kv, Mapping):
-                raise ValueError(f"{where}.kvCacheStats: expected an object or null, got {type(kv).__name__}.")
-            kwhere = f"{where}.kvCacheStats"
-            max_blocks = _number(kv, "maxNumBlocks", kwhere)
-            used = _number(kv, "usedNumBlocks", kwhere)
-            if used is None and max_blocks is not None:
-                free = _number(kv, "freeNumBlocks", kwhere)
-                used = max_blocks - free if free is not None else None
-            per_block = _count(_number(kv, "tokensPerBlock", kwhere))
-            reused = _number(kv, "reusedBlocks", kwhere)
-            missed = _number(kv, "missedBlocks", kwhere)
-            if max_blocks is not None:
-                changes["max_blocks"] = round(max_blocks)
-            if used is not None and max_blocks:
-                changes["kv_usage"] = min(1.0, max(0.0, used / max_blocks))
-            if per_block:
-                changes["block_size"] = per_block
-            tokens = per_block or stats.block_size
-            if tokens and reused is not None:
-                changes["prefix_cache_hits"] = reused * tokens
-                if missed is not None:
-                    changes["prefix_cache_queries"] = (reused + missed) * tokens
-        stats = attrs.evolve(stats, **changes)
-    return stats
+        rank = _count(_number(item, "attentionDpRank", where)) or 0
+        ranks[rank] = _row(ranks.get(rank, TrtllmStats()), item, where)
+    return _total(ranks) if ranks else TrtllmStats()
 
 
 _NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_WANTED = frozenset(
-    {
-        "trtllm_num_requests_running",
-        "trtllm_num_requests_waiting",
-        "trtllm_kv_cache_utilization",
-        "trtllm_kv_cache_tokens_per_block",
-        "nv_trt_llm_request_metrics",
-        "nv_trt_llm_kv_cache_block_metrics",
-    }
-)
+#: Sample name -> key of `parse_prometheus` (trtllm-serve's collector).
+_TRTLLM = {
+    "trtllm_num_requests_running": "running",
+    "trtllm_num_requests_waiting": "waiting",
+    "trtllm_kv_cache_utilization": "kv_usage",
+    "trtllm_kv_cache_tokens_per_block": "block_size",
+    "trtllm_kv_cache_max_blocks": "max_blocks",
+    "trtllm_kv_cache_used_blocks": "used_blocks",
+    "trtllm_kv_cache_reused_blocks_total": "reused_blocks",
+    "trtllm_kv_cache_missed_blocks_total": "missed_blocks",
+}
+_TRITON = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
+_FAMILIES = frozenset({*(n.removesuffix("_total") for n in _TRTLLM), *_TRITON})
+_SAMPLES = frozenset({*_TRTLLM, *_TRITON})
+#: Keys that are one value per engine, not a count to add up: the mean over samples.
+_MEANS = ("kv_usage", "block_size")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """The load gauges of a TensorRT-LLM (or Triton TensorRT-LLM backend) Prometheus exposition.
+    """The load values of a TensorRT-LLM (or Triton TensorRT-LLM backend) Prometheus exposition.
 
-    Returns some of ``running``, ``waiting``, ``kv_usage``, ``block_size``; ``ValueError`` when the
-    text does not parse or holds none of them.
+    Returns some of ``running``, ``waiting``, ``kv_usage``, ``block_size``, ``max_blocks``,
+    ``used_blocks``, ``prefix_cache_hits`` and ``prefix_cache_queries`` (tokens, from the reused
+    and missed block counters); empty when the server has none of them (yet): trtllm-serve sets
+    its gauges once it has logged iteration stats. ``ValueError`` when the text does not parse.
     """
     lines = []
     for line in text.splitlines():
         if line.startswith("#"):
             parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _WANTED:
+            if len(parts) >= 3 and parts[2] in _FAMILIES:
                 lines.append(line)
-        elif (m := _NAME.match(line)) is not None and m.group(0) in _WANTED:
+        elif (m := _NAME.match(line)) is not None and m.group(0) in _SAMPLES:
             lines.append(line)
     try:
         families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
@@ -160,14 +213,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
     for family in families:
         for s in family.samples:
-            if s.name == "trtllm_num_requests_running":
-                add("running", s.value)
-            elif s.name == "trtllm_num_requests_waiting":
-                add("waiting", s.value)
-            elif s.name == "trtllm_kv_cache_utilization":
-                add("kv_usage", s.value)
-            elif s.name == "trtllm_kv_cache_tokens_per_block":
-                add("block_size", s.value)
+            if s.name in _TRTLLM:
+                add(_TRTLLM[s.name], s.value)
             elif s.name == "nv_trt_llm_request_metrics":
                 kind = s.labels.get("request_type")
                 if kind == "active":
@@ -180,10 +227,16 @@ def parse_prometheus(text: str) -> dict[str, float]:
                     add("kv_usage", s.value)
                 elif kind == "tokens_per":
                     add("block_size", s.value)
-    if not sums:
-        raise ValueError("expected TensorRT-LLM Prometheus gauges (trtllm_num_requests_running...), found none.")
-    out = {k: v for k, v in sums.items() if k in ("running", "waiting")}
-    for key in ("kv_usage", "block_size"):
-        if key in sums:
-            out[key] = sums[key] / seen[key]  # a fraction and a size: the mean over engines
+                elif kind == "max":
+                    add("max_blocks", s.value)
+                elif kind == "used":
+                    add("used_blocks", s.value)
+    out = {k: v / seen[k] if k in _MEANS else v for k, v in sums.items()}
+    reused = out.pop("reused_blocks", None)
+    missed = out.pop("missed_blocks", None)
+    per_block = out.get("block_size")
+    if per_block and reused is not None:
+        out["prefix_cache_hits"] = reused * per_block
+        if missed is not None:
+            out["prefix_cache_queries"] = (reused + missed) * per_block
     return out
