@@ -123,13 +123,15 @@ class TestRoutingMiddleware:
             (b"{not json", 400, "The request body must be JSON", None),
             ({"model": "m"}, 400, "'messages' must be a non-empty list", "messages"),
             ({"model": "m", "messages": [{"role": "user", "content": "x" * 200}]}, 413, "at most 100 bytes", None),
+            (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply", None),
         ],
     )
     async def test_bad_requests_never_reach_the_app(self, body: object, status: int, fragment: str, param: str | None) -> None:
         """Unparseable, invalid and oversized bodies get OpenAI-shaped errors and no lease."""
         router, strategy = make_router()
         seen: list[dict[str, Any]] = []
-        response = await post(RoutingMiddleware(streaming_app(router, seen), router, max_body_bytes=100), body=body)
+        limit = 1_000_000 if isinstance(body, bytes) and len(body) > 1000 else 100
+        response = await post(RoutingMiddleware(streaming_app(router, seen), router, max_body_bytes=limit), body=body)
         error = response.json()["error"]
         assert response.status_code == status and fragment in error["message"] and error["param"] == param
         assert seen == [] and strategy.requests == []

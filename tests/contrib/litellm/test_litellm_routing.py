@@ -96,6 +96,14 @@ class TestRouteRequest:
         built = route_request(MODEL, [{"content": "no role"}], None, {"cache_salt": "s"})
         assert "no role" in built.text and built.cache_salt == "s"
 
+    def test_messages_too_deep_to_print_are_routed_on_empty_text(self) -> None:
+        """Messages nested too deeply for str() still give a request (empty text) rather than a RecursionError."""
+        deep: list[object] = []
+        for _ in range(100_000):
+            deep = [deep]
+        built = route_request(MODEL, [{"role": "user", "content": deep}], None, {})
+        assert built.text == "" and built.model == MODEL
+
 
 class TestDeployments:
     def test_backend_from_deployment(self) -> None:

@@ -89,7 +89,10 @@ def route_request(
         return RouteRequest.from_openai(body, endpoint=endpoint, headers=headers)  # type: ignore[arg-type]
     except InvalidRequest as exc:
         log.warning("request_unparsed", model=model, error=str(exc))
-        text = str(body.get("messages", body.get("prompt", "")))
+        try:
+            text = str(body.get("messages", body.get("prompt", "")))
+        except (RecursionError, ValueError):  # nested too deeply, or an int too long to print
+            text = ""
         return RouteRequest.from_text(
             text,
             model=model,

@@ -139,9 +139,12 @@ class RoutingMiddleware:
         try:
             body = json.loads(raw)
             request = RouteRequest.from_openai(body, endpoint=endpoint, headers=headers)
-        except ValueError as exc:  # json.JSONDecodeError and InvalidRequest are both ValueErrors
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and InvalidRequest are ValueErrors
             param = exc.param if isinstance(exc, InvalidRequest) else None
-            message = str(exc) if isinstance(exc, InvalidRequest) else f"The request body must be JSON ({exc})."
+            if isinstance(exc, RecursionError):
+                message = "The request body nests too deeply to be routed."
+            else:
+                message = str(exc) if isinstance(exc, InvalidRequest) else f"The request body must be JSON ({exc})."
             await _send_error(send, 400, message, param)
             return
         try:
