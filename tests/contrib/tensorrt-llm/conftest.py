@@ -38,7 +38,7 @@ class ReplayServer:
 
     def __init__(self) -> None:
         self.metrics: list[Any] = fixture("metrics_sequence.json")
-        self.events: list[Any] = fixture("kv_events_v1.json")
+        self.events: list[Any] = fixture("kv_cache_events_sequence.json")
         self.prometheus: str | None = None
         self.health_status = 200
         self.events_status = 200

@@ -91,7 +91,7 @@ class _Clock:
 class TestParseEvents:
     def test_v1_fixture(self) -> None:
         """The V1 serializer's events parse; hashes above the signed 64-bit range are kept exactly."""
-        events = [e for answer in _answers("kv_events_v1.json") for e in parse_events(answer)]
+        events = [e for answer in _answers("kv_cache_events_sequence.json") for e in parse_events(answer)]
         kinds = [type(e.event) for e in events]
         assert kinds == [Created, Stored, Stored, Stored, Removed, Updated, Stored, Stored, Stored]
         stored = events[1].event
@@ -101,8 +101,8 @@ class TestParseEvents:
 
     def test_updated_cache_level_and_extra_ids(self) -> None:
         """An update's new cache level is read from its diff; a token with an extra id marks the block opaque."""
-        update = parse_events(_answers("kv_events_v1.json")[4])[1].event
-        tuned = parse_events(_answers("kv_events_v1.json")[5])[2].event
+        update = parse_events(_answers("kv_cache_events_sequence.json")[4])[1].event
+        tuned = parse_events(_answers("kv_cache_events_sequence.json")[5])[2].event
         assert isinstance(update, Updated) and update.cache_level == 1
         assert isinstance(tuned, Stored) and tuned.blocks[0].opaque
 
@@ -170,7 +170,7 @@ class TestParseEvents:
 class TestEventFeed:
     def test_v1_fixture_builds_the_index(self) -> None:
         """The V1 sequence leaves exactly the live GPU text blocks; LoRA, salted and prompt-tuned blocks stay out."""
-        index, feed = _fed(_answers("kv_events_v1.json"))
+        index, feed = _fed(_answers("kv_cache_events_sequence.json"))
         assert _matched(index, _ids(1000, 96)) == 2  # block 3 was offloaded (cache level 1), block 4 was partial
         assert _matched(index, _ids(5000)) == 0  # removed
         assert _matched(index, _ids(7000, 64)) == 0  # LoRA blocks: the V1 serializer sends no lora_id

@@ -464,10 +464,10 @@ class EventFeed:
             applied += 1
         return applied
 
-    def _warn_once(self, key: str, event: str, **context: Any) -> None:
+    def _warn_once(self, key: str, event: str, *, level: str = "warning", **context: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            log.warning(event, backend=self.backend, **context)
+            getattr(log, level)(event, backend=self.backend, **context)
 
     def _follows(self, item: KvCacheEvent) -> bool:
         """Whether the event belongs to the stream the index follows (largest window, first layer group)."""
@@ -546,7 +546,7 @@ class EventFeed:
                 break
             if not self._keyed_as_tokens(block, parent, item.hash_algo):
                 self._warn_once(
-                    "keyed", "kv_events_keyed_blocks_skipped",
+                    "keyed", "kv_events_keyed_blocks_skipped", level="info",
                     hint="blocks keyed on a LoRA task, cache salt or extra ids the event does not name are not indexed",
                 )
                 break
