@@ -78,7 +78,7 @@ def main() -> None:
         ("vllm KV batch decode (per message)", decode_all, len(messages)),
         ("vllm KV apply 2,048-token store", apply_first, 1),
         ("trtllm /metrics merge (4 answers)", trt_merge, 1),
-        ("trtllm /kv_cache_events parse+apply (5 answers)", trt_apply, 1),
+        ("trtllm /kv_cache_events parse+apply (6 answers)", trt_apply, 1),
     ]
     out = []
     print(f"{'row':<50} {'p50 us':>10} {'p99 us':>10}")

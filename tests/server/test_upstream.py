@@ -100,3 +100,17 @@ class TestSseBoundaries:
         first, done, rest = event.split(b"\n\n")
         assert json.loads(first.removeprefix(b"data: "))["error"]["code"] == "upstream_stream_error"
         assert done == b"data: [DONE]" and rest == b""
+
+
+class TestBackendHttpTimeout:
+    def test_with_timeout_copies_the_client_with_another_timeout(self) -> None:
+        """`with_timeout` gives the same session, URL and headers with the new timeout, leaving the original alone."""
+        from kvroute.server.upstream import BackendHttp
+
+        session = object()
+        http = BackendHttp(session, "http://127.0.0.1:1", 2.0, {"authorization": "Bearer x"})  # type: ignore[arg-type]
+        longer = http.with_timeout(120.0)
+        assert (longer.session, longer.base_url, dict(longer.headers), longer.timeout) == (
+            session, "http://127.0.0.1:1", {"authorization": "Bearer x"}, 120.0,
+        )
+        assert http.timeout == 2.0

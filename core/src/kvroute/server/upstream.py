@@ -147,6 +147,10 @@ class BackendHttp:
     async def get(self, path: str) -> HttpReply:
         return await self._call("GET", path, None)
 
+    def with_timeout(self, seconds: float) -> BackendHttp:
+        """The same client with another per-call timeout (for engine endpoints that hold their answer)."""
+        return attrs.evolve(self, timeout=seconds)
+
     async def post(self, path: str, body: object) -> HttpReply:
         """``POST path`` with ``body`` as JSON (`kvroute.adapters.HttpClient`)."""
         return await self._call("POST", path, body)
