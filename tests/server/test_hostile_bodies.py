@@ -67,7 +67,7 @@ CORPUS: list[tuple[str, str, bytes, str, int, str | None]] = [
     ("infinity", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "application/json", 400, "invalid_json"),
     ("minus-infinity", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}', "application/json", 400, "invalid_json"),
     ("5000-digit-integer", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400, "invalid_json"),
-    ("float-overflow", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', "application/json", 400, None),
+    ("float-overflow", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [1e400]}', "application/json", 400, "invalid_json"),
     ("duplicate-key-last-invalid", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "model": 7}', "application/json", 400, "invalid_value"),
     ("duplicate-messages-last-empty", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "messages": []}', "application/json", 400, "invalid_value"),
     ("top-level-array", CHAT, b"[1, 2]", "application/json", 400, "invalid_value"),
@@ -132,12 +132,13 @@ class TestLoadsBody:
             (b"[NaN]", "invalid_json"),
             (b"[-Infinity]", "invalid_json"),
             (b"[" + b"7" * 5000 + b"]", "invalid_json"),
+            (b"[1e400]", "invalid_json"),
             (b'["\xff"]', "invalid_encoding"),
             (b'["\xed\xa0\x80"]', "invalid_encoding"),
             (b"", "invalid_json"),
             (b"{} {}", "invalid_json"),
         ],
-        ids=["deep-arrays", "deep-objects", "nan", "infinity", "5000-digits", "invalid-utf8", "encoded-surrogate", "empty", "two-documents"],
+        ids=["deep-arrays", "deep-objects", "nan", "infinity", "5000-digits", "float-overflow", "invalid-utf8", "encoded-surrogate", "empty", "two-documents"],
     )
     def test_hostile_documents(self, parser: Callable[[bytes], Any], raw: bytes, code: str) -> None:
         """Each hostile document is an `InvalidBody` with its code and a message saying what is wrong."""
@@ -190,6 +191,22 @@ class TestHostileCorpus:
         raw = b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}], "model": "m", "max_tokens": 2}'
         status, _, body = _post(proxy.url + CHAT, raw)
         assert status == 200 and json.loads(body)["model"] == MODEL
+
+    def test_large_bodies_parsed_off_the_event_loop(self, proxy: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A body over 1 MiB is parsed in a worker thread and forwarded (200), a small one is parsed on the event loop."""
+        threads: list[str] = []
+        parse = app_module._parse
+
+        def recording(*args: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return parse(*args)
+
+        monkeypatch.setattr(app_module, "_parse", recording)
+        large = {**chat_body("large", max_tokens=1), "user": "u" * (1200 * 1024)}  # 'user' is not routed on
+        assert _post(proxy.url + CHAT, json.dumps(large).encode())[0] == 200
+        assert _post(proxy.url + CHAT, json.dumps(chat_body("small")).encode())[0] == 200
+        loop_thread = proxy._thread.name if proxy._thread is not None else None
+        assert threads[1] == loop_thread and threads[0] != loop_thread
 
     def test_streams_in_flight_survive_the_corpus(self, proxy: ServerThread) -> None:
         """Streams running while the whole corpus is sent all complete with [DONE]."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -97,8 +99,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:24]}{'...' if len(text) > 24 else ''} is too large for a double")
+    return value
+
+
 def _stdlib_loads(raw: bytes) -> Any:
-    return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    """``json.loads`` refusing what orjson refuses: ``NaN``, ``Infinity`` and numbers beyond a double."""
+    return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def loads_body(raw: bytes) -> Any:
@@ -113,12 +123,15 @@ def loads_body(raw: bytes) -> Any:
         return _stdlib_loads(raw)
     except RecursionError:
         error: str = f"it nests deeper than the interpreter allows (at most about {MAX_JSON_DEPTH} levels)"
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits, NaN
-        error = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-        if "depth limit" in error:  # orjson's message
-            error = f"it nests deeper than {MAX_JSON_DEPTH} levels"
-        elif isinstance(exc, json.JSONDecodeError):
-            error += f" at line {exc.lineno} column {exc.colno}"
+    except ValueError as exc:  # JSONDecodeError (orjson's too), UnicodeDecodeError, NaN, too many digits
+        if isinstance(exc, json.JSONDecodeError):
+            error = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+            if "depth limit" in exc.msg:  # orjson's message
+                error = f"it nests deeper than {MAX_JSON_DEPTH} levels"
+        elif "integer string conversion" in str(exc):
+            error = f"a number has more than {sys.get_int_max_str_digits()} digits"
+        else:
+            error = str(exc)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:

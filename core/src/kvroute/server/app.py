@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -92,6 +93,8 @@ _DRAIN_IDLE_SECONDS = 2.0
 _THREAD_PARSE_BYTES = 1024 * 1024
 #: At most this many such parses at once (each holds the parsed body in memory).
 _THREAD_PARSES = 2
+#: Request bodies larger than this go upstream as a stream written in 64 KiB pieces.
+_LARGE_UPSTREAM_BODY = 1024 * 1024
 #: Scope key under which `_proxy` leaves the request id for the last-resort error answer.
 _SCOPE_REQUEST_ID = "kvroute.request_id"
 
@@ -592,7 +595,7 @@ class ProxyApp:
             await self._handle(scope, receive, send, endpoint, ex, declared, route_headers)
         except Exception as exc:
             # Answered by the last-resort handler in __call__ (500, or a cut-off response).
-            ex.status = ex.status if ex.response_started else 500
+            ex.status = ex.status or 500  # a status already set went out with the response
             ex.outcome, ex.error = "internal_error", f"{type(exc).__name__}: {exc}"
             raise
         finally:
@@ -768,7 +771,9 @@ class ProxyApp:
         try:
             try:
                 async with asyncio.timeout(timeouts.first_byte):
-                    response = await self._session.post(url, data=raw, headers=headers)
+                    # aiohttp warns (ResourceWarning) on raw bytes over 1 MiB: hand it a stream instead.
+                    data = raw if len(raw) <= _LARGE_UPSTREAM_BODY else io.BytesIO(raw)
+                    response = await self._session.post(url, data=data, headers=headers)
                     first = await response.content.readany()
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
