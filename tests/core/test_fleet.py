@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from kvroute import Backend, ConfigError, EngineLoad, Fleet, FleetEvent, UnknownBackend
+from kvroute import (
+    Backend,
+    BackendState,
+    BaseStrategy,
+    ConfigError,
+    EngineLoad,
+    Fleet,
+    FleetEvent,
+    KvrouteError,
+    Router,
+    RouteRequest,
+    UnknownBackend,
+)
 
 
 def make_fleet(n: int = 3) -> Fleet:
@@ -91,3 +105,77 @@ class TestFleet:
         assert state.fresh_load(now=105.0) is not None
         assert state.fresh_load(now=111.0) is None and state.load_is_stale(now=111.0)
         assert fleet.version == 1  # load updates are not membership changes
+
+
+class First(BaseStrategy):
+    def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> BackendState:
+        return candidates[0]
+
+
+REQ = RouteRequest.from_text("hello")
+
+
+class TestInFlightAcrossMembership:
+    def test_readded_backend_keeps_running_requests(self) -> None:
+        """Removing a backend and adding the same id back keeps counting the requests still running on it."""
+        fleet = make_fleet(1)
+        router = Router(fleet, First())
+        leases = [router.acquire(REQ), router.acquire(REQ)]
+        fleet.remove("b0")
+        assert fleet.in_flight("b0") == 2
+        fleet.add(Backend("b0", "http://b0"))
+        assert fleet.get("b0").in_flight == 2
+        newer = router.acquire(REQ)
+        assert fleet.get("b0").in_flight == 3
+        for lease in [*leases, newer]:
+            router.release(lease)
+        assert fleet.get("b0").in_flight == 0 and fleet.in_flight("b0") == 0
+
+    def test_readded_backend_is_otherwise_fresh(self) -> None:
+        """The re-added member takes the new identity and a new member's health, drain and load."""
+        fleet = make_fleet(1)
+        router = Router(fleet, First())
+        lease = router.acquire(REQ)
+        fleet.update_load("b0", EngineLoad(running=5))
+        fleet.set_weight("b0", 3)
+        fleet.drain("b0")
+        fleet.set_healthy("b0", False)
+        fleet.remove("b0")
+        fleet.add(Backend("b0", "http://elsewhere"))
+        state = fleet.get("b0")
+        assert (state.backend.url, state.weight, state.healthy, state.draining, state.load) == (
+            "http://elsewhere", 1.0, True, False, None
+        )
+        assert state.in_flight == 1 and lease.state is state
+        router.release(lease)
+        assert state.in_flight == 0
+
+    def test_release_after_removal(self) -> None:
+        """A lease released after its backend left (and did not come back) is counted off; a later add starts at 0."""
+        fleet = make_fleet(2)
+        router = Router(fleet, First())
+        lease = router.acquire(REQ)
+        fleet.remove("b0")
+        router.release(lease)
+        assert lease.outcome is not None and lease.outcome.status == "ok"
+        assert fleet.in_flight("b0") == 0 and [s.in_flight for s in fleet] == [0]
+        fleet.add(Backend("b0"))
+        assert fleet.get("b0").in_flight == 0
+
+    def test_idle_removal_forgets_the_state(self) -> None:
+        """A backend removed with nothing in flight comes back as a new state object."""
+        fleet = make_fleet(1)
+        old = fleet.get("b0")
+        fleet.remove("b0")
+        fleet.add(Backend("b0"))
+        assert fleet.get("b0") is not old and fleet.in_flight("unknown") == 0
+
+    def test_counts_change_only_through_the_fleet(self) -> None:
+        """Finishing more requests than started, or starting on a non-member, is an error saying what it got."""
+        fleet = make_fleet(1)
+        state = fleet.get("b0")
+        with pytest.raises(KvrouteError, match=r"backend 'b0' has no request in flight \(got in_flight=0\)"):
+            fleet.request_finished(state)
+        fleet.remove("b0")
+        with pytest.raises(UnknownBackend, match="backend 'b0' is not a member of this fleet"):
+            fleet.request_started(state)

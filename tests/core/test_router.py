@@ -104,24 +104,41 @@ class TestLeases:
         assert in_flight(router) == [0, 0, 0]
 
     def test_threads(self) -> None:
-        """Many threads leasing at once leave every count at zero and never lose an increment."""
+        """Threads leasing at once never lose an increment or a decrement: all held means exactly 8, all released 0."""
         router = Router(Fleet([Backend("a"), Backend("b")]), FirstStrategy())
-        peak: list[int] = []
-        barrier = threading.Barrier(8)
+        threads, rounds = 8, 40
+        held_counts: list[int] = []
+        released_counts: list[int] = []
+        barrier = threading.Barrier(threads)
+        errors: list[BaseException] = []
 
         def work() -> None:
-            barrier.wait()
-            for _ in range(200):
-                with router.route(REQ):
-                    peak.append(router.fleet.get("a").in_flight)
+            try:
+                for _ in range(rounds):
+                    for _ in range(25):  # unsynchronised churn between the checkpoints
+                        with router.route(REQ):
+                            pass
+                    lease = router.acquire(REQ)
+                    barrier.wait()
+                    held_counts.append(router.fleet.get("a").in_flight)  # every thread holds exactly one lease
+                    barrier.wait()
+                    router.release(lease)
+                    barrier.wait()
+                    released_counts.append(router.fleet.get("a").in_flight)  # and none does now
+                    barrier.wait()
+            except BaseException as exc:  # surface failures of worker threads in the test
+                errors.append(exc)
+                barrier.abort()
 
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for t in threads:
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
             t.start()
-        for t in threads:
-            t.join()
+        for t in workers:
+            t.join(timeout=120)
+        assert errors == [] and not any(t.is_alive() for t in workers)
+        assert held_counts == [threads] * (threads * rounds)
+        assert released_counts == [0] * (threads * rounds)
         assert in_flight(router) == [0, 0]
-        assert len(peak) == 1600 and max(peak) <= 8
 
     @given(st.lists(st.tuples(st.booleans(), st.integers(0, 2)), max_size=60))
     def test_in_flight_is_started_minus_finished(self, ops: list[tuple[bool, int]]) -> None:
@@ -287,3 +304,200 @@ class TestCreateByName:
         assert made == [{"depth": 3}] and router.strategy_name == "first"
         with pytest.raises(kvroute.ConfigError, match=r"has no option 'width' \(expected one of: depth\)"):
             Router.create(Fleet(), "first", {"width": 3}, plugins=pm)
+
+
+class RecordingLog:
+    """Stands in for a module's structlog logger: keeps each event and its fields."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def _record(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+    exception = error = warning = info = debug = _record
+
+
+@pytest.fixture
+def logs(monkeypatch: pytest.MonkeyPatch) -> RecordingLog:
+    """Records what kvroute.plugins and kvroute.router log."""
+    recording = RecordingLog()
+    monkeypatch.setattr(kvroute.plugins, "log", recording)
+    monkeypatch.setattr(kvroute.router, "log", recording)
+    return recording
+
+
+class Faulty:
+    """A plugin whose lifecycle hooks raise."""
+
+    @kvroute.hookimpl
+    def kvroute_fleet_changed(self, fleet: Fleet, event: kvroute.FleetEvent) -> None:
+        raise RuntimeError("fleet hook broke")
+
+    @kvroute.hookimpl
+    def kvroute_request_routed(self, request: RouteRequest, decision: Decision) -> None:
+        raise RuntimeError("routed hook broke")
+
+    @kvroute.hookimpl
+    def kvroute_request_finished(self, request: RouteRequest, decision: Decision, outcome: kvroute.Outcome) -> None:
+        raise RuntimeError("finished hook broke")
+
+
+class LastStrategy(BaseStrategy):
+    """Always the last candidate, so a leaked count shows as [0, 0, 1]."""
+
+    def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Backend:
+        return candidates[-1].backend
+
+
+def faulty_router(strategy: Any = None) -> tuple[Router, Recorder]:
+    """Three backends; a recording plugin, then a faulty one (pluggy calls the faulty one first)."""
+    pm = PluginManager(autoload=False)
+    recorder = Recorder()
+    pm.register(recorder, name="recorder")
+    pm.register(Faulty(), name="faulty")
+    return Router(Fleet([Backend(f"b{i}") for i in range(3)]), strategy or LastStrategy(), plugins=pm), recorder
+
+
+class TestPluginFailures:
+    def test_raising_routed_hook_still_routes(self, logs: RecordingLog) -> None:
+        """A routed hook that raises is logged with its plugin's name; the request is routed and counted once."""
+        router, recorder = faulty_router()
+        lease = router.acquire(REQ)
+        assert lease.backend.id == "b2" and in_flight(router) == [0, 0, 1]
+        router.release(lease)
+        assert in_flight(router) == [0, 0, 0]
+        assert ("routed", "b2") in recorder.calls  # the other plugin was still called
+        failures = [f for e, f in logs.events if e == "plugin_hook_failed" and f["hook"] == "kvroute_request_routed"]
+        assert failures == [
+            {
+                "plugin": "faulty",
+                "distribution": None,
+                "version": None,
+                "hook": "kvroute_request_routed",
+                "error": "RuntimeError: routed hook broke",
+            }
+        ]
+
+    @pytest.mark.anyio
+    async def test_raising_finished_hook_keeps_the_block_exception(self, logs: RecordingLog) -> None:
+        """The exception raised in the block propagates, not the one a finished hook raised."""
+        router, recorder = faulty_router()
+        error = ValueError("upstream broke")
+        with pytest.raises(ValueError) as raised:
+            async with router.route(REQ) as lease:
+                raise error
+        assert raised.value is error and in_flight(router) == [0, 0, 0]
+        assert lease.outcome is not None and lease.outcome.status == "error"
+        assert ("finished", "error") in recorder.calls
+        assert ("plugin_hook_failed", "faulty", "kvroute_request_finished") in {
+            (e, f["plugin"], f["hook"]) for e, f in logs.events
+        }
+
+    def test_raising_finished_hook_after_a_good_block(self, logs: RecordingLog) -> None:
+        """A block that succeeds stays a success when a finished hook raises."""
+        router, _ = faulty_router()
+        with router.route(REQ) as lease:
+            pass
+        assert lease.outcome is not None and lease.outcome.status == "ok" and in_flight(router) == [0, 0, 0]
+
+    def test_raising_fleet_hook_does_not_undo_the_change(self, logs: RecordingLog) -> None:
+        """A fleet_changed hook that raises is logged; the change stands and the strategy heard of it."""
+        seen: list[str] = []
+
+        class Listening(LastStrategy):
+            def on_fleet_change(self, event: kvroute.FleetEvent, members: Sequence[BackendState]) -> None:
+                seen.append(event.kind)
+
+        router, recorder = faulty_router(Listening())
+        router.fleet.add(Backend("b3"))
+        assert "b3" in router.fleet and seen == ["attached", "added"] and ("fleet", "added") in recorder.calls
+        assert ("plugin_hook_failed", "kvroute_fleet_changed") in {(e, f["hook"]) for e, f in logs.events}
+
+    def test_strategy_start_failure_refuses_cleanly(self, logs: RecordingLog) -> None:
+        """on_request_start raising refuses the request with a KvrouteError naming the strategy; nothing is counted."""
+        finished: list[str] = []
+
+        class Broken(LastStrategy):
+            def on_request_start(self, request: RouteRequest, decision: Decision) -> None:
+                raise RuntimeError("bookkeeping broke")
+
+            def on_request_finish(self, request: RouteRequest, decision: Decision, outcome: kvroute.Outcome) -> None:
+                finished.append(outcome.status)
+
+        router, recorder = faulty_router(Broken())
+        router.strategy_name = "broken"
+        refused = r"strategy 'broken' failed in on_request_start for backend 'b2'"
+        with pytest.raises(KvrouteError, match=refused) as raised:
+            router.acquire(REQ)
+        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert in_flight(router) == [0, 0, 0] and finished == [] and recorder.calls == []
+
+    def test_strategy_finish_failure_is_logged(self, logs: RecordingLog) -> None:
+        """on_request_finish raising is logged with the strategy's name; the count drops and the block's error wins."""
+
+        class Broken(LastStrategy):
+            def on_request_finish(self, request: RouteRequest, decision: Decision, outcome: kvroute.Outcome) -> None:
+                raise RuntimeError("bookkeeping broke")
+
+        router = Router(Fleet([Backend("a")]), Broken(), strategy_name="broken")
+        error = ValueError("upstream broke")
+        with pytest.raises(ValueError) as raised, router.route(REQ):
+            raise error
+        assert raised.value is error and in_flight(router) == [0]
+        assert logs.events == [
+            (
+                "strategy_callback_failed",
+                {
+                    "strategy": "broken",
+                    "callback": "on_request_finish",
+                    "backend": "a",
+                    "error": "RuntimeError: bookkeeping broke",
+                },
+            )
+        ]
+
+    def test_interrupt_in_routed_hook_releases(self) -> None:
+        """A KeyboardInterrupt from a routed hook propagates and the lease it interrupted is released."""
+        finished: list[str] = []
+
+        class Interrupting:
+            @kvroute.hookimpl
+            def kvroute_request_routed(self, request: RouteRequest, decision: Decision) -> None:
+                raise KeyboardInterrupt
+
+        class Listening(LastStrategy):
+            def on_request_finish(self, request: RouteRequest, decision: Decision, outcome: kvroute.Outcome) -> None:
+                finished.append(outcome.status)
+
+        pm = PluginManager(autoload=False)
+        pm.register(Interrupting(), name="interrupting")
+        router = Router(Fleet([Backend("a")]), Listening(), plugins=pm)
+        with pytest.raises(KeyboardInterrupt):
+            router.acquire(REQ)
+        assert in_flight(router) == [0] and finished == ["cancelled"]
+
+    def test_failure_reaches_standard_logging(self, caplog: pytest.LogCaptureFixture) -> None:
+        """The failure is an ERROR record of logger kvroute.plugins naming the event, the plugin and the hook."""
+        router, _ = faulty_router()
+        with caplog.at_level("ERROR", logger="kvroute"):
+            router.release(router.acquire(REQ))
+        records = [r for r in caplog.records if r.name == "kvroute.plugins" and r.levelname == "ERROR"]
+        assert len(records) == 2
+        text = records[0].getMessage()
+        assert "plugin_hook_failed" in text and "faulty" in text and "kvroute_request_routed" in text
+
+    def test_lifecycle_wrapper_refused(self) -> None:
+        """A lifecycle hook implemented as a wrapper is refused at registration, naming the plugin and the hook."""
+
+        class Wrapping:
+            @kvroute.hookimpl(wrapper=True)
+            def kvroute_request_routed(self, request: RouteRequest, decision: Decision) -> Any:
+                return (yield)
+
+        pm = PluginManager(autoload=False)
+        refused = r"plugin 'wrapping' implements lifecycle hook kvroute_request_routed as a wrapper"
+        with pytest.raises(kvroute.PluginLoadError, match=refused):
+            pm.register(Wrapping(), name="wrapping")
+        assert "wrapping" not in {p.name for p in pm.plugins()}
+        assert not pm.has_implementations("kvroute_request_routed")

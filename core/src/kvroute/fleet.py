@@ -9,7 +9,7 @@ from typing import Literal
 import attrs
 
 from kvroute.backend import Backend, BackendState, EngineLoad
-from kvroute.errors import ConfigError, UnknownBackend
+from kvroute.errors import ConfigError, KvrouteError, UnknownBackend
 from kvroute.logs import get_logger
 
 __all__ = ["Fleet", "FleetEvent", "FleetEventKind"]
@@ -38,11 +38,18 @@ class Fleet:
     Every change that can alter routing (add, remove, drain, health, weight) bumps
     ``version`` and is passed to subscribers (the router forwards it to the strategy and
     to the ``kvroute_fleet_changed`` hook). Load updates and in-flight counts do not.
+
+    In-flight counts change only through :meth:`request_started` and
+    :meth:`request_finished` (the router calls them). A backend removed while requests
+    still run on it keeps its state object until they finish; adding the same id again
+    before then revives that object, so those requests keep counting on it.
     """
 
     def __init__(self, backends: Collection[Backend] = ()) -> None:
         self._lock = threading.RLock()
         self._states: dict[str, BackendState] = {}
+        # Removed backends with requests still in flight, by id (dropped when the count reaches 0).
+        self._departed: dict[str, BackendState] = {}
         self._subscribers: list[Callable[[FleetEvent], None]] = []
         self.version = 0
         for backend in backends:
@@ -115,11 +122,24 @@ class Fleet:
         return event
 
     def add(self, backend: Backend) -> FleetEvent:
-        """Add a backend; its id must be new."""
+        """Add a backend; its id must be new.
+
+        When a backend of that id was removed while requests were in flight on it, and some
+        still are, the new member starts with those requests counted (it reuses the state
+        object their leases hold, reset to a fresh member's health, drain and load).
+        """
         with self._lock:
             if backend.id in self._states:
                 raise ConfigError(f"backend id {backend.id!r} is already in the fleet; ids must be unique.")
-            self._states[backend.id] = BackendState(backend)
+            fresh = BackendState(backend)
+            state = self._departed.pop(backend.id, None)
+            if state is None:
+                state = fresh
+            else:
+                for field in attrs.fields(BackendState):
+                    if field.name != "in_flight":
+                        setattr(state, field.name, getattr(fresh, field.name))
+            self._states[backend.id] = state
             return self._emit("added", backend)
 
     def remove(self, backend_id: str) -> FleetEvent:
@@ -127,6 +147,8 @@ class Fleet:
         with self._lock:
             state = self.get(backend_id)
             del self._states[backend_id]
+            if state.in_flight > 0:
+                self._departed[backend_id] = state
             return self._emit("removed", state.backend)
 
     def drain(self, backend_id: str, draining: bool = True) -> FleetEvent | None:
@@ -158,6 +180,38 @@ class Fleet:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             return self._emit("weight", state.backend)
+
+    def request_started(self, state: BackendState) -> None:
+        """Count one more request in flight on ``state``, a member (the router calls this)."""
+        with self._lock:
+            if self._states.get(state.id) is not state:
+                raise UnknownBackend(
+                    f"backend {state.id!r} is not a member of this fleet; cannot start a request on it."
+                )
+            state.in_flight += 1
+
+    def request_finished(self, state: BackendState) -> None:
+        """Count one request fewer on ``state``, a member or a removed backend (the router calls this).
+
+        A removed backend's state is forgotten once its last request finishes.
+        """
+        with self._lock:
+            if state.in_flight <= 0:
+                raise KvrouteError(
+                    f"backend {state.id!r} has no request in flight (got in_flight={state.in_flight}); "
+                    "each request must finish exactly once."
+                )
+            state.in_flight -= 1
+            if state.in_flight == 0 and self._departed.get(state.id) is state:
+                del self._departed[state.id]
+
+    def in_flight(self, backend_id: str) -> int:
+        """Requests in flight on ``backend_id``, including ones still running after it was removed."""
+        with self._lock:
+            state = self._states.get(backend_id)
+            if state is None:
+                state = self._departed.get(backend_id)
+            return 0 if state is None else state.in_flight
 
     def update_load(self, backend_id: str, load: EngineLoad) -> None:
         """Store the latest engine-reported load (no version bump, no event)."""

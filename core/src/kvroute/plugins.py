@@ -28,6 +28,7 @@ __all__ = [
     "BLOCK_ENV",
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
+    "LIFECYCLE_HOOKS",
     "PLUGINS_ENV",
     "PluginInfo",
     "PluginManager",
@@ -40,6 +41,8 @@ ENTRY_POINT_GROUP = "kvroute"
 DISABLE_AUTOLOAD_ENV = "KVROUTE_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "KVROUTE_PLUGINS"
 BLOCK_ENV = "KVROUTE_BLOCK_PLUGINS"
+#: Hooks that notify plugins of events; called through `PluginManager.notify`, failures logged.
+LIFECYCLE_HOOKS = ("kvroute_fleet_changed", "kvroute_request_routed", "kvroute_request_finished")
 
 
 def _csv_env(name: str) -> set[str]:
@@ -106,11 +109,24 @@ class PluginManager:
         return bool(caller.get_hookimpls())
 
     def register(self, plugin: ModuleType | object, name: str | None = None, info: PluginInfo | None = None) -> None:
-        """Register a plugin object (a module or an instance with ``@hookimpl`` methods)."""
+        """Register a plugin object (a module or an instance with ``@hookimpl`` methods).
+
+        Raises `PluginLoadError` when it implements a lifecycle hook as a wrapper: those are
+        called one implementation at a time (see :meth:`notify`), so there is nothing to wrap.
+        """
         registered = self._pm.register(plugin, name=name)
         if registered is None:
             return
-        self._info[registered] = info or PluginInfo(registered)
+        info = info or PluginInfo(registered)
+        for hook_name in LIFECYCLE_HOOKS:
+            for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name == registered and (impl.wrapper or impl.hookwrapper):
+                    self._pm.unregister(name=registered)
+                    raise PluginLoadError(
+                        f"{info.describe()} implements lifecycle hook {hook_name} as a wrapper; "
+                        "expected a plain @hookimpl (lifecycle hooks take no wrappers)."
+                    )
+        self._info[registered] = info
         self._strategies = self._kinds = None
 
     def load_entrypoints(self, only: set[str] | None = None) -> None:
@@ -129,6 +145,28 @@ class PluginManager:
                     f"{info.describe()} failed to import {ep.value!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             self.register(plugin, name=ep.name, info=info)
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call every implementation of lifecycle hook ``hook_name``; a failure is logged, never raised.
+
+        Each implementation is called on its own, in pluggy's order, so that an exception
+        names the plugin that raised it and does not keep the others from being called. The
+        log event is ``plugin_hook_failed`` with ``plugin``, ``distribution``, ``version``,
+        ``hook`` and ``error``, at error level with the traceback.
+        """
+        for impl in reversed(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            try:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception as exc:
+                info = self._info.get(impl.plugin_name, PluginInfo(impl.plugin_name))
+                log.exception(
+                    "plugin_hook_failed",
+                    plugin=info.name,
+                    distribution=info.distribution,
+                    version=info.version,
+                    hook=hook_name,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     def plugins(self) -> list[PluginInfo]:
         """Every registered plugin."""

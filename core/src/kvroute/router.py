@@ -13,6 +13,12 @@ or from threads::
 The request counts as in flight on ``lease.backend`` from entering the block until it
 exits, whether it exits normally, by an exception or by cancellation. To retry on another
 backend, route again with ``exclude={failed backend ids}``.
+
+Failures of plugin code on this path (see docs/plugin-hooks.md) never leak a count and never
+replace the block's own exception: a lifecycle hook that raises is logged
+(``plugin_hook_failed``) and the request goes on; a strategy whose ``on_request_start`` raises
+has the request refused with a `KvrouteError` naming it (nothing stays counted); a strategy
+whose ``on_request_finish`` raises is logged (``strategy_callback_failed``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ log = get_logger(__name__)
 
 @attrs.define
 class Lease:
-    """A request placed on a backend. Released exactly once, by the router."""
+    """A request placed on a backend. Released exactly once, by the router.
+
+    ``state`` is the backend's live state; it stays the same object if the backend is
+    removed and added again while this request runs.
+    """
 
     request: RouteRequest
     decision: Decision
@@ -150,7 +160,7 @@ class Router:
         if on_change is not None:
             on_change(event, list(self.fleet))
         if self.plugins is not None:
-            self.plugins.hook.kvroute_fleet_changed(fleet=self.fleet, event=event)
+            self.plugins.notify("kvroute_fleet_changed", fleet=self.fleet, event=event)
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -202,34 +212,69 @@ class Router:
     # -- leasing -----------------------------------------------------------------------
 
     def acquire(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> Lease:
-        """Pick a backend and count the request in flight there; pair with :meth:`release`."""
+        """Pick a backend and count the request in flight there; pair with :meth:`release`.
+
+        Raises `NoBackendAvailable` when no backend can take it, and `KvrouteError` naming
+        the strategy when its ``pick`` returns no candidate or its ``on_request_start``
+        raises (the cause is chained); in every case nothing stays counted.
+        """
         with self.fleet.lock:
             decision, state = self.decide(request, exclude=exclude)
-            state.in_flight += 1
+            self.fleet.request_started(state)
             lease = Lease(request, decision, state, time.monotonic())
             if self._on_start is not None:
-                self._on_start(request, decision)
+                try:
+                    self._on_start(request, decision)
+                except BaseException as exc:
+                    # The request never started: undo the count; on_request_finish is not called.
+                    self.fleet.request_finished(state)
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise KvrouteError(
+                        f"strategy {self.strategy_name!r} failed in on_request_start for backend "
+                        f"{decision.backend.id!r}: {type(exc).__name__}: {exc}; the request was not routed."
+                    ) from exc
         if self._call_routed:
             assert self.plugins is not None
-            self.plugins.hook.kvroute_request_routed(request=request, decision=decision)
+            try:
+                self.plugins.notify("kvroute_request_routed", request=request, decision=decision)
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: notify logs the rest
+                self.release(lease, _status_for(exc))
+                raise
         return lease
 
     def release(self, lease: Lease, status: tuple[str, str | None] = ("ok", None)) -> Outcome:
-        """Stop counting a lease; idempotent. ``status`` is ``(ok|error|cancelled, error text)``."""
-        if lease.outcome is not None:
-            return lease.outcome
-        kind, error = status
-        if kind == "ok" and lease._failure is not None:
-            kind, error = "error", lease._failure
-        outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
+        """Stop counting a lease; idempotent. ``status`` is ``(ok|error|cancelled, error text)``.
+
+        The count drops exactly once, before any callback runs; a strategy's
+        ``on_request_finish`` or a ``kvroute_request_finished`` hook that raises is logged,
+        so release does not raise for them.
+        """
         with self.fleet.lock:
+            if lease.outcome is not None:
+                return lease.outcome
+            kind, error = status
+            if kind == "ok" and lease._failure is not None:
+                kind, error = "error", lease._failure
+            outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
             lease.outcome = outcome
-            lease.state.in_flight -= 1
+            self.fleet.request_finished(lease.state)
             if self._on_finish is not None:
-                self._on_finish(lease.request, lease.decision, outcome)
+                try:
+                    self._on_finish(lease.request, lease.decision, outcome)
+                except Exception as exc:
+                    log.exception(
+                        "strategy_callback_failed",
+                        strategy=self.strategy_name,
+                        callback="on_request_finish",
+                        backend=lease.backend.id,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
         if self._call_finished:
             assert self.plugins is not None
-            self.plugins.hook.kvroute_request_finished(request=lease.request, decision=lease.decision, outcome=outcome)
+            self.plugins.notify(
+                "kvroute_request_finished", request=lease.request, decision=lease.decision, outcome=outcome
+            )
         return outcome
 
     def route(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> _LeaseContext:
