@@ -7,7 +7,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Deterministic by default: Hypothesis derandomizes in CI and whenever KVROUTE_HYPOTHESIS_SEEDED=1.
+# Deterministic by default: the "ci" profile (derandomize=True: the same examples on every run) is loaded
+# unless HYPOTHESIS_PROFILE names another, e.g. HYPOTHESIS_PROFILE=dev for fresh random examples with plain
+# pytest. tox passes only KVROUTE_* variables, so tox runs always use "ci".
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )

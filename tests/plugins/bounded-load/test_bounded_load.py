@@ -171,9 +171,15 @@ class TestBoundedLoad:
         assert (strategy.load_factor, strategy.concurrency_threshold, strategy.engine_load) == (None, 16, True)
 
 
-# min_capacity=0 (the default, stated): the paper's bound exactly, which the machine's few requests reach.
+# Every run below must meet a candidate full under each claimed limit at least once (Coverage.require),
+# so none can pass without its load check having been able to fail.
+# min_capacity=0: the paper's bound exactly.
 TestBoundedLoadScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"min_capacity": 0}, claims=Claims(load_factor=1.25)
+).TestCase
+# The default options (load_factor 1.25, min_capacity 16): bursts of up to 40 requests fill backends past 16.
+TestDefaultOptionsScaling = ScalingStateMachine.for_strategy(
+    "bounded-load", claims=Claims(load_factor=1.25, min_capacity=16), max_examples=12
 ).TestCase
 TestMinCapacityScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"min_capacity": 2}, claims=Claims(load_factor=1.25, min_capacity=2), max_examples=12

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvroute_bounded_load import LoadBound, capacity, choose, engine_adjusted_load
 
 from kvroute import Backend, BackendState, EngineLoad
+from kvroute.testing import load_factor_cap
 
 
 def states(*loads: int, weights: tuple[float, ...] | None = None) -> list[BackendState]:
@@ -32,6 +33,16 @@ class TestCapacity:
     def test_formula(self, lf: float, weight: float, total: int, total_weight: float, expected: int) -> None:
         """capacity = ceil(load_factor * weight * (total + 1) / total weight), at least 1."""
         assert capacity(lf, weight, total, total_weight) == expected
+
+    @given(
+        st.integers(100, 400).map(lambda n: n / 100),
+        st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 4.0]), min_size=1, max_size=9),
+        st.integers(0, 500),
+    )
+    def test_agrees_with_the_exact_bound(self, lf: float, weights: list[float], total: int) -> None:
+        """The float formula and its epsilon give exactly the documented cap, computed with fractions (whole values too)."""
+        for weight in weights:
+            assert capacity(lf, weight, total, sum(weights)) == load_factor_cap(lf, weight, total, weights)
 
     @given(st.floats(1.0, 4.0), st.lists(st.integers(0, 50), min_size=1, max_size=12))
     def test_someone_always_has_room(self, lf: float, loads: list[int]) -> None:

@@ -147,7 +147,7 @@ class TestMeasuredPlacement:
         assert Tolerance().allows(movement.fraction, 1 / 8, self.KEYS), movement.fraction
 
     def test_scale_in_spreads_orphans_and_return_restores_them(self) -> None:
-        """Removing one of 7 spreads its keys within 1.5x of fair share each; re-adding restores every key."""
+        """Removing one of 7 gives each survivor 1/6 of its keys +/- 6 deviations; re-adding restores every key."""
         r = router()
         requests = sample_requests(self.KEYS, seed=4)
         before = assign(r.strategy, requests, r.fleet.candidates())
@@ -155,7 +155,15 @@ class TestMeasuredPlacement:
         after = assign(r.strategy, requests, r.fleet.candidates())
         movement = Movement(before, after)
         assert set(movement.origins()) == {"instance-2"}
-        assert movement.worst_spread({b.id: 1 / 6 for b in SEVEN if b.id != "instance-2"}) < 1.5
+        # Each of the ~10,000 orphans picks its survivor independently: Binomial(orphans, 1/6) per survivor,
+        # standard deviation ~37 keys; 6 of them allow 1.13x the fair share (measured here: 1.05x at worst).
+        orphans, received = len(movement.moved), movement.destinations()
+        tolerance = Tolerance()
+        for survivor in (b.id for b in SEVEN if b.id != "instance-2"):
+            assert tolerance.allows(received[survivor] / orphans, 1 / 6, orphans), (
+                f"{survivor} received {received[survivor]} of {orphans} orphans, expected {orphans / 6:.0f} "
+                f"+/- {orphans * tolerance.bound(1 / 6, orphans):.0f}"
+            )
         r.fleet.add(Backend("instance-2"))
         assert assign(r.strategy, requests, r.fleet.candidates()) == before
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvroute import Backend, EngineLoad, Fleet, Router, RouteRequest
+from kvroute.testing import Claims, ScalingStateMachine
 from tests.strategies import weights
 
 REQ = RouteRequest.from_text("x")
@@ -55,3 +57,13 @@ class TestLeastOutstanding:
         fleet.update_load("b0", EngineLoad(waiting=5, observed_at=time.monotonic() + observed_at_offset))
         router = Router.create(fleet, "least-outstanding", {"seed": 0, "engine_queue": "true"})
         assert router.decide(REQ)[0].backend.id == expect
+
+
+# least-outstanding claims least_loaded (every start goes to a candidate with the fewest requests in flight
+# per unit of weight), checked on every start of the machine's history; it claims nothing about keys (on an
+# idle fleet ties are broken at random, ignoring weights). Also checked: picks are candidates, in-flight
+# counts are conserved.
+TestLeastOutstandingScaling = ScalingStateMachine.for_strategy(
+    "least-outstanding", {"seed": 1}, claims=attrs.evolve(Claims.none(), least_loaded=True), keys=200, max_examples=12
+).TestCase
+

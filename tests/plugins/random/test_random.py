@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvroute_random import RandomStrategy
 
 from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
+from kvroute.testing import Claims, ScalingStateMachine
 
 # Chi-square critical values at p = 1e-4 by degrees of freedom: a correct sampler fails a
 # given seed one time in 10,000; the seeds below are fixed, so the test is deterministic.
@@ -58,3 +59,15 @@ class TestRandom:
         """A seed that is not an integer is a ConfigError naming the option."""
         with pytest.raises(ConfigError, match=r"'seed': expected an integer \(got 'x'\)"):
             Router.create(Fleet(), "random", {"seed": "x"})
+
+
+# random claims no placement property but balance: each key is an independent draw with P(b) = weight share,
+# so b's share of 1,000 keys is Binomial, within 6 deviations. Also checked, as for every strategy: picks are
+# candidates and in-flight counts are conserved.
+TestRandomScaling = ScalingStateMachine.for_strategy(
+    "random",
+    {"seed": 1},
+    claims=Claims(deterministic=False, minimal_disruption=False, returns=False, balance=True),
+    max_examples=12,
+).TestCase
+

@@ -2,8 +2,14 @@
 
 * `StrategyConformance`: a pytest base class checking the `kvroute.Strategy` contract.
 * `ScalingStateMachine`: a Hypothesis state machine that scales a fleet and checks the
-  placement properties a strategy claims (`Claims`), with stated tolerances (`Tolerance`).
-* `kvroute.testing.measure`: assignments, movement and shares, for tests and benchmarks.
+  placement and load properties a strategy claims (`Claims`), with stated tolerances
+  (`Tolerance`), and reports what a run exercised (`Coverage`).
+* `kvroute.testing.measure`: assignments, movement, shares and the exact ``load_factor`` cap
+  (`load_factor_cap`), for tests and benchmarks.
+
+Both check generated cases: evidence, not proof. The state machine runs ``max_examples``
+histories of up to ``steps`` rules (20 and 30 by default; this repository's CI runs use 8 to
+20 examples per strategy, listed in docs/strategies.md).
 
 This package needs ``pytest`` and ``hypothesis`` (``pip install "kvroute[testing]"``). They
 are imported lazily: ``import kvroute.testing`` works without them, and only the names that
@@ -14,20 +20,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvroute.testing.measure import Movement, Tolerance, assign, backend_id_of, sample_requests, shares, weight_shares
+from kvroute.testing.measure import (
+    Movement,
+    Tolerance,
+    assign,
+    backend_id_of,
+    exact,
+    load_factor_cap,
+    sample_requests,
+    shares,
+    weight_shares,
+)
 
 if TYPE_CHECKING:
     from kvroute.testing.conformance import StrategyConformance, varied_requests
-    from kvroute.testing.stateful import Claims, ScalingStateMachine
+    from kvroute.testing.stateful import Claims, Coverage, ScalingStateMachine
 
 __all__ = [
     "Claims",
+    "Coverage",
     "Movement",
     "ScalingStateMachine",
     "StrategyConformance",
     "Tolerance",
     "assign",
     "backend_id_of",
+    "exact",
+    "load_factor_cap",
     "sample_requests",
     "shares",
     "varied_requests",
@@ -36,6 +55,7 @@ __all__ = [
 
 _LAZY = {
     "Claims": "kvroute.testing.stateful",
+    "Coverage": "kvroute.testing.stateful",
     "ScalingStateMachine": "kvroute.testing.stateful",
     "StrategyConformance": "kvroute.testing.conformance",
     "varied_requests": "kvroute.testing.conformance",

@@ -15,6 +15,13 @@ backend adds a relative error of about ``1 / sqrt(V)``). The same bound applies 
 fraction of keys that move on a scale-out (they are the keys whose new home is the new
 backend: Binomial(K, p_new)) and to how a removed backend's ``O`` orphaned keys spread over
 the survivors (Binomial(O, p_survivor)).
+
+Load caps
+---------
+`load_factor_cap` is the documented ``load_factor`` cap of bounded-load,
+``max(min_capacity, ceil(load_factor * weight * (total + 1) / total weight))``, computed with
+exact rational arithmetic on the numbers as written (``1.1`` is 11/10), so a whole value is
+its own ceiling: no epsilon that would let one request more through, or one fewer.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 
 import attrs
 
@@ -35,6 +43,8 @@ __all__ = [
     "Tolerance",
     "assign",
     "backend_id_of",
+    "exact",
+    "load_factor_cap",
     "sample_requests",
     "shares",
     "weight_shares",
@@ -61,6 +71,26 @@ class Tolerance:
     def max_count(self, p: float, n: int) -> float:
         """The largest count out of ``n`` trials this tolerance accepts for a share ``p``."""
         return n * (p + self.bound(p, n))
+
+
+def exact(value: float) -> Fraction:
+    """``value`` as the decimal it prints as: ``exact(1.1) == Fraction(11, 10)``, not 1.1's binary neighbour."""
+    return Fraction(repr(float(value)))
+
+
+def load_factor_cap(
+    load_factor: float, weight: float, total: int, weights: Iterable[float], min_capacity: int = 0
+) -> int:
+    """``max(min_capacity, ceil(load_factor * weight * (total + 1) / sum(weights)))``, exactly.
+
+    ``total`` is the candidates' load before the new request and ``weights`` their weights; a
+    backend with ``load`` in flight has room under ``load_factor`` when ``load + 1 <= cap``.
+    """
+    total_weight = sum((exact(w) for w in weights), Fraction(0))
+    if total_weight <= 0:
+        raise ValueError(f"load_factor_cap() needs a positive total weight (got {total_weight}).")
+    share = exact(load_factor) * exact(weight) * (total + 1) / total_weight
+    return max(min_capacity, math.ceil(share))
 
 
 def sample_requests(

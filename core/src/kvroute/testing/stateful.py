@@ -7,10 +7,18 @@ Use it from a test module (needs ``hypothesis``; ``pip install "kvroute[testing]
     TestScaling = ScalingStateMachine.for_strategy("my-strategy", {"prefix_length": 2048}).TestCase
 
 Rules add, remove, drain, eject and restore backends, change weights, bounce a backend
-(remove and re-add it), and start and finish requests. Two routers follow every membership
-change: the *primary* carries the requests in flight, the *probe* never has load, so the
-placement of ``keys`` sample requests can be compared before and after each change.
-Invariants, each checked only when the strategy claims it (`Claims`):
+(remove and re-add it), start requests one at a time or in bursts of one hot key, and finish
+them. Two routers follow every membership change: the *primary* carries the requests in
+flight, the *probe* never has load, so the placement of ``keys`` sample requests can be
+compared before and after each change.
+
+Checked for every strategy, whatever it claims:
+
+* every pick is a candidate (the probe's dry runs here; the router refuses any other pick);
+* in-flight conservation: after every step each backend's ``in_flight`` (primary) equals the
+  leases held on it, and every probe backend has 0 (``pick`` and the callbacks write nothing).
+
+Checked only when the strategy claims it (`Claims`):
 
 1. ``deterministic``: a fresh strategy over a fresh fleet with the same members (inserted in
    another order, same weights and health) assigns every sample key to the same backend as
@@ -27,25 +35,46 @@ Invariants, each checked only when the strategy claims it (`Claims`):
 5. ``balance``: each routable backend's share of the sample keys is within tolerance of its
    weight share.
 6. ``load_factor`` / ``concurrency_threshold``: whenever a request is started, if some
-   candidate had room (load + 1 within ``max(min_capacity, ceil(load_factor * weight *
-   (total + 1) / total weight))`` and load below the threshold), the chosen backend had room;
-   if none had, the chosen one is a least loaded candidate (per unit of weight).
+   candidate had room (``load + 1 <= max(min_capacity, ceil(load_factor * weight * (total + 1)
+   / total weight))``, computed exactly by `kvroute.testing.measure.load_factor_cap`, and
+   ``load < concurrency_threshold``), the chosen backend had room; if none had, the chosen one
+   is a least loaded candidate (per unit of weight).
+7. ``least_loaded``: whenever a request is started, the chosen backend has the fewest
+   requests in flight per unit of weight among the candidates.
 
-Tolerances are `kvroute.testing.Tolerance`: 6 binomial standard deviations by default (see
+A load check that never had a full candidate to catch could not have failed, so `ScalingStateMachine.run` (which the
+``TestCase`` calls) fails when a claimed limit never bound during the whole run: at least one
+start must have seen a candidate full under ``load_factor`` (under the threshold), and for
+``least_loaded`` candidates with unequal loads. Bursts of up to ``burst`` requests of one key
+(by default ``2 * min_capacity + 8``) are what fill a backend up to a floor like
+``min_capacity=16``.
+
+These are checks over generated histories, evidence rather than proof: a run is
+``max_examples`` histories of up to ``steps`` rules (20 and 30 by default; the runs in this
+repository's CI use 8 to 20 examples each, listed in docs/strategies.md). Tolerances are
+`kvroute.testing.Tolerance`: 6 binomial standard deviations by default (see
 `kvroute.testing.measure` for the reasoning).
 """
 
 from __future__ import annotations
 
-import math
+import unittest
 from collections import Counter
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import attrs
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvroute.backend import Backend, BackendState
 from kvroute.fleet import Fleet
@@ -53,9 +82,9 @@ from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Strategy, build_strategy
-from kvroute.testing.measure import Movement, Tolerance, assign, sample_requests
+from kvroute.testing.measure import Movement, Tolerance, assign, exact, load_factor_cap, sample_requests
 
-__all__ = ["Claims", "ScalingStateMachine"]
+__all__ = ["Claims", "Coverage", "ScalingStateMachine"]
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789-"
 _WEIGHTS = (0.5, 1.0, 1.0, 1.0, 2.0, 3.0)
@@ -73,15 +102,102 @@ class Claims:
     concurrency_threshold: int | None = None
     #: A floor under the ``load_factor`` cap (bounded-load's ``min_capacity``).
     min_capacity: int = 0
+    #: Every start goes to a candidate with the fewest requests in flight per unit of weight.
+    least_loaded: bool = False
 
     @classmethod
     def none(cls) -> Claims:
-        """No placement claim: only that picks are candidates and nothing breaks (random, least loaded)."""
+        """No placement claim: only that picks are candidates and in-flight counts are conserved."""
         return cls(deterministic=False, minimal_disruption=False, returns=False, balance=False)
 
     @property
     def bounded(self) -> bool:
         return self.load_factor is not None or self.concurrency_threshold is not None
+
+    @property
+    def live_checks(self) -> tuple[str, ...]:
+        """The claimed checks that must meet a case able to fail them at least once per run."""
+        names = []
+        if self.load_factor is not None:
+            names.append("load_factor")
+        if self.concurrency_threshold is not None:
+            names.append("concurrency_threshold")
+        if self.least_loaded:
+            names.append("least_loaded")
+        return tuple(names)
+
+
+@attrs.define
+class Coverage:
+    """What one run of a `ScalingStateMachine` exercised.
+
+    ``live`` counts, per load check, the starts at which it could have failed: some candidate
+    was full under ``load_factor`` (``concurrency_threshold``), or, for ``least_loaded``, the
+    candidates' loads per unit of weight were not all equal. ``at_cap`` counts the starts at
+    which some candidate sat exactly at its ``load_factor`` cap (the case an off-by-one
+    misses).
+    """
+
+    examples: int = 0
+    starts: int = 0
+    live: Counter[str] = attrs.field(factory=Counter)
+    at_cap: int = 0
+
+    def require(self, claims: Claims, name: str) -> None:
+        """Raise ``AssertionError`` for each claimed load check that never met a case it could fail."""
+        why = {
+            "load_factor": "a candidate full under load_factor",
+            "concurrency_threshold": "a candidate at the concurrency threshold",
+            "least_loaded": "candidates with unequal loads per unit of weight",
+        }
+        dead = [check for check in claims.live_checks if not self.live[check]]
+        assert not dead, "; ".join(
+            f"{name}: the {check} check never met {why[check]} in {self.starts} starts over {self.examples} "
+            f"examples (expected at least one such start, got 0): raise burst, steps or max_examples, or lower "
+            f"min_capacity, until the check can fail"
+            for check in dead
+        )
+
+
+def _per_weight(loads: Mapping[str, int], weights: Mapping[str, float]) -> dict[str, Fraction]:
+    """Each candidate's requests in flight per unit of weight, exactly."""
+    return {b: Fraction(loads[b]) / exact(weights[b]) for b in loads}
+
+
+def _assert_least_loaded(
+    chosen: str, per_weight: Mapping[str, Fraction], loads: Mapping[str, int], weights: Mapping[str, float], what: str
+) -> None:
+    best = min(per_weight.values())
+    assert per_weight[chosen] == best, (
+        f"{what} expected a least loaded candidate ({float(best):.3f} in flight per unit of weight), got {chosen!r} "
+        f"with {loads[chosen]} in flight at weight {weights[chosen]}; loads {dict(loads)}, weights {dict(weights)}"
+    )
+
+
+def _new_test_case(machine: type[ScalingStateMachine]) -> type[unittest.TestCase]:
+    class ScalingTestCase(unittest.TestCase):
+        settings = settings(deadline=None, suppress_health_check=list(HealthCheck))
+        #: The machine this case runs (its `ScalingStateMachine.coverage` says what the last run exercised).
+        state_machine = machine
+
+        def runTest(self) -> None:
+            machine.run(self.settings)
+
+    ScalingTestCase.__name__ = f"{machine.__name__}.TestCase"
+    ScalingTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
+    return ScalingTestCase
+
+
+class _TestCaseOf:
+    """``Machine.TestCase``: a unittest case (one per machine class) that calls `ScalingStateMachine.run`."""
+
+    def __get__(self, obj: ScalingStateMachine | None, owner: type[ScalingStateMachine]) -> Any:
+        machine = owner if obj is None else type(obj)
+        found = machine.__dict__.get("_test_case")
+        if found is None:
+            found = _new_test_case(machine)
+            machine._test_case = found
+        return found
 
 
 _REQUESTS: dict[tuple[int, str], list[RouteRequest]] = {}
@@ -117,10 +233,17 @@ class ScalingStateMachine(RuleBasedStateMachine):
     tolerance: ClassVar[Tolerance] = Tolerance()
     #: Sample requests whose placement is compared across changes.
     keys: ClassVar[int] = 1000
-    #: Requests routed by the ``route`` rule are drawn from the first ``hot_keys`` samples.
+    #: Requests started by the ``route`` and ``burst`` rules are drawn from the first ``hot_keys`` samples.
     hot_keys: ClassVar[int] = 6
+    #: The most requests one ``burst`` starts; 0 means ``2 * claims.min_capacity + 8``.
+    burst: ClassVar[int] = 0
     max_backends: ClassVar[int] = 9
     model: ClassVar[str] = "model"
+    #: What the current (or last) `run` exercised.
+    coverage: ClassVar[Coverage] = Coverage()
+    #: A unittest case running `run` with its ``settings`` (one per configured subclass).
+    TestCase = _TestCaseOf()
+    _test_case: ClassVar[type[unittest.TestCase] | None] = None
 
     @classmethod
     def for_strategy(
@@ -132,14 +255,16 @@ class ScalingStateMachine(RuleBasedStateMachine):
         tolerance: Tolerance | None = None,
         keys: int | None = None,
         max_backends: int | None = None,
+        burst: int | None = None,
         max_examples: int = 20,
         steps: int = 30,
     ) -> type[ScalingStateMachine]:
-        """A configured subclass; use its ``TestCase`` attribute as a test class.
+        """A configured subclass; use its ``TestCase`` attribute as a test class (or call its `run`).
 
         ``strategy`` is an installed strategy's name or a factory; ``claims`` defaults to
         every placement claim with no load bound (what a consistent-hash strategy promises).
-        ``max_examples`` and ``steps`` bound the run (each example is up to ``steps`` rules).
+        ``max_examples`` and ``steps`` bound the run (each example is up to ``steps`` rules);
+        ``burst`` is the most requests one burst starts (default ``2 * min_capacity + 8``).
         """
         name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "strategy")
         attributes: dict[str, Any] = {
@@ -153,6 +278,8 @@ class ScalingStateMachine(RuleBasedStateMachine):
             attributes["keys"] = keys
         if max_backends is not None:
             attributes["max_backends"] = max_backends
+        if burst is not None:
+            attributes["burst"] = burst
         title = "".join(part.capitalize() for part in name.replace("_", "-").split("-") if part) or "Strategy"
         machine: type[ScalingStateMachine] = type(f"{title}ScalingMachine", (cls,), attributes)
         machine.TestCase.settings = settings(
@@ -160,8 +287,23 @@ class ScalingStateMachine(RuleBasedStateMachine):
         )
         return machine
 
+    @classmethod
+    def run(cls, budget: settings | None = None) -> Coverage:
+        """Run the machine with ``budget`` (default: ``TestCase.settings``) and return what it exercised.
+
+        Raises what a failing check raised, or ``AssertionError`` when a claimed load check
+        never met a case it could fail (see `Coverage.require`).
+        """
+        cls.coverage = Coverage()
+        run_state_machine_as_test(cls, settings=budget if budget is not None else cls.TestCase.settings)
+        cls.coverage.require(cls.claims, cls.__name__)
+        return cls.coverage
+
     def __init__(self) -> None:
         super().__init__()
+        if "coverage" not in type(self).__dict__:  # run outside `run`: count on this class, not a parent's
+            type(self).coverage = Coverage()
+        type(self).coverage.examples += 1
         self.requests = _requests(self.keys, self.model)
         self.primary_fleet = Fleet()
         self.probe_fleet = Fleet()
@@ -381,16 +523,34 @@ class ScalingStateMachine(RuleBasedStateMachine):
 
     # -- rules: requests ---------------------------------------------------------------
 
-    @rule(data=st.data())
-    def route(self, data: st.DataObject) -> None:
-        request = self.requests[data.draw(st.integers(0, min(self.hot_keys, self.keys) - 1), label="key")]
+    def _hot_request(self, data: st.DataObject) -> RouteRequest:
+        return self.requests[data.draw(st.integers(0, min(self.hot_keys, self.keys) - 1), label="key")]
+
+    def _start(self, request: RouteRequest) -> None:
         candidates = self.primary_fleet.candidates(self.model)
         loads = {s.id: s.in_flight for s in candidates}
         weights = {s.id: s.weight for s in candidates}
         lease = self.primary.acquire(request)
         self.leases.append(lease)
+        type(self).coverage.starts += 1
         if self.claims.bounded:
             self._check_bounded(lease.backend.id, loads, weights)
+        if self.claims.least_loaded:
+            per_weight = _per_weight(loads, weights)
+            type(self).coverage.live["least_loaded"] += len(set(per_weight.values())) > 1
+            _assert_least_loaded(lease.backend.id, per_weight, loads, weights, "least loaded:")
+
+    @rule(data=st.data())
+    def route(self, data: st.DataObject) -> None:
+        self._start(self._hot_request(data))
+
+    @rule(data=st.data())
+    def burst_of_one_key(self, data: st.DataObject) -> None:
+        """Several requests of one key back to back: what fills a backend up to its cap."""
+        request = self._hot_request(data)
+        most = self.burst or 2 * self.claims.min_capacity + 8
+        for _ in range(data.draw(st.integers(2, max(2, most)), label="burst")):
+            self._start(request)
 
     @precondition(lambda self: bool(self.leases))
     @rule(data=st.data())
@@ -398,31 +558,48 @@ class ScalingStateMachine(RuleBasedStateMachine):
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1), label="lease"))
         self.primary.release(lease)
 
+    @invariant()
+    def in_flight_conserved(self) -> None:
+        """Each backend's in-flight count is the number of leases held on it; the probe has none."""
+        held: Counter[int] = Counter(id(lease.state) for lease in self.leases)
+        states = {id(s): s for s in self.primary_fleet}
+        states.update((id(lease.state), lease.state) for lease in self.leases)  # removed backends too
+        wrong = {s.id: (s.in_flight, held[key]) for key, s in states.items() if s.in_flight != held[key]}
+        assert not wrong, f"in-flight conservation: (in_flight, leases held) per backend differ: {wrong}"
+        probe = {s.id: s.in_flight for s in self.probe_fleet if s.in_flight}
+        assert not probe, f"in-flight conservation: the probe never starts a request, but has in_flight {probe}"
+
     def _check_bounded(self, chosen: str, loads: Mapping[str, int], weights: Mapping[str, float]) -> None:
-        lf, threshold = self.claims.load_factor, self.claims.concurrency_threshold
-        total, total_weight = sum(loads.values()), sum(weights.values())
-
-        def room(backend_id: str) -> bool:
-            load = loads[backend_id]
-            if threshold is not None and load >= threshold:
-                return False
-            if lf is not None:
-                cap = max(self.claims.min_capacity, math.ceil(lf * weights[backend_id] * (total + 1) / total_weight + 1e-9))
-                if load + 1 > cap:
-                    return False
-            return True
-
-        with_room = sorted(b for b in loads if room(b))
+        claims = self.claims
+        lf, threshold = claims.load_factor, claims.concurrency_threshold
+        total = sum(loads.values())
+        caps = (
+            {b: load_factor_cap(lf, weights[b], total, weights.values(), claims.min_capacity) for b in loads}
+            if lf is not None
+            else {}
+        )
+        full_lf = {b for b in caps if loads[b] + 1 > caps[b]}
+        full_threshold = {b for b in loads if threshold is not None and loads[b] >= threshold}
+        coverage = type(self).coverage
+        coverage.live["load_factor"] += bool(full_lf)
+        coverage.live["concurrency_threshold"] += bool(full_threshold)
+        coverage.at_cap += any(loads[b] == caps[b] for b in caps)
+        with_room = sorted(b for b in loads if b not in full_lf and b not in full_threshold)
         if with_room:
-            assert room(chosen), (
-                f"bounded load: placed on {chosen!r} (load {loads[chosen]}, weight {weights[chosen]}) which was "
-                f"full, while {with_room} had room; loads {dict(loads)}, load_factor {lf}, threshold {threshold}"
+            limits = []
+            if chosen in full_lf:
+                limits.append(f"load_factor cap {caps[chosen]}")
+            if chosen in full_threshold:
+                limits.append(f"concurrency_threshold {threshold}")
+            assert not limits, (
+                f"bounded load: placed on {chosen!r} (load {loads[chosen]}, weight {weights[chosen]}), full under "
+                f"{' and '.join(limits)}, while {with_room} had room; expected a backend with room. Loads "
+                f"{dict(loads)}, weights {dict(weights)}, caps {caps}, load_factor {lf}, min_capacity "
+                f"{claims.min_capacity}, threshold {threshold}"
             )
         else:
-            best = min(loads[b] / weights[b] for b in loads)
-            assert loads[chosen] / weights[chosen] <= best + 1e-9, (
-                f"bounded load: every candidate was full, but {chosen!r} is not a least loaded one; loads {dict(loads)}"
-            )
+            what = "bounded load: every candidate was full, so"
+            _assert_least_loaded(chosen, _per_weight(loads, weights), loads, weights, what)
 
     def teardown(self) -> None:
         for lease in self.leases:
