@@ -110,6 +110,16 @@ class TestRoutes:
         got, _, raw = http("POST", emulator.url + "/v1/chat/completions", body)
         assert got == status and json.loads(raw)["error"]["param"] == param
 
+    @pytest.mark.parametrize(
+        "raw",
+        [b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"model": "m", "n": ' + b"9" * 5000 + b"}"],
+        ids=["deep", "long-number"],
+    )
+    def test_hostile_json_is_a_400(self, emulator: ServerThread, raw: bytes) -> None:
+        """JSON nested 100,000 deep or a 5,000-digit number gets a 400 JSON error, not a 500."""
+        got, _, answer = http("POST", emulator.url + "/v1/chat/completions", raw=raw)
+        assert got == 400 and json.loads(answer)["error"]["message"]
+
 
 def _families(url: str) -> dict[str, object]:
     text = http("GET", url + "/metrics")[2].decode()

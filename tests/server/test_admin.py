@@ -74,6 +74,14 @@ class TestAdminChanges:
         assert got == status and error["error"]["message"]  # type: ignore[index]
         assert [x["id"] for x in _admin("GET", proxy.url + "/admin/backends")[1]["backends"]] == ["e0"]  # type: ignore[index]
 
+    def test_hostile_admin_body_is_a_400(self, servers: Servers) -> None:
+        """An admin body nested 5,000 deep gets a 400 JSON error and changes nothing."""
+        proxy = servers.proxy(servers.emulators(1), admin_token=TOKEN)
+        raw = b'{"url": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
+        status, _, answer = http("POST", proxy.url + "/admin/backends", raw=raw, headers=AUTH)
+        assert status == 400 and "UTF-8 JSON" in json.loads(answer)["error"]["message"]
+        assert [x["id"] for x in _admin("GET", proxy.url + "/admin/backends")[1]["backends"]] == ["e0"]  # type: ignore[index]
+
     def test_drain_then_remove_when_idle(self, servers: Servers) -> None:
         """A drained backend takes no new requests, finishes its stream, then is removed."""
         a, b = servers.emulators(2, time_scale=0.2)  # the long stream lasts 400 x 3 ms = 1.2 s

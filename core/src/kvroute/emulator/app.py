@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -28,10 +27,12 @@ from kvroute.hashing import hash64, hash_parts
 from kvroute.server._asgi import (
     BodyTooLarge,
     ClientGone,
+    InvalidBody,
     Receive,
     Scope,
     Send,
     dumps,
+    loads_body,
     read_body,
     send_bytes,
     send_error,
@@ -230,9 +231,9 @@ class EmulatorApp:
         except BodyTooLarge as exc:
             raise _BadRequest(str(exc), status=413) from None
         try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _BadRequest(f"The request body is not valid UTF-8 JSON: {exc}.") from None
+            body = loads_body(raw)
+        except InvalidBody as exc:
+            raise _BadRequest(str(exc), code=exc.code) from None
         if not isinstance(body, dict):
             raise _BadRequest("The request body must be a JSON object.")
         return body

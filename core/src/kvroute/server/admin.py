@@ -19,7 +19,6 @@ POST     /admin/backends/{id}/undrain      take new requests again
 from __future__ import annotations
 
 import hmac
-import json
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -27,7 +26,18 @@ import attrs
 import structlog
 
 from kvroute.errors import ConfigError, UnknownBackend
-from kvroute.server._asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_error, send_json
+from kvroute.server._asgi import (
+    BodyTooLarge,
+    ClientGone,
+    InvalidBody,
+    Receive,
+    Scope,
+    Send,
+    loads_body,
+    read_body,
+    send_error,
+    send_json,
+)
 from kvroute.server.config import BackendConfig
 
 if TYPE_CHECKING:
@@ -113,9 +123,9 @@ class AdminApi:
         if not raw.strip():
             return {}
         try:
-            return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"The admin request body must be UTF-8 JSON: {exc}.") from None
+            return loads_body(raw)
+        except InvalidBody as exc:
+            raise ValueError(f"The admin request body must be UTF-8 JSON: {exc}") from None
 
     def _route(self, parts: list[str], method: str) -> tuple[str, str | None] | _Refusal:
         """``(action, backend id)`` for a call, or why it is refused (404, 405)."""
