@@ -430,7 +430,7 @@ class TestPluginFailures:
         refused = r"strategy 'broken' failed in on_request_start for backend 'b2'"
         with pytest.raises(KvrouteError, match=refused) as raised:
             router.acquire(REQ)
-        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert isinstance(raised.value, kvroute.StrategyError) and isinstance(raised.value.__cause__, RuntimeError)
         assert in_flight(router) == [0, 0, 0] and finished == [] and recorder.calls == []
 
     def test_strategy_finish_failure_is_logged(self, logs: RecordingLog) -> None:

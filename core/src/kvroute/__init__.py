@@ -16,6 +16,7 @@ from kvroute.errors import (
     KvrouteError,
     NoBackendAvailable,
     PluginLoadError,
+    StrategyError,
     UnknownBackend,
 )
 from kvroute.fleet import Fleet, FleetEvent
@@ -53,6 +54,7 @@ __all__ = [
     "Outcome",
     "PluginLoadError",
     "PluginManager",
+    "StrategyError",
     "RouteRequest",
     "Router",
     "Strategy",

@@ -12,6 +12,7 @@ __all__ = [
     "KvrouteError",
     "NoBackendAvailable",
     "PluginLoadError",
+    "StrategyError",
     "UnknownBackend",
 ]
 
@@ -41,6 +42,10 @@ class InvalidRequest(KvrouteError, ValueError):
 
 class NoBackendAvailable(KvrouteError):
     """No backend can take the request: none registered, none healthy, or all excluded."""
+
+
+class StrategyError(KvrouteError):
+    """A strategy's own code (a request callback) failed; the request was not routed."""
 
 
 class UnknownBackend(KvrouteError, KeyError):

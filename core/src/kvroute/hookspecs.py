@@ -72,6 +72,10 @@ def kvroute_fleet_changed(fleet: Fleet, event: FleetEvent) -> None:
     :param fleet: the `kvroute.Fleet` that changed.
     :param event: the `kvroute.FleetEvent` (kind, backend, new version).
 
+    An exception raised here is logged (``plugin_hook_failed``, naming the plugin) and does not
+    affect the request or the change; the other plugins' implementations still run. Take no
+    wrappers (``hookwrapper``/``wrapper`` implementations are refused at registration).
+
     Since 0.1.
     """
 
@@ -84,6 +88,10 @@ def kvroute_request_routed(request: RouteRequest, decision: Decision) -> None:
 
     :param request: the `kvroute.RouteRequest`.
     :param decision: the `kvroute.Decision` (strategy, backend, reason, detail, pick duration).
+
+    An exception raised here is logged (``plugin_hook_failed``, naming the plugin) and does not
+    affect the request or the change; the other plugins' implementations still run. Take no
+    wrappers (``hookwrapper``/``wrapper`` implementations are refused at registration).
 
     Since 0.1.
     """
@@ -98,6 +106,10 @@ def kvroute_request_finished(request: RouteRequest, decision: Decision, outcome:
     :param request: the `kvroute.RouteRequest`.
     :param decision: the `kvroute.Decision` it was routed with.
     :param outcome: the `kvroute.Outcome` (``ok``/``error``/``cancelled``, duration, error text).
+
+    An exception raised here is logged (``plugin_hook_failed``, naming the plugin) and does not
+    affect the request or the change; the other plugins' implementations still run. Take no
+    wrappers (``hookwrapper``/``wrapper`` implementations are refused at registration).
 
     Since 0.1.
     """

@@ -22,9 +22,28 @@ import structlog
 __all__ = ["get_logger"]
 
 
+#: How an event is rendered when the host never configured structlog: one logfmt line,
+#: tracebacks as text without local variables (locals could hold prompt text).
+_PLAIN: tuple[Any, ...] = (
+    structlog.processors.add_log_level,
+    structlog.processors.format_exc_info,
+    structlog.processors.LogfmtRenderer(key_order=["event"], sort_keys=True),
+)
+
+
+def _render(logger: Any, method_name: str, event_dict: Any) -> Any:
+    """Render with the host's structlog processors when it configured structlog, else plainly."""
+    chain = structlog.get_config()["processors"] if structlog.is_configured() else _PLAIN
+    for processor in chain:
+        event_dict = processor(logger, method_name, event_dict)
+    return event_dict
+
+
 def get_logger(name: str) -> Any:
     """A structlog logger for module ``name`` whose events go to ``logging.getLogger(name)``.
 
-    Use it at module level in library and plugin code: ``log = get_logger(__name__)``.
+    Use it at module level in library and plugin code: ``log = get_logger(__name__)``. An event
+    below the standard logger's level is dropped before anything is rendered, so a quiet host
+    pays a level check per event, nothing more.
     """
-    return structlog.wrap_logger(logging.getLogger(name))
+    return structlog.wrap_logger(logging.getLogger(name), processors=[structlog.stdlib.filter_by_level, _render])

@@ -17,7 +17,7 @@ backend, route again with ``exclude={failed backend ids}``.
 Failures of plugin code on this path (see docs/plugin-hooks.md) never leak a count and never
 replace the block's own exception: a lifecycle hook that raises is logged
 (``plugin_hook_failed``) and the request goes on; a strategy whose ``on_request_start`` raises
-has the request refused with a `KvrouteError` naming it (nothing stays counted); a strategy
+has the request refused with a `StrategyError` naming it (nothing stays counted); a strategy
 whose ``on_request_finish`` raises is logged (``strategy_callback_failed``).
 """
 
@@ -32,7 +32,7 @@ import anyio
 import attrs
 
 from kvroute.backend import Backend, BackendState
-from kvroute.errors import KvrouteError, NoBackendAvailable
+from kvroute.errors import KvrouteError, NoBackendAvailable, StrategyError
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
@@ -214,9 +214,10 @@ class Router:
     def acquire(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> Lease:
         """Pick a backend and count the request in flight there; pair with :meth:`release`.
 
-        Raises `NoBackendAvailable` when no backend can take it, and `KvrouteError` naming
-        the strategy when its ``pick`` returns no candidate or its ``on_request_start``
-        raises (the cause is chained); in every case nothing stays counted.
+        Raises `NoBackendAvailable` when no backend can take it, `KvrouteError` naming the
+        strategy when its ``pick`` returns no candidate, and `StrategyError` (a `KvrouteError`)
+        when its ``on_request_start`` raises (the cause is chained); in every case nothing
+        stays counted.
         """
         with self.fleet.lock:
             decision, state = self.decide(request, exclude=exclude)
@@ -230,7 +231,7 @@ class Router:
                     self.fleet.request_finished(state)
                     if not isinstance(exc, Exception):
                         raise
-                    raise KvrouteError(
+                    raise StrategyError(
                         f"strategy {self.strategy_name!r} failed in on_request_start for backend "
                         f"{decision.backend.id!r}: {type(exc).__name__}: {exc}; the request was not routed."
                     ) from exc
