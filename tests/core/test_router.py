@@ -218,11 +218,11 @@ class TestDecisions:
 
         class Explaining(BaseStrategy):
             def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
-                return Decision(candidates[-1].backend, reason="spilled", spilled=True, detail={"spill_reason": "x"})
+                return Decision(candidates[-1].backend, reason="spilled", spilled=True, detail={"home": "b1"}, spill_reason="x")
 
         decision, _ = make_router(strategy=Explaining()).decide(REQ)
         assert (decision.backend.id, decision.reason, decision.spilled) == ("b2", "spilled", True)
-        assert decision.explain() == "first -> b2 (spilled: spill_reason=x)"
+        assert decision.explain() == "first -> b2 (spilled: home=b1, spill_reason=x)"
 
 
 class Recorder:

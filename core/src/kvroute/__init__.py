@@ -24,7 +24,7 @@ from kvroute.hashing import hash64, hash_parts
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
-from kvroute.strategy import BaseStrategy, Decision, Outcome, Strategy
+from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
 try:
     __version__ = _metadata.version("kvroute")
@@ -57,6 +57,8 @@ __all__ = [
     "StrategyError",
     "RouteRequest",
     "Router",
+    "SpillReason",
+    "Status",
     "Strategy",
     "UnknownBackend",
     "__version__",

@@ -37,9 +37,9 @@ from kvroute.fleet import Fleet, FleetEvent
 from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
-from kvroute.strategy import Decision, Outcome, Pick, Strategy
+from kvroute.strategy import Decision, Outcome, Pick, Status, Strategy
 
-__all__ = ["Lease", "Router"]
+__all__ = ["Lease", "Router", "status_for"]
 
 log = get_logger(__name__)
 
@@ -57,7 +57,8 @@ class Lease:
     state: BackendState
     started_at: float
     outcome: Outcome | None = None
-    _failure: str | None = None
+    #: Set by `fail`: the request failed on this backend although its block did not raise.
+    failure: str | None = None
 
     @property
     def backend(self) -> Backend:
@@ -65,7 +66,7 @@ class Lease:
 
     def fail(self, error: str) -> None:
         """Record that the request failed on this backend without raising out of the block."""
-        self._failure = error
+        self.failure = error
 
 
 class _LeaseContext:
@@ -85,7 +86,7 @@ class _LeaseContext:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         assert self._lease is not None
-        self._router.release(self._lease, _status_for(exc))
+        self._router.release(self._lease, *status_for(exc))
 
     async def __aenter__(self) -> Lease:
         return self.__enter__()
@@ -96,16 +97,17 @@ class _LeaseContext:
         self.__exit__(exc_type, exc, tb)
 
 
-def _status_for(exc: BaseException | None) -> tuple[str, str | None]:
+def status_for(exc: BaseException | None) -> tuple[Status, str | None]:
+    """How a request ended, given the exception its block raised (``None``: it did not)."""
     if exc is None:
-        return "ok", None
+        return Status.OK, None
     try:
         cancelled = anyio.get_cancelled_exc_class()
     except Exception:  # not inside an async backend: plain threads
         cancelled = ()  # type: ignore[assignment]
     if (cancelled and isinstance(exc, cancelled)) or isinstance(exc, KeyboardInterrupt | GeneratorExit):
-        return "cancelled", type(exc).__name__
-    return "error", f"{type(exc).__name__}: {exc}"
+        return Status.CANCELLED, type(exc).__name__
+    return Status.ERROR, f"{type(exc).__name__}: {exc}"
 
 
 class Router:
@@ -240,12 +242,14 @@ class Router:
             try:
                 self.plugins.notify("kvroute_request_routed", request=request, decision=decision)
             except BaseException as exc:  # KeyboardInterrupt, SystemExit: notify logs the rest
-                self.release(lease, _status_for(exc))
+                self.release(lease, *status_for(exc))
                 raise
         return lease
 
-    def release(self, lease: Lease, status: tuple[str, str | None] = ("ok", None)) -> Outcome:
-        """Stop counting a lease; idempotent. ``status`` is ``(ok|error|cancelled, error text)``.
+    def release(self, lease: Lease, status: Status | str = Status.OK, error: str | None = None) -> Outcome:
+        """Stop counting a lease; idempotent. ``status`` says how it ended, ``error`` why it failed.
+
+        A lease marked with `Lease.fail` and released as ``ok`` ends as ``error`` with that text.
 
         The count drops exactly once, before any callback runs; a strategy's
         ``on_request_finish`` or a ``kvroute_request_finished`` hook that raises is logged,
@@ -254,9 +258,9 @@ class Router:
         with self.fleet.lock:
             if lease.outcome is not None:
                 return lease.outcome
-            kind, error = status
-            if kind == "ok" and lease._failure is not None:
-                kind, error = "error", lease._failure
+            kind = Status(status)
+            if kind is Status.OK and lease.failure is not None:
+                kind, error = Status.ERROR, lease.failure
             outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
             lease.outcome = outcome
             self.fleet.request_finished(lease.state)

@@ -8,6 +8,7 @@ optional callbacks. The router calls it directly; pluggy is only used to find it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -22,10 +23,31 @@ __all__ = [
     "Decision",
     "Outcome",
     "Pick",
+    "SpillReason",
+    "Status",
     "Strategy",
     "StrategyFactory",
     "build_strategy",
 ]
+
+
+class SpillReason(StrEnum):
+    """Why a request did not go to its key's first choice (`Decision.spill_reason`)."""
+
+    #: The home is at its bounded-load cap (``load_factor`` x its fair share, at least ``min_capacity``).
+    LOAD_FACTOR = "load_factor"
+    #: The home has ``concurrency_threshold`` requests in flight (SageMaker's rule).
+    CONCURRENCY_THRESHOLD = "concurrency_threshold"
+    #: The home is unhealthy, draining or excluded for this request.
+    HOME_UNROUTABLE = "home_unroutable"
+
+
+class Status(StrEnum):
+    """How a routed request ended (`Outcome.status`, `Router.release`)."""
+
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
 
 
 @attrs.frozen
@@ -45,10 +67,16 @@ class Decision:
     spilled: bool = False
     detail: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     duration_s: float = 0.0
+    #: Why a spilled decision left the key's first choice: a `SpillReason` value for the
+    #: limits the in-repo strategies apply, any short word for a third party's own.
+    spill_reason: SpillReason | str | None = None
 
     def explain(self) -> str:
         """One human-readable line: ``bounded-load -> b2 (spilled: concurrency_threshold)``."""
-        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        items = dict(self.detail)
+        if self.spill_reason is not None:
+            items.setdefault("spill_reason", str(self.spill_reason))
+        extra = ", ".join(f"{k}={v}" for k, v in items.items())
         return f"{self.strategy} -> {self.backend.id} ({self.reason}{': ' + extra if extra else ''})"
 
 
@@ -60,7 +88,7 @@ Pick = Decision | Backend | BackendState
 class Outcome:
     """How a routed request ended: ``ok``, ``error`` or ``cancelled``, and its duration."""
 
-    status: str
+    status: Status = attrs.field(converter=Status)
     duration_s: float
     error: str | None = None
 

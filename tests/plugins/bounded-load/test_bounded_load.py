@@ -42,7 +42,8 @@ class TestBoundedLoad:
         order = order_of(r, request)
         assert placed == [order[0], order[0], order[1], order[1], order[2], order[2], order[3], order[3]]
         assert [lease.decision.reason for lease in leases[:3]] == ["hash", "hash", "spilled"]
-        assert leases[2].decision.detail == {"home": order[0], "spill_reason": "concurrency_threshold", "rank": 1}
+        assert leases[2].decision.detail == {"home": order[0], "rank": 1}
+        assert leases[2].decision.spill_reason == "concurrency_threshold"
 
     def test_second_home_is_stable(self) -> None:
         """Each time the home is full, the same prefix spills to the same second backend."""
@@ -62,7 +63,7 @@ class TestBoundedLoad:
             leases.append(r.acquire(RouteRequest.from_text(f"key {i % 3}")))
             assert max(s.in_flight for s in r.fleet) <= 3
         overflow = r.acquire(RouteRequest.from_text("key 0"))
-        assert overflow.decision.reason == "least_loaded" and overflow.decision.detail["spill_reason"] == "concurrency_threshold"
+        assert overflow.decision.reason == "least_loaded" and overflow.decision.spill_reason == "concurrency_threshold"
         assert sorted(s.in_flight for s in r.fleet) == [3, 3, 3, 4]
 
     def test_load_factor_cap(self) -> None:
@@ -80,7 +81,7 @@ class TestBoundedLoad:
         request = RouteRequest.from_text("same")
         placed = [r.acquire(request).decision for _ in range(4)]
         assert [d.reason for d in placed] == ["hash", "hash", "hash", "spilled"]
-        assert placed[3].detail["spill_reason"] == "load_factor"
+        assert placed[3].spill_reason == "load_factor"
         assert isinstance(r.strategy, BoundedLoad) and r.strategy.bound.min_capacity == 3
 
     def test_both_limits_combine(self) -> None:
@@ -89,7 +90,7 @@ class TestBoundedLoad:
         request = RouteRequest.from_text("x")
         placed = [r.acquire(request).decision for _ in range(3)]
         assert [d.reason for d in placed] == ["hash", "hash", "spilled"]
-        assert placed[2].detail["spill_reason"] == "concurrency_threshold"
+        assert placed[2].spill_reason == "concurrency_threshold"
 
     def test_unroutable_home(self) -> None:
         """An ejected home sends its keys to the next in their order, reason home_unroutable."""
@@ -98,7 +99,8 @@ class TestBoundedLoad:
         home, second = order_of(r, request)[:2]
         r.fleet.set_healthy(home, False)
         decision = r.decide(request)[0]
-        assert decision.backend.id == second and decision.detail == {"home": home, "spill_reason": "home_unroutable", "rank": 1}
+        assert decision.backend.id == second and decision.detail == {"home": home, "rank": 1}
+        assert decision.spill_reason == "home_unroutable"
 
     def test_spills_counted_by_reason(self) -> None:
         """Started spills are counted by reason; an all-full request that stays home is not a spill."""
@@ -120,7 +122,7 @@ class TestBoundedLoad:
             r.fleet.update_load(home, EngineLoad(running=3, waiting=1))
         assert plain.decide(request)[0].backend.id == home
         decision = engine.decide(request)[0]
-        assert decision.backend.id != home and decision.detail["spill_reason"] == "concurrency_threshold"
+        assert decision.backend.id != home and decision.spill_reason == "concurrency_threshold"
 
     def test_hot_key_spreads_over_its_first_homes(self) -> None:
         """With hot_replicas=3, one hot prefix is spread evenly over the first 3 backends of its order, no further."""

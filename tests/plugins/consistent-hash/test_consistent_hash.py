@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from kvroute_consistent_hash import ConsistentHash
 
-from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
+from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest, SpillReason
 from kvroute.testing import Movement, ScalingStateMachine, StrategyConformance, Tolerance, assign, sample_requests
 
 SEVEN = [Backend(f"instance-{i}") for i in range(7)]
@@ -39,7 +39,7 @@ class TestConsistentHash:
         r.fleet.drain(home)
         decision = r.decide(request)[0]
         assert decision.backend.id == second and decision.spilled and decision.reason == "spilled"
-        assert decision.detail == {"home": home, "spill_reason": "home_unroutable", "rank": 1}
+        assert decision.detail == {"home": home, "rank": 1} and decision.spill_reason == SpillReason.HOME_UNROUTABLE
         r.fleet.drain(home, False)
         assert r.decide(request)[0].backend.id == home
 

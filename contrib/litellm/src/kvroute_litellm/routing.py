@@ -35,7 +35,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
-from kvroute import ConfigError, Lease, NoBackendAvailable, PluginManager
+from kvroute import ConfigError, Lease, NoBackendAvailable, PluginManager, Status
 from kvroute.logs import get_logger
 from kvroute_litellm.deployments import ModelGroup, deployment_id
 from kvroute_litellm.requests import metadata_of, route_request
@@ -147,7 +147,7 @@ class KvrouteRouting(CustomRoutingStrategyBase):
             leases = list(self._leases.values())
             self._leases.clear()
         for group, lease in leases:
-            group.router.release(lease, ("cancelled", "uninstalled"))
+            group.router.release(lease, Status.CANCELLED, "uninstalled")
         self._installed = False
 
     # -- reading -----------------------------------------------------------------------
@@ -277,7 +277,7 @@ class KvrouteRouting(CustomRoutingStrategyBase):
                 group.router.release(lease)
             else:
                 error = kwargs.get("exception")
-                group.router.release(lease, ("error", f"{type(error).__name__}: {error}" if error else "failed"))
+                group.router.release(lease, Status.ERROR, f"{type(error).__name__}: {error}" if error else "failed")
                 failed = metadata.setdefault(FAILED_KEY, [])
                 if isinstance(failed, list) and lease.backend.id not in failed:
                     failed.append(lease.backend.id)
@@ -298,7 +298,7 @@ class KvrouteRouting(CustomRoutingStrategyBase):
                 expired.append((group, lease))
         for group, lease in expired:
             log.warning("lease_expired", backend=lease.backend.id, timeout_s=self.lease_timeout)
-            group.router.release(lease, ("cancelled", "lease_timeout"))
+            group.router.release(lease, Status.CANCELLED, "lease_timeout")
 
 
 def install(

@@ -23,7 +23,8 @@ from typing import Any
 from kvroute.errors import InvalidRequest, KvrouteError, NoBackendAvailable
 from kvroute.logs import get_logger
 from kvroute.request import Endpoint, RouteRequest
-from kvroute.router import Lease, Router, _status_for
+from kvroute.router import Lease, Router, status_for
+from kvroute.strategy import Status
 
 __all__ = ["DEFAULT_PATHS", "STATE_KEY", "RoutingMiddleware", "lease_from"]
 
@@ -182,9 +183,9 @@ class RoutingMiddleware:
         try:
             await self.app(scope, replay, send_through)
         except BaseException as exc:
-            self.router.release(lease, _status_for(exc))
+            self.router.release(lease, *status_for(exc))
             raise
         finally:
             if not finished:
                 # The app returned without finishing a response: the client went away.
-                self.router.release(lease, ("cancelled", "response not completed"))
+                self.router.release(lease, Status.CANCELLED, "response not completed")

@@ -700,7 +700,7 @@ class ProxyApp:
                     )
                     self.metrics.observe_decision(decision.duration_s)
                     if decision.spilled:
-                        cause = decision.detail.get("spill_reason") or decision.detail.get("cause") or decision.reason
+                        cause = decision.spill_reason or decision.reason
                         self.metrics.spills.labels(self.router.strategy_name, str(cause)).inc()
                     if self._shared_metrics:
                         gauge = self.metrics.in_flight_child(decision.backend.id)

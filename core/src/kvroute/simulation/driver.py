@@ -42,6 +42,7 @@ from kvroute.router import Lease, Router
 from kvroute.simulation.engine import CostModel, Engine, EngineConfig, EngineRequest, ideal_hit_tokens
 from kvroute.simulation.engine import Sequence as EngineSeq
 from kvroute.simulation.workloads import Arrival
+from kvroute.strategy import Status
 
 __all__ = [
     "NO_BACKEND",
@@ -333,7 +334,7 @@ class _Run:
         refused = instance.engine.config.rejection(engine_request)
         if refused is not None:
             # The engine answers at once with an error (vLLM: HTTP 400) and serves the others.
-            self.router.release(lease, ("error", refused.message))
+            self.router.release(lease, Status.ERROR, refused.message)
             self._reject(refused.reason, arrival, now)
             return
         instance.requests += 1

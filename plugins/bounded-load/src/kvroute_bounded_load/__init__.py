@@ -174,8 +174,8 @@ class BoundedLoad(ConsistentHash):
                     yield state
 
         choice = choose(order(), loads)
-        spill_reason = choice.spill_reason if home_state is not None else "home_unroutable"
-        detail: dict[str, object] = {"home": home_id, "spill_reason": spill_reason, "rank": ranks.get(id(choice.state))}
+        spill_reason = choice.spill_reason if home_state is not None else kvroute.SpillReason.HOME_UNROUTABLE
+        detail: dict[str, object] = {"home": home_id, "rank": ranks.get(id(choice.state))}
         if choice.reason == "least_loaded":
             return kvroute.Decision(
                 choice.state.backend,
@@ -183,8 +183,11 @@ class BoundedLoad(ConsistentHash):
                 key=key,
                 spilled=choice.state is not home_state,
                 detail=detail,
+                spill_reason=spill_reason,
             )
-        return kvroute.Decision(choice.state.backend, reason="spilled", key=key, spilled=True, detail=detail)
+        return kvroute.Decision(
+            choice.state.backend, reason="spilled", key=key, spilled=True, detail=detail, spill_reason=spill_reason
+        )
 
 
 @kvroute.hookimpl

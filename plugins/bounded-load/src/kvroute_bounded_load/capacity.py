@@ -32,7 +32,7 @@ from operator import attrgetter, is_
 
 import attrs
 
-from kvroute import BackendState
+from kvroute import BackendState, SpillReason
 
 __all__ = ["Choice", "LoadBound", "Loads", "capacity", "choose"]
 
@@ -158,7 +158,7 @@ class Loads:
             return None
         return max(self.bound.min_capacity, capacity(lf, state.backend.weight, self.total, self.total_weight))
 
-    def limit(self, state: BackendState) -> str | None:
+    def limit(self, state: BackendState) -> SpillReason | None:
         """``None`` when ``state`` has room for one more request, else which limit it hit.
 
         The threshold is checked first: ``concurrency_threshold``, then ``load_factor``.
@@ -166,13 +166,13 @@ class Loads:
         load = self.load(state)
         threshold = self.bound.concurrency_threshold
         if threshold is not None and load >= threshold:
-            return "concurrency_threshold"
+            return SpillReason.CONCURRENCY_THRESHOLD
         # Below the floor (and at 0: every cap is at least 1) there is room: skip the totals.
         if load >= self.bound.min_capacity and load > 0 and self.bound.load_factor is not None:
             cap = self.capacity(state)
             assert cap is not None
             if load + 1 > cap:
-                return "load_factor"
+                return SpillReason.LOAD_FACTOR
         return None
 
     def least_loaded(self, order: Iterable[BackendState]) -> tuple[int, BackendState]:
@@ -199,7 +199,7 @@ class Choice:
     state: BackendState
     rank: int
     reason: str
-    spill_reason: str | None = None
+    spill_reason: SpillReason | None = None
 
     @property
     def spilled(self) -> bool:

@@ -71,7 +71,7 @@ class ConsistentHash(kvroute.BaseStrategy):
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if decision.spilled:
             self.spills += 1
-            self.spill_reasons[str(decision.detail.get("spill_reason", decision.reason))] += 1
+            self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -103,7 +103,8 @@ class ConsistentHash(kvroute.BaseStrategy):
                             reason="spilled",
                             key=key,
                             spilled=True,
-                            detail={"home": home_id, "spill_reason": "home_unroutable", "rank": rank},
+                            detail={"home": home_id, "rank": rank},
+                            spill_reason=kvroute.SpillReason.HOME_UNROUTABLE,
                         )
         # The snapshot does not cover these candidates (the strategy was not told about some
         # of them, or the host did not filter by model): rendezvous over the candidates alone.

@@ -321,7 +321,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if decision.spilled:
-            self.spill_reasons[str(decision.detail.get("spill_reason", decision.reason))] += 1
+            self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
         index = self._index
         with index.lock:
             blocks = self._pending.pop(request.request_id, None)
@@ -546,11 +546,17 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self.reasons[reason] += 1
         self._totals["chosen"] += matched[chosen] * bs
         detail["matched_tokens"] = matched[chosen] * bs
+        spill_reason = None
         if choice.state is not first:
             detail["preferred"] = first.id
-            detail["spill_reason"] = choice.spill_reason
+            spill_reason = choice.spill_reason
         return kvroute.Decision(
-            choice.state.backend, reason=reason, key=key, spilled=choice.state is not first, detail=detail
+            choice.state.backend,
+            reason=reason,
+            key=key,
+            spilled=choice.state is not first,
+            detail=detail,
+            spill_reason=spill_reason,
         )
 
 
