@@ -172,7 +172,7 @@ class TestSplitPoints:
 class TestWordTokenizer:
     def test_chat_matches_the_simulators_vocabulary(self) -> None:
         """Chat requests get the simulated engine's exact token ids."""
-        from kvroute.simulation.tokens import vocabulary
+        from kvroute.vocabulary import vocabulary
 
         messages = [{"role": "system", "content": "bada bade"}, {"role": "user", "content": "badi"}]
         request = kvroute.RouteRequest.from_openai({"model": "m", "messages": messages})
@@ -197,7 +197,7 @@ class TestWordTokenizer:
     )
     def test_chats_get_the_vocabularys_ids(self, messages: list[dict[str, str]], generation: bool) -> None:
         """Any chat, with any roles and marker-like words in its content, gets exactly render_chat's ids."""
-        from kvroute.simulation.tokens import vocabulary
+        from kvroute.vocabulary import vocabulary
 
         body = {"model": "m", "messages": messages, "add_generation_prompt": generation}
         request = kvroute.RouteRequest.from_openai(body)
@@ -207,7 +207,7 @@ class TestWordTokenizer:
 
     def test_text_is_split_on_whitespace(self) -> None:
         """A text prompt is one token per whitespace-separated word."""
-        from kvroute.simulation.tokens import vocabulary
+        from kvroute.vocabulary import vocabulary
 
         request = kvroute.RouteRequest.from_text("bada  bade\nunknownword")
         assert prompt_ids(WordTokenizer(), request) == list(vocabulary().encode("bada bade unknownword"))

@@ -121,7 +121,7 @@ def prompt_ids(tokenizer: PromptTokenizer, request: RouteRequest) -> list[int]:
 
 
 class WordTokenizer:
-    """The simulator's word-level vocabulary (`kvroute.simulation.tokens`): no model files needed.
+    """The word-level vocabulary (`kvroute.vocabulary`, shared with the simulator): no model files needed.
 
     Text splits on whitespace, one token per word; chat renders each message as its role
     marker, its words and an end marker, then the assistant marker. In ``kvroute simulate`` it
@@ -137,7 +137,7 @@ class WordTokenizer:
     inline_bytes = 4096
 
     def __init__(self, piece_bytes: int = 8192, fine_bytes: int = 1024, cache_pieces: int = 4096) -> None:
-        from kvroute.simulation.tokens import ASSISTANT, END, vocabulary
+        from kvroute.vocabulary import ASSISTANT, END, vocabulary
 
         self._vocab = vocabulary()
         self._lookup = self._vocab.index.get
