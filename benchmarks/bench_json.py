@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvroute.server import _asgi
-from kvroute.server import app as app_module
+from kvroute_server import _asgi
+from kvroute_server import app as app_module
 
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "prefixes", "é", "ü", "日本"]
 
@@ -88,7 +88,7 @@ class _StubBackend:
 
 def stall(threaded: bool) -> tuple[float, float, float]:
     """(seconds the big POST took, slowest /health during it, median /health) in seconds."""
-    from kvroute.server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
+    from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
 
     big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 1_000_000}).encode()
     saved = app_module._THREAD_PARSE_BYTES

@@ -133,8 +133,8 @@ def simulate_costs(workloads: list[str], repeat: int) -> dict[str, Any]:
     """
     import kvroute_tokenizer_prefix.strategy as module
 
-    from kvroute.simulation.driver import simulate
-    from kvroute.simulation.workloads import make_workload
+    from kvroute_simulator.driver import simulate
+    from kvroute_simulator.workloads import make_workload
 
     times: dict[str, list[float]] = {"pick": [], "start": []}
     pick, start = module.TokenizerPrefix.pick, module.TokenizerPrefix.on_request_start

@@ -128,7 +128,7 @@ class TestLazyCommands:
             "import sys\n"
             "from kvroute.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print([m for m in ('kvroute.server', 'kvroute.emulator', 'kvroute.parity', 'kvroute.simulation') if m in sys.modules], file=sys.stderr)\n"
+            "print([m for m in ('kvroute_server', 'kvroute_simulator.emulator', 'kvroute_server.parity', 'kvroute_simulator') if m in sys.modules], file=sys.stderr)\n"
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
         assert result.stderr == "[]\n" and "serve" in result.stdout

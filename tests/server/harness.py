@@ -7,8 +7,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvroute.emulator import EmulatorApp, EmulatorConfig
-from kvroute.server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
+from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
+from kvroute_simulator.emulator import EmulatorApp, EmulatorConfig
 
 MODEL = "m"
 #: Fast emulators: a simulated second lasts 20 ms.

@@ -12,8 +12,8 @@ import pytest
 import kvroute
 from kvroute import PluginManager
 from kvroute.adapters import HttpReply
-from kvroute.server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
-from kvroute.server.upstream import BackendHttp
+from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
+from kvroute_server.upstream import BackendHttp
 from tests.server.harness import Servers, http, in_loop
 
 pytestmark = pytest.mark.e2e
@@ -99,7 +99,7 @@ class TestKvEventFeeds:
             health=HealthConfig(interval=0.2),
             access_log=False,
         )
-        from kvroute.server import ServerThread
+        from kvroute_server import ServerThread
 
         app = ProxyApp(config, plugins=plugins)
         with ServerThread(app) as proxy:
@@ -126,7 +126,7 @@ class TestKvEventFeeds:
             backends=(BackendConfig(id="a", url=a.url, kind="events-test"),), strategy="least-outstanding",
             options={"seed": 0}, health=HealthConfig(interval=0.1), access_log=False,
         )
-        from kvroute.server import ServerThread
+        from kvroute_server import ServerThread
 
         app = ProxyApp(config, plugins=plugins)
         with ServerThread(app) as proxy:
@@ -137,8 +137,8 @@ class TestKvEventFeeds:
 
 class TestParityCheck:
     def test_startup_check_runs_after_first_round(self, servers: Servers, monkeypatch: pytest.MonkeyPatch) -> None:
-        """A strategy with a prompt tokenizer gets kvroute.parity.startup_check over every routable backend."""
-        import kvroute.parity
+        """A strategy with a prompt tokenizer gets kvroute_server.parity.startup_check over every routable backend."""
+        import kvroute_server.parity
 
         calls: list[list[tuple[str, str]]] = []
 
@@ -148,7 +148,7 @@ class TestParityCheck:
             calls.append([(t[0], t[1]) for t in targets])
             return []
 
-        monkeypatch.setattr(kvroute.parity, "startup_check", fake_check)
+        monkeypatch.setattr(kvroute_server.parity, "startup_check", fake_check)
         a = servers.emulator()
         plugins = PluginManager(autoload=False)
         plugins.register(_Plugin(), name="test-plugin")
@@ -164,7 +164,7 @@ class TestParityCheck:
 
         plugins.register(_Tok(), name="tok-plugin")
         app = ProxyApp(ServerConfig(backends=(BackendConfig(id="a", url=a.url),), strategy="tokenized-test", health=HealthConfig(interval=0.1), access_log=False), plugins=plugins)
-        from kvroute.server import ServerThread
+        from kvroute_server import ServerThread
 
         with ServerThread(app):
             assert _wait(lambda: len(calls) == 1)
@@ -175,7 +175,7 @@ class TestBackendHttp:
     @pytest.mark.anyio
     async def test_get_and_post(self, servers: Servers) -> None:
         """The adapters' client GETs and POSTs JSON relative to the backend URL, and wraps transport errors as OSError."""
-        from kvroute.server.upstream import create_session
+        from kvroute_server.upstream import create_session
 
         emulator = servers.emulator()
         session = create_session(2.0)

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvroute.errors import ConfigError
-from kvroute.server.cli import build_config, serve
-from kvroute.server.config import (
+from kvroute_server.cli import build_config, serve
+from kvroute_server.config import (
     DEFAULT_STRATEGY,
     BackendConfig,
     ServerConfig,
@@ -18,7 +18,7 @@ from kvroute.server.config import (
     parse_backend_flag,
     parse_option_flags,
 )
-from kvroute.server.sagemaker import import_sagemaker, load_sagemaker
+from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
 
 FULL_TOML = """
 [server]

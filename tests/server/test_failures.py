@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from kvroute.server import HealthConfig, ServerThread, TimeoutConfig
+from kvroute_server import HealthConfig, ServerThread, TimeoutConfig
 from tests.server.harness import MODEL, Servers, chat_body, http, in_loop
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +76,7 @@ class TestRetries:
         dead.kill()
         servers.started.remove(dead)
         proxy = servers.proxy(health=HealthConfig(interval=30.0, unhealthy_threshold=5, healthy_threshold=1))
-        from kvroute.server import BackendConfig
+        from kvroute_server import BackendConfig
 
         app = proxy.app
         in_loop(proxy, app.add_backend, BackendConfig(id="dead", url=dead_url))

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
-from kvroute.server._asgi import read_body, send_json
-from kvroute.server.runner import ServerThread
+from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
+from kvroute_server._asgi import read_body, send_json
+from kvroute_server.runner import ServerThread
 from tests.server.harness import MODEL, chat_body, http
 from tests.strategies import conversations
 

@@ -10,8 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.server import HealthConfig
-from kvroute.server.upstream import _nodelay_socket
+from kvroute_server import HealthConfig
+from kvroute_server.upstream import _nodelay_socket
 from tests.server.harness import MODEL, Servers, chat_body, http
 
 pytestmark = pytest.mark.e2e

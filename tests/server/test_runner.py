@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvroute.server.runner import ServerThread, _CoalescingTransport
+from kvroute_server.runner import ServerThread, _CoalescingTransport
 from tests.server.harness import http
 
 

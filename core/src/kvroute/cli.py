@@ -1,17 +1,16 @@
 """The ``kvroute`` command line.
 
-Subcommands live in the modules that implement them and are loaded lazily, from the table
-`_LAZY_COMMANDS`, so ``kvroute plugins`` or ``kvroute --help`` does not import the proxy or the
-simulator. Every subcommand is always listed. One whose extra is not installed (``serve``
-without ``kvroute[server]``) is marked with the pip command in ``kvroute --help``, and running
-it, with any arguments, prints that command and exits 1 instead of "No such command".
+The library itself adds one subcommand, ``kvroute plugins``. The others come from plugins
+through the ``kvroute_register_commands`` hook: ``simulate`` and ``emulate`` from
+kvroute-simulator, ``serve`` and ``check-parity`` from kvroute-server, and whatever a third
+party adds. A subcommand of kvroute's own distributions that is not installed is still listed
+by ``kvroute --help``, marked with the pip command that brings it, and running it (with any
+arguments) prints that command and exits 1 instead of "No such command".
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 import logging
 import sys
 from typing import Any
@@ -25,55 +24,28 @@ from kvroute.errors import KvrouteError
 
 
 @attrs.frozen
-class _LazyCommand:
-    """A subcommand implemented in another module, imported only when it runs.
+class _KnownCommand:
+    """A subcommand one of kvroute's own distributions adds, listed even when it is not installed."""
 
-    ``extra`` is the pip extra that installs its third-party dependencies and ``needs`` the
-    top-level modules of that extra it imports, checked without importing them; ``what``
-    names them in the message a user sees when one is missing.
-    """
+    help: str
+    distribution: str
+    extra: str
 
-    target: str  # "module:attribute" of the click command
-    help: str  # its line in `kvroute --help` (listing imports nothing)
-    extra: str | None = None
-    needs: tuple[str, ...] = ()
-    what: str = "its dependencies"
-
-    def missing_module(self) -> str | None:
-        """The first module of ``needs`` that cannot be imported here, or ``None``."""
-        for module in self.needs:
-            try:
-                if importlib.util.find_spec(module) is None:
-                    return module
-            except (ImportError, ValueError):
-                return module
-        return None
-
-    def install_hint(self, name: str, missing: str) -> str:
-        """What to tell a user who runs ``kvroute NAME`` without module ``missing``."""
-        what = f"{self.what} (missing module {missing!r})"
-        if self.extra is None:
-            return f"'kvroute {name}' needs {what}, which is not installed."
-        return f'\'kvroute {name}\' needs {what}. Install them with: pip install "kvroute[{self.extra}]"'
+    def install_hint(self, name: str) -> str:
+        return (
+            f"'kvroute {name}' comes with the {self.distribution} distribution, which is not installed. "
+            f'Install it with: pip install "kvroute[{self.extra}]"'
+        )
 
 
-_SERVER_MODULES = ("uvicorn", "aiohttp", "prometheus_client")
-
-#: Every subcommand kvroute ships besides `plugins`. Each one is always listed by
-#: `kvroute --help`, and says what to install when its extra is missing.
-_LAZY_COMMANDS: dict[str, _LazyCommand] = {
-    "simulate": _LazyCommand("kvroute.simulation.cli:simulate", "Simulate a fleet and compare strategies."),
-    "serve": _LazyCommand(
-        "kvroute.server.cli:serve", "Run the OpenAI-compatible routing proxy.", "server", _SERVER_MODULES, "the proxy's dependencies"
-    ),
-    "emulate": _LazyCommand(
-        "kvroute.emulator.cli:emulate", "Run an engine emulator (a fake vLLM server).", "server", _SERVER_MODULES,
-        "the emulator's dependencies",
-    ),
-    "check-parity": _LazyCommand(
-        "kvroute.parity:check_parity", "Compare the router's tokenizer with an engine's.", "server", ("aiohttp",),
-        "the HTTP client's dependencies",
-    ),
+#: The subcommands of kvroute's own distributions (they add them through the
+#: ``kvroute_register_commands`` hook). A missing one is still listed by `kvroute --help`, and
+#: running it says what to install.
+_KNOWN_COMMANDS: dict[str, _KnownCommand] = {
+    "simulate": _KnownCommand("Simulate a fleet and compare strategies.", "kvroute-simulator", "simulator"),
+    "emulate": _KnownCommand("Run an engine emulator (a fake vLLM server).", "kvroute-simulator", "emulator"),
+    "serve": _KnownCommand("Run the OpenAI-compatible routing proxy.", "kvroute-server", "server"),
+    "check-parity": _KnownCommand("Compare the router's tokenizer with an engine's.", "kvroute-server", "server"),
 }
 
 
@@ -118,8 +90,8 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
         lib.propagate = False
 
 
-def _missing_extra_command(name: str, message: str) -> click.Command:
-    """A stand-in for a command whose dependencies are missing: whatever it is given, it says what to install."""
+def missing_command(name: str, message: str) -> click.Command:
+    """A stand-in for a command that cannot run here: whatever it is given, it says what to install."""
 
     def explain(args: tuple[str, ...]) -> None:
         raise click.ClickException(message)
@@ -135,34 +107,38 @@ def _missing_extra_command(name: str, message: str) -> click.Command:
     )
 
 
-class _LazyGroup(click.Group):
-    """A group whose table-listed commands are imported when invoked, never just to be listed."""
+class _PluginGroup(click.Group):
+    """The ``kvroute`` group: its subcommands come from plugins (``kvroute_register_commands``).
+
+    Plugins are asked once, the first time a command is looked up or listed. A known
+    subcommand whose distribution is missing is listed with what to install, and running it
+    says so; a broken plugin is an error naming it.
+    """
+
+    _loaded = False
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        from kvroute.plugins import PluginManager
+
+        try:
+            PluginManager().register_commands(self)
+        except KvrouteError as exc:
+            raise click.ClickException(str(exc)) from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(_LAZY_COMMANDS))
+        self._load()
+        return sorted(set(super().list_commands(ctx)) | set(_KNOWN_COMMANDS))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        self._load()
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             return command
-        spec = _LAZY_COMMANDS.get(cmd_name)
-        if spec is None:
-            return None
-        missing = spec.missing_module()
-        if missing is not None:
-            return _missing_extra_command(cmd_name, spec.install_hint(cmd_name, missing))
-        module_name, attr = spec.target.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            # A dependency that `needs` does not list (or that is installed but broken). A
-            # module of kvroute itself missing is a broken installation: let it surface.
-            if exc.name is None or exc.name.partition(".")[0] == "kvroute":
-                raise
-            return _missing_extra_command(cmd_name, spec.install_hint(cmd_name, exc.name))
-        cmd = getattr(module, attr)
-        assert isinstance(cmd, click.Command)
-        return cmd
+        known = _KNOWN_COMMANDS.get(cmd_name)
+        return missing_command(cmd_name, known.install_hint(cmd_name)) if known else None
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
         name = args[0] if args else ""
@@ -177,21 +153,19 @@ class _LazyGroup(click.Group):
         limit = formatter.width - 6 - max(map(len, names), default=0)
         rows = []
         for name in names:
-            spec = _LAZY_COMMANDS.get(name)
-            if spec is None:
-                command = super().get_command(ctx, name)
-                if command is not None and not command.hidden:
+            command = super().get_command(ctx, name)
+            if command is not None:
+                if not command.hidden:
                     rows.append((name, command.get_short_help_str(limit)))
-            elif spec.extra is not None and spec.missing_module() is not None:
-                rows.append((name, f'{spec.help} [needs: pip install "kvroute[{spec.extra}]"]'))
             else:
-                rows.append((name, spec.help))
+                known = _KNOWN_COMMANDS[name]
+                rows.append((name, f'{known.help} [needs: pip install "kvroute[{known.extra}]"]'))
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvroute")
 def main() -> None:
     """kvroute: prefix-aware routing for LLM inference fleets.
@@ -210,9 +184,6 @@ def plugins(as_json: bool) -> None:
     """List installed strategies and backend kinds, with their distribution and version."""
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
     from kvroute.plugins import PluginManager
 
     try:
@@ -228,12 +199,13 @@ def plugins(as_json: bool) -> None:
         ]
         click.echo(json.dumps(data, indent=2))
         return
-    table = Table(title="kvroute plugins")
-    for column in ("type", "name", "distribution", "version", "plugin"):
-        table.add_column(column)
-    for kind, r in rows:
-        table.add_row(kind, r.name, r.plugin.distribution or "-", r.plugin.version or "-", r.plugin.name)
-    Console(width=max(100, Console().width)).print(table)
+    header = ("type", "name", "distribution", "version", "plugin")
+    table = [header] + [(kind, r.name, r.plugin.distribution or "-", r.plugin.version or "-", r.plugin.name) for kind, r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            click.echo("  ".join("-" * width for width in widths))
 
 
 if __name__ == "__main__":  # pragma: no cover

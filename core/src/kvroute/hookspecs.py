@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from kvroute._markers import hookspec
 
 if TYPE_CHECKING:
+    import click
+
     from kvroute.fleet import Fleet, FleetEvent
     from kvroute.request import RouteRequest
     from kvroute.strategy import Decision, Outcome
@@ -52,6 +54,21 @@ def kvroute_register_backend_kinds(register: Callable[..., None]) -> None:
     Not firstresult: every plugin's implementation is called.
 
     :param register: ``register(kind: str, factory: Callable[..., Any]) -> None``.
+
+    Since 0.1.
+    """
+
+
+@hookspec
+def kvroute_register_commands(cli: click.Group) -> None:
+    """Add subcommands to the ``kvroute`` command line.
+
+    ``cli`` is the top-level `click.Group`: decorate functions with ``@cli.command()`` or call
+    ``cli.add_command(command)``. Keep this cheap (``kvroute --help`` calls it): import what a
+    command needs inside its callback, not at module level. A name already taken by another
+    plugin is refused with an error naming both. Not firstresult.
+
+    :param cli: the ``kvroute`` `click.Group`.
 
     Since 0.1.
     """

@@ -220,6 +220,35 @@ class PluginManager:
             self._kinds = self._collect("kvroute_register_backend_kinds", "backend kind")
         return self._kinds
 
+    def register_commands(self, cli: Any) -> dict[str, PluginInfo]:
+        """Let every plugin add its subcommands to ``cli`` (a `click.Group`); returns who added which.
+
+        Each implementation is called on its own, so a failure or a name taken twice is an
+        error naming the plugin (`PluginLoadError`).
+        """
+        added: dict[str, PluginInfo] = {}
+        for impl in reversed(self._pm.hook.kvroute_register_commands.get_hookimpls()):
+            info = self._info.get(impl.plugin_name, PluginInfo(impl.plugin_name))
+            before = dict(cli.commands)
+            try:
+                impl.function(cli=cli)
+            except PluginLoadError:
+                raise
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"{info.describe()} failed in hook kvroute_register_commands: {type(exc).__name__}: {exc}"
+                ) from exc
+            for name, command in cli.commands.items():
+                if name in before and before[name] is not command:
+                    owner = added[name].describe() if name in added else "kvroute itself"
+                    raise PluginLoadError(
+                        f"command {name!r} is registered twice: by {owner} and by {info.describe()}; "
+                        f"block one with {BLOCK_ENV}."
+                    )
+                if name not in before:
+                    added[name] = info
+        return added
+
     def create_strategy(self, name: str, options: Mapping[str, Any] | None = None) -> Strategy:
         """Build the strategy registered as ``name`` with ``options``; `ConfigError` if unknown or invalid."""
         registration = self.strategies.get(name)

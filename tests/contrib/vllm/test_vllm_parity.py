@@ -15,7 +15,7 @@ from kvroute_vllm import VllmAdapter
 from structlog.testing import capture_logs
 
 from kvroute.adapters import HttpReply
-from kvroute.parity import check_backend, check_parity, sample_chats, sample_prompts, startup_check
+from kvroute_server.parity import check_backend, check_parity, sample_chats, sample_prompts, startup_check
 from tests.contrib.vllm.vllm_fakes import FakeHttp, fixture_text, json_reply, kv_events
 
 pytestmark = pytest.mark.anyio

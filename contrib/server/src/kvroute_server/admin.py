@@ -1,0 +1,212 @@
+"""The admin API: list, add, remove, drain and re-weight backends at runtime.
+
+Off unless an admin token is configured; every call needs ``Authorization: Bearer <token>``.
+Changes go through the `Fleet`, so the strategy sees them like any other membership change.
+With ``kvroute serve --workers N`` a change also goes through the workers' shared journal
+(`kvroute_server.journal`), so every worker makes it before the call returns.
+
+=======  ================================  ================================================
+GET      /admin/backends                   every backend with its live state
+POST     /admin/backends                   add one (body: a backend table as in the TOML)
+GET      /admin/backends/{id}              one backend
+PATCH    /admin/backends/{id}              change ``weight``
+DELETE   /admin/backends/{id}              remove now (requests in flight finish)
+POST     /admin/backends/{id}/drain        stop new requests; ``{"remove": true}`` removes it once idle
+POST     /admin/backends/{id}/undrain      take new requests again
+=======  ================================  ================================================
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import attrs
+import structlog
+
+from kvroute.errors import ConfigError, UnknownBackend
+from kvroute_server._asgi import (
+    BodyTooLarge,
+    ClientGone,
+    InvalidBody,
+    Receive,
+    Scope,
+    Send,
+    loads_body,
+    read_body,
+    send_error,
+    send_json,
+)
+from kvroute_server.config import BackendConfig
+
+if TYPE_CHECKING:
+    from kvroute_server.app import ProxyApp
+
+__all__ = ["AdminApi"]
+
+log = structlog.get_logger(__name__)
+
+_MAX_ADMIN_BODY = 64 * 1024
+
+
+class AdminApi:
+    """ASGI handler for ``/admin/...`` bound to one `ProxyApp`."""
+
+    def __init__(self, app: ProxyApp) -> None:
+        assert app.config.admin_token is not None
+        self.app = app
+        self._token = app.config.admin_token.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._token)
+        return False
+
+    def describe(self, backend_id: str) -> dict[str, Any]:
+        state = self.app.fleet.get(backend_id)
+        backend = state.backend
+        served = self.app.served_models(backend_id)
+        return {
+            "id": backend.id,
+            "url": backend.url,
+            "kind": backend.kind,
+            "weight": backend.weight,
+            "models": sorted(served) if served else [],
+            "labels": dict(backend.labels),
+            "healthy": state.healthy,
+            "draining": state.draining,
+            "in_flight": state.in_flight,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._authorized(scope):
+            await send_error(
+                send, 401, "The admin API needs 'Authorization: Bearer <admin token>'.", code="invalid_admin_token",
+                headers=[(b"www-authenticate", b'Bearer realm="kvroute-admin"')],
+            )
+            return
+        parts = [unquote(p) for p in scope["path"].split("/")[2:]]
+        method = scope["method"]
+        try:
+            body = await self._body(receive, method)
+        except ClientGone:
+            return
+        except BodyTooLarge as exc:
+            await send_error(send, 413, str(exc), code="request_too_large")
+            return
+        except ValueError as exc:
+            await send_error(send, 400, str(exc), code="invalid_json")
+            return
+        route = self._route(parts, method)
+        if isinstance(route, _Refusal):
+            await send_error(send, route.status, route.message, code=route.code, headers=route.headers)
+            return
+        action, backend_id = route
+        try:
+            if action == "list":
+                await send_json(send, 200, {"backends": [self.describe(s.id) for s in self.app.fleet]})
+            elif action == "get":
+                assert backend_id is not None
+                await send_json(send, 200, self.describe(backend_id))
+            else:
+                await self._change(send, action, backend_id, body)
+        except UnknownBackend as exc:
+            await send_error(send, 404, str(exc), code="backend_not_found")
+        except ConfigError as exc:
+            await send_error(send, 400, str(exc), code="invalid_backend")
+
+    async def _body(self, receive: Receive, method: str) -> Any:
+        raw = await read_body(receive, _MAX_ADMIN_BODY)
+        if not raw.strip():
+            return {}
+        try:
+            return loads_body(raw)
+        except InvalidBody as exc:
+            raise ValueError(f"The admin request body must be UTF-8 JSON: {exc}") from None
+
+    def _route(self, parts: list[str], method: str) -> tuple[str, str | None] | _Refusal:
+        """``(action, backend id)`` for a call, or why it is refused (404, 405)."""
+        if parts == ["backends"]:
+            actions = {"GET": "list", "POST": "add"}
+            return (actions[method], None) if method in actions else _not_allowed(method, "GET, POST")
+        if len(parts) == 2 and parts[0] == "backends":
+            actions = {"GET": "get", "DELETE": "remove", "PATCH": "weight"}
+            return (actions[method], parts[1]) if method in actions else _not_allowed(method, "GET, PATCH, DELETE")
+        if len(parts) == 3 and parts[0] == "backends" and parts[2] in ("drain", "undrain"):
+            return (parts[2], parts[1]) if method == "POST" else _not_allowed(method, "POST")
+        return _Refusal(404, f"Unknown admin route: {method} /admin/{'/'.join(parts)}.", "unknown_url")
+
+    async def _change(self, send: Send, action: str, backend_id: str | None, body: Any) -> None:
+        """Make a change; with several workers, through the shared journal so that every worker makes it."""
+        journal = self.app.journal
+        if journal is None:
+            status, answer = self.perform(action, backend_id, body)
+            await send_json(send, status, answer)
+            return
+        try:
+            async with journal.exclusive():
+                # No await from here to the append: the change and its place in the journal go together.
+                status, answer = self.perform(action, backend_id, body)
+                seq = journal.append(action, backend_id, body)
+        except TimeoutError as exc:
+            await send_error(send, 503, f"The admin change was not made: {exc}.", code="admin_busy")
+            return
+        answer["workers"] = await journal.wait_for_siblings(seq)
+        await send_json(send, status, answer)
+
+    def replay(self, entry: dict[str, Any]) -> None:
+        """Make a change another worker made (an admin journal entry)."""
+        self.perform(str(entry["action"]), entry.get("backend"), entry.get("body"))
+
+    def perform(self, action: str, backend_id: str | None, body: Any) -> tuple[int, dict[str, Any]]:
+        """Make one change in this process (no I/O); returns the answer's status and body.
+
+        Raises `UnknownBackend` (404) or `ConfigError` (400) and then changes nothing.
+        """
+        app = self.app
+        if action == "add":
+            config = BackendConfig.from_mapping(body, "admin backend")
+            app.add_backend(config)
+            log.info("admin_backend_added", backend=config.id, url=config.url)
+            return 201, self.describe(config.id)
+        assert backend_id is not None, f"admin action {action!r} needs a backend id"
+        if action == "remove":
+            described = self.describe(backend_id)
+            app.remove_backend(backend_id)
+            log.info("admin_backend_removed", backend=backend_id)
+            return 200, {**described, "removed": True}
+        if action == "weight":
+            if not isinstance(body, dict) or set(body) - {"weight"} or "weight" not in body:
+                raise ConfigError(f"PATCH takes {{\"weight\": <number > 0>}} (got {body!r}).")
+            weight = body["weight"]
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise ConfigError(f"'weight' must be a number > 0 (got {weight!r}).")
+            app.fleet.set_weight(backend_id, float(weight))
+            return 200, self.describe(backend_id)
+        if action == "drain":
+            remove = bool(body.get("remove", False)) if isinstance(body, dict) else False
+            app.drain_backend(backend_id, remove=remove)
+            log.info("admin_backend_draining", backend=backend_id, remove_when_idle=remove)
+            return 202, {**self.describe(backend_id), "remove_when_idle": remove}
+        if action == "undrain":
+            app.drain_backend(backend_id, draining=False)
+            return 200, self.describe(backend_id)
+        raise ConfigError(f"unknown admin action {action!r} (expected add, remove, weight, drain or undrain).")
+
+
+@attrs.frozen
+class _Refusal:
+    status: int
+    message: str
+    code: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def _not_allowed(method: str, allowed: str) -> _Refusal:
+    return _Refusal(
+        405, f"Method {method} is not allowed here (allowed: {allowed}).", "method_not_allowed",
+        ((b"allow", allowed.encode()),),
+    )

@@ -1,0 +1,176 @@
+"""Active health probes, passive ejection, model discovery and load polling, per backend adapter.
+
+Each round probes every backend concurrently through its adapter (``probe``, falling back to
+``GET health_path``). ``unhealthy_threshold`` consecutive failures eject a backend
+(``Fleet.set_healthy(id, False)``, so strategies see it); ``healthy_threshold`` consecutive
+successes bring it back. A healthy backend's adapter is also asked for its models
+(``list_models``) until it answers, and for its load (``poll_load``) every round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import attrs
+import structlog
+from anyio.abc import TaskStatus
+
+from kvroute.adapters import HttpGetter
+from kvroute.backend import EngineLoad
+from kvroute.errors import UnknownBackend
+from kvroute.fleet import Fleet
+from kvroute_server.config import HealthConfig
+from kvroute_server.metrics import ProxyMetrics
+
+__all__ = ["HealthChecker"]
+
+log = structlog.get_logger(__name__)
+
+_PROBE_ERRORS = (OSError, TimeoutError, ValueError)
+
+
+@attrs.define
+class _Counts:
+    failures: int = 0
+    successes: int = 0
+    models_known: bool = False
+
+
+class HealthChecker:
+    """Keeps ``Fleet`` health in step with probes and with errors seen while proxying."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        adapters: Mapping[str, Any],
+        http_for: Callable[[str], HttpGetter],
+        config: HealthConfig,
+        metrics: ProxyMetrics,
+        on_models: Callable[[str, list[str]], None],
+    ) -> None:
+        self.fleet = fleet
+        self.adapters = adapters
+        self.http_for = http_for
+        self.config = config
+        self.metrics = metrics
+        self.on_models = on_models
+        self._counts: dict[str, _Counts] = {}
+        self._wake = anyio.Event()
+        self.rounds = 0
+        #: Set once the first round is over (the proxy's tokenizer parity check waits for it).
+        self.first_round = anyio.Event()
+
+    def _count(self, backend_id: str) -> _Counts:
+        counts = self._counts.get(backend_id)
+        if counts is None:
+            counts = self._counts[backend_id] = _Counts()
+        return counts
+
+    def forget(self, backend_id: str) -> None:
+        """Drop what is known about a removed backend."""
+        self._counts.pop(backend_id, None)
+
+    def wake(self) -> None:
+        """Start the next round now (after a backend was added)."""
+        self._wake.set()
+
+    # -- passive ----------------------------------------------------------------------
+
+    def connection_failed(self, backend_id: str, error: str) -> None:
+        """A proxied request could not reach the backend: eject it until probes pass again."""
+        if not (self.config.enabled and self.config.passive_ejection):
+            return
+        counts = self._count(backend_id)
+        counts.successes = 0
+        counts.failures = max(counts.failures, self.config.unhealthy_threshold)
+        self._set(backend_id, False, "passive", error)
+
+    def _set(self, backend_id: str, healthy: bool, cause: str, error: str | None = None) -> None:
+        try:
+            event = self.fleet.set_healthy(backend_id, healthy)
+        except UnknownBackend:
+            return
+        if event is None:
+            return
+        if healthy:
+            self.metrics.restorations.labels(backend_id).inc()
+            log.warning("backend_restored", backend=backend_id)
+        else:
+            self.metrics.ejections.labels(backend_id, cause).inc()
+            log.warning("backend_ejected", backend=backend_id, cause=cause, error=error)
+
+    # -- active -----------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Probe forever (cancel the task group to stop)."""
+        task_status.started()
+        while True:
+            await self.probe_all()
+            with anyio.move_on_after(self.config.interval):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    async def probe_all(self) -> None:
+        """One round: probe every backend concurrently."""
+        async with anyio.create_task_group() as tg:
+            for state in self.fleet:
+                tg.start_soon(self.check, state.id)
+        self.rounds += 1
+        self.first_round.set()
+
+    async def check(self, backend_id: str) -> bool:
+        """Probe one backend and apply the thresholds; returns the probe's result."""
+        adapter = self.adapters.get(backend_id)
+        if adapter is None:
+            return False
+        http = self.http_for(backend_id)
+        error: str | None = None
+        try:
+            with anyio.fail_after(self.config.timeout):
+                probe = getattr(adapter, "probe", None)
+                if probe is not None:
+                    ok = bool(await probe(http))
+                else:
+                    ok = (await http.get(adapter.health_path)).status == 200
+        except _PROBE_ERRORS as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        counts = self._count(backend_id)
+        if ok:
+            counts.successes += 1
+            counts.failures = 0
+            if counts.successes >= self.config.healthy_threshold:
+                self._set(backend_id, True, "probe")
+            await self._after_success(backend_id, adapter, http, counts)
+        else:
+            counts.failures += 1
+            counts.successes = 0
+            if counts.failures >= self.config.unhealthy_threshold:
+                self._set(backend_id, False, "probe", error or "probe answered not ready")
+        return ok
+
+    async def _after_success(self, backend_id: str, adapter: Any, http: HttpGetter, counts: _Counts) -> None:
+        if self.config.discover_models and not counts.models_known:
+            list_models = getattr(adapter, "list_models", None)
+            if list_models is not None:
+                try:
+                    with anyio.fail_after(self.config.timeout):
+                        models = list(await list_models(http))
+                except _PROBE_ERRORS as exc:
+                    log.info("models_discovery_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
+                else:
+                    counts.models_known = True
+                    self.on_models(backend_id, models)
+        poll_load = getattr(adapter, "poll_load", None)
+        if poll_load is not None:
+            try:
+                with anyio.fail_after(self.config.timeout):
+                    load = await poll_load(http)
+            except _PROBE_ERRORS as exc:
+                log.info("load_poll_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
+                return
+            if isinstance(load, EngineLoad):
+                with contextlib.suppress(UnknownBackend):
+                    self.fleet.update_load(backend_id, load)

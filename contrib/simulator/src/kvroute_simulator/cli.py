@@ -1,0 +1,424 @@
+"""``kvroute simulate``: compare routing strategies on a simulated fleet, in virtual time."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvroute.errors import KvrouteError
+from kvroute_simulator.driver import Comparison, SimulationConfig, StrategyResult, compare, parse_scale
+from kvroute_simulator.engine import EngineConfig
+from kvroute_simulator.workloads import WORKLOADS, make_workload
+
+__all__ = ["render_table", "simulate", "to_json"]
+
+_BASELINE = "random"
+
+EXAMPLES = """
+\b
+Examples:
+  kvroute simulate                                   the seed's scenario: 7 instances, long-prefix, every strategy
+  kvroute simulate -s random,bounded-load --seed 3   two strategies, another seed
+  kvroute simulate -w multi-turn --requests 3000     ShareGPT-like conversations
+  kvroute simulate -W concurrency=64                 closed loop: 64 users instead of Poisson arrivals
+  kvroute simulate --trace mooncake.jsonl -n 16      replay a Mooncake trace on 16 instances
+  kvroute simulate --scale "120s:+1,240s:-2" --plot run.png
+  kvroute simulate -o bounded-load.load_factor=1.5 --json results.json
+"""
+
+
+def _value(text: str) -> Any:
+    """Parse a KEY=VALUE value: int, float, true/false, a range LO..HI, or the string itself."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if ".." in text:
+        lo, _, hi = text.partition("..")
+        try:
+            return (int(lo), int(hi))
+        except ValueError:
+            return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE (got {item!r}).", param_hint=option)
+        out.append((key.strip().replace("-", "_"), value.strip()))
+    return out
+
+
+def _percent_change(value: float, base: float) -> str:
+    if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
+        return ""
+    return f" ({(value - base) / base * 100:+.0f}%)"
+
+
+def _ms(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1000:,.0f} ms"
+
+
+def _us(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1e6:,.0f} µs"
+
+
+def render_table(comparison: Comparison, title: str) -> Any:
+    """Return a rich Table: one row per strategy, each figure with its change against random."""
+    from rich.table import Table
+
+    base = comparison.baseline(_BASELINE)
+    table = Table(title=title, caption=_caption(comparison), caption_justify="left")
+    for header in (
+        "strategy",
+        "TTFT p50",
+        "TTFT p90",
+        "TTFT p99",
+        "hit rate",
+        "output tok/s",
+        "share min / max",
+        "spills",
+        "routing p50 / p99",
+    ):
+        table.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
+    for r in comparison.results:
+
+        def vs(value: float, attr: str, r: StrategyResult = r) -> str:
+            return "" if base is None or r is base else _percent_change(value, getattr(base, attr))
+
+        hit_change = "" if base is None or r is base else f" ({(r.hit_rate - base.hit_rate) * 100:+.1f} pt)"
+        table.add_row(
+            r.strategy,
+            _ms(r.ttft_p50) + vs(r.ttft_p50, "ttft_p50"),
+            _ms(r.ttft_p90) + vs(r.ttft_p90, "ttft_p90"),
+            _ms(r.ttft_p99) + vs(r.ttft_p99, "ttft_p99"),
+            f"{r.hit_rate * 100:.1f}%{hit_change}",
+            f"{r.output_throughput:,.0f}" + vs(r.output_throughput, "output_throughput"),
+            f"{r.share_min * 100:.1f}% / {r.share_max * 100:.1f}%",
+            str(r.spills),
+            f"{_us(r.route_cost_p50)} / {_us(r.route_cost_p99)}",
+        )
+    return table
+
+
+def _caption(comparison: Comparison) -> str:
+    fair = 100 / comparison.config.instances
+    lines = [
+        f"upper bound hit rate (one instance with an infinite cache serving every request): "
+        f"{comparison.upper_bound_hit_rate * 100:.1f}%",
+        f"changes are against {_BASELINE}; a fair share is {fair:.1f}% per instance; routing cost is wall clock per pick",
+    ]
+    if comparison.baseline(_BASELINE) is None:
+        lines[1] = f"{_BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"
+    return "\n".join([*lines, *_rejection_lines(comparison)])
+
+
+def _rejection_lines(comparison: Comparison) -> list[str]:
+    """Say how many requests were refused and why, one line per reason (nothing when none was)."""
+    results = comparison.results
+    if not comparison.rejected and not any(r.rejected for r in results):
+        return []
+    head = (
+        f"of {comparison.requests:,} requests, answered with an error as vLLM's HTTP 400 "
+        "(hit rates, shares and the bound leave them out)"
+    )
+    if all(dict(r.rejected_reasons) == dict(comparison.rejected_reasons) for r in results):
+        lines = [f"rejected: {comparison.rejected:,} {head}:"]
+        lines += [f"  {count:,}: {reason}" for reason, count in comparison.rejected_reasons.items()]
+        return lines
+    lines = [f"rejected per strategy, {head}:"]
+    for r in results:
+        reasons = "; ".join(f"{count:,} {reason}" for reason, count in r.rejected_reasons.items())
+        lines.append(f"  {r.strategy}: {r.rejected:,}" + (f" ({reasons})" if reasons else ""))
+    return lines
+
+
+def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed: int, wall: float) -> dict[str, Any]:
+    """The machine-readable results: the scenario, the upper bound, and every strategy's figures."""
+    base = comparison.baseline(_BASELINE)
+    strategies = []
+    for r in comparison.results:
+        data = r.to_json()
+        if base is not None and r is not base:
+            data["vs_baseline"] = {
+                "ttft_p50": (r.ttft_p50 - base.ttft_p50) / base.ttft_p50 if base.ttft_p50 else None,
+                "ttft_p90": (r.ttft_p90 - base.ttft_p90) / base.ttft_p90 if base.ttft_p90 else None,
+                "ttft_p99": (r.ttft_p99 - base.ttft_p99) / base.ttft_p99 if base.ttft_p99 else None,
+                "hit_rate_points": r.hit_rate - base.hit_rate,
+                "output_throughput": (r.output_throughput - base.output_throughput) / base.output_throughput
+                if base.output_throughput
+                else None,
+            }
+        else:
+            data["vs_baseline"] = None
+        strategies.append(data)
+    config = comparison.config
+    return {
+        "workload": comparison.workload,
+        "workload_options": {k: list(v) if isinstance(v, tuple) else v for k, v in workload_options.items()},
+        "seed": seed,
+        "instances": config.instances,
+        "engine": {
+            "block_size": config.engine.block_size,
+            "capacity_blocks": config.engine.capacity_blocks,
+            "max_num_batched_tokens": config.engine.max_num_batched_tokens,
+            "max_num_seqs": config.engine.max_num_seqs,
+        },
+        "scale": [{"time": e.time, "delta": e.delta} for e in comparison.scale],
+        "requests": comparison.requests,
+        "rejected": comparison.rejected,
+        "rejected_reasons": dict(comparison.rejected_reasons),
+        "prompt_tokens": comparison.prompt_tokens,
+        "upper_bound_hit_rate": comparison.upper_bound_hit_rate,
+        "baseline": _BASELINE if base is not None else None,
+        "strategies": strategies,
+        "wall_time": wall,
+    }
+
+
+def _plot(comparison: Comparison, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    fig, (ax_cdf, ax_hit, ax_load) = plt.subplots(1, 3, figsize=(18, 5.5))
+    for r in comparison.results:
+        ttfts = sorted(r.ttfts)
+        if ttfts:
+            ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax_cdf.plot([t * 1000 for t in ttfts], ys, label=r.strategy)
+        points = [(t, h * 100) for t, h, _ in r.timeline if math.isfinite(h)]
+        if points:
+            ax_hit.plot([t for t, _ in points], [h for _, h in points], label=r.strategy)
+    ax_cdf.set(xscale="log", xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
+    ax_hit.set(xlabel="time (s)", ylabel="hit rate in window (%)", title="Prefix-cache hit rate over time")
+    for event in comparison.scale:
+        ax_hit.axvline(event.time, color="grey", linestyle="--")
+        ax_hit.annotate(f"{event.delta:+d}", (event.time, 2), color="grey")
+    ids = [i.id for i in comparison.results[0].instances] if comparison.results else []
+    width = 0.8 / max(1, len(comparison.results))
+    for k, r in enumerate(comparison.results):
+        shares = {i.id: i.share * 100 for i in r.instances}
+        ax_load.bar([x + k * width for x in range(len(ids))], [shares.get(i, 0) for i in ids], width, label=r.strategy)
+    ax_load.set_xticks([x + 0.4 - width / 2 for x in range(len(ids))], ids)
+    ax_load.set(xlabel="instance", ylabel="share of requests (%)", title="Per-instance load")
+    top = max((i.share * 100 for r in comparison.results for i in r.instances), default=1.0)
+    ax_load.set_ylim(0, top * 1.35)
+    for ax in (ax_cdf, ax_hit, ax_load):
+        ax.grid(alpha=0.3)
+    ax_cdf.legend(fontsize="small", loc="lower right")
+    ax_hit.legend(fontsize="small", loc="lower right")
+    ax_load.legend(fontsize="small", loc="upper center", ncol=3)
+    fig.suptitle(f"kvroute simulate: {comparison.workload}, {comparison.requests} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@click.command("simulate", epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "-w",
+    "--workload",
+    type=click.Choice(sorted(WORKLOADS)),
+    default="long-prefix",
+    show_default=True,
+    help="Traffic to simulate (see docs/simulation.md).",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL trace to replay (Mooncake or simple format); implies --workload trace.",
+)
+@click.option(
+    "-n", "--instances", type=click.IntRange(1, 4096), default=7, show_default=True, help="Instances in the fleet."
+)
+@click.option(
+    "-s",
+    "--strategies",
+    default=None,
+    metavar="NAMES",
+    help="Comma-separated strategies to compare [default: every installed strategy].",
+)
+@click.option("--requests", type=click.IntRange(min=1), default=None, help="Requests to simulate [workload's default].")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds of arrivals.")
+@click.option(
+    "--rate", type=click.FloatRange(min=0, min_open=True), default=None, help="Arrivals (conversations) per second."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload and of seeded strategies.")
+@click.option("--scale", default=None, metavar="EVENTS", help='Scale events, e.g. "300s:+1,600s:-2".')
+@click.option(
+    "-W", "--workload-option", multiple=True, metavar="KEY=VALUE", help="Workload option (repeatable), e.g. groups=100."
+)
+@click.option(
+    "-o",
+    "--strategy-option",
+    multiple=True,
+    metavar="STRATEGY.KEY=VALUE",
+    help="Strategy option (repeatable), e.g. bounded-load.load_factor=1.5.",
+)
+@click.option(
+    "-E", "--engine-option", multiple=True, metavar="KEY=VALUE", help="Engine setting, e.g. capacity_blocks=20000."
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")
+@click.option("--log-level", default="warning", show_default=True, help="Log level (debug, info, warning, error).")
+def simulate(
+    workload: str,
+    trace_path: Path | None,
+    instances: int,
+    strategies: str | None,
+    requests: int | None,
+    duration: float | None,
+    rate: float | None,
+    seed: int,
+    scale: str | None,
+    workload_option: Sequence[str],
+    strategy_option: Sequence[str],
+    engine_option: Sequence[str],
+    json_path: Path | None,
+    plot_path: Path | None,
+    progress: bool | None,
+    log_level: str,
+) -> None:
+    """Simulate a fleet in virtual time and compare routing strategies.
+
+    Every request goes through the real router and the installed strategy plugins; each
+    instance is a vLLM-like engine model (Llama-3.1-70B on 8 x H100 by default). Prints,
+    per strategy, TTFT p50/p90/p99, prefix-cache hit rate, output throughput, the smallest
+    and largest share of requests an instance got, spills and the routing cost, each
+    against random, plus the hit rate's upper bound.
+    """
+    from rich.console import Console
+
+    from kvroute.cli import configure_logging
+    from kvroute.plugins import PluginManager
+
+    configure_logging(log_level)
+    started = time.perf_counter()
+    try:
+        if trace_path is not None:
+            workload = "trace"
+        options: dict[str, Any] = {k: _value(v) for k, v in _pairs(workload_option, "--workload-option")}
+        if workload == "trace":
+            if trace_path is None and "path" not in options:
+                raise click.BadParameter("the trace workload needs --trace FILE.", param_hint="--trace")
+            if trace_path is not None:
+                options["path"] = trace_path
+        for key, value in (("requests", requests), ("duration", duration), ("rate", rate)):
+            if value is not None:
+                options[key] = value
+        if duration is not None and requests is None and workload != "trace":
+            options.setdefault("requests", None)
+        options.setdefault("seed", seed)
+        wl = make_workload(workload, **options)
+
+        per_strategy: dict[str, dict[str, Any]] = {}
+        for key, raw in _pairs(strategy_option, "--strategy-option"):
+            name, dot, opt = key.partition(".")
+            if not dot or not opt:
+                raise click.BadParameter(f"expected STRATEGY.KEY=VALUE (got {key!r}).", param_hint="--strategy-option")
+            per_strategy.setdefault(name.replace("_", "-"), {})[opt] = raw
+        engine_kwargs = {k: _value(v) for k, v in _pairs(engine_option, "--engine-option")}
+        try:
+            engine = EngineConfig(**engine_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--engine-option") from None
+        config = SimulationConfig(
+            instances=instances, engine=engine, scale=parse_scale(scale) if scale else (), seed=seed
+        )
+
+        plugins = PluginManager()
+        installed = sorted(plugins.strategies)
+        names = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else installed
+        if strategies is None and _BASELINE in names:
+            names.remove(_BASELINE)
+            names.insert(0, _BASELINE)
+        unknown = [n for n in names if n not in plugins.strategies]
+        if unknown:
+            raise click.BadParameter(
+                f"unknown strategy {', '.join(map(repr, unknown))} (installed: {', '.join(installed) or 'none'}).",
+                param_hint="--strategies",
+            )
+        for name in per_strategy:
+            if name not in names:
+                raise click.BadParameter(
+                    f"options given for {name!r}, which does not run.", param_hint="--strategy-option"
+                )
+
+        arrivals = list(wl.arrivals())
+        if not arrivals:
+            raise click.ClickException("the workload produced no request; raise --requests or --duration.")
+        show_progress = sys.stderr.isatty() if progress is None else progress
+        comparison = _run(arrivals, names, config, per_strategy, workload, plugins, show_progress)
+    except KvrouteError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    wall = time.perf_counter() - started
+    title = (
+        f"kvroute simulate: {workload}, {len(arrivals):,} requests, {instances} instances, seed {seed} ({wall:.1f} s)"
+    )
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
+        console = Console(width=180)
+    console.print(render_table(comparison, title))
+    if json_path is not None:
+        shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
+        data = _finite(to_json(comparison, workload_options=shown, seed=seed, wall=wall))
+        json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if plot_path is not None:
+        _plot(comparison, plot_path)
+
+
+def _finite(value: Any) -> Any:
+    """Replace NaN and infinities (no sample) with None, so the JSON is standard."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _run(
+    arrivals: list[Any],
+    names: list[str],
+    config: SimulationConfig,
+    per_strategy: Mapping[str, Mapping[str, Any]],
+    workload: str,
+    plugins: Any,
+    show_progress: bool,
+) -> Comparison:
+    if not show_progress:
+        return compare(arrivals, names, config, options=per_strategy, workload=workload, plugins=plugins)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as bar:
+        task = bar.add_task("simulate", total=len(arrivals) * len(names))
+        advance: Callable[[int], None] = lambda n: bar.advance(task, n)  # noqa: E731
+        return compare(
+            arrivals, names, config, options=per_strategy, workload=workload, plugins=plugins, progress=advance
+        )

@@ -1,0 +1,560 @@
+"""The simulation driver: a workload through the real `Router` and strategy plugins onto simulated engines.
+
+One run (:func:`simulate`) builds a `Fleet` of ``instances`` backends, a `Router` with the
+strategy registered under the given name (a plugin, never a re-implementation), and one
+:class:`~kvroute_simulator.engine.Engine` per backend. It then processes events in virtual
+time, earliest first (at equal times: scale events, then arrivals, then engine steps):
+
+* an arrival is parsed with ``RouteRequest.from_openai`` from its request body, routed with
+  ``router.acquire`` (the wall-clock cost of the strategy's ``pick`` is recorded), and
+  submitted to the chosen backend's engine; a request the engine refuses (longer than
+  ``max_model_len``, or than the whole cache) is answered at once, as vLLM's HTTP 400: its
+  lease is released as an error and it counts as rejected, with its reason;
+* an engine step completes; finished requests are released to the router (so the strategy's
+  ``on_request_finish`` and the in-flight counts see them), and a conversation's next turn is
+  scheduled ``think_time`` after the turn it follows finished (closed loop);
+* a scale event adds cold instances or removes the newest ones (their requests in flight finish).
+
+Before each routing decision every backend's `EngineLoad` is refreshed from its engine
+(running, waiting, KV usage, prefix-cache counters, block size), as an adapter would.
+:func:`compare` runs several strategies over the same arrivals.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import structlog
+
+from kvroute.backend import Backend, EngineLoad
+from kvroute.errors import ConfigError, NoBackendAvailable
+from kvroute.fleet import Fleet
+from kvroute.plugins import PluginManager
+from kvroute.request import RouteRequest
+from kvroute.router import Lease, Router
+from kvroute.strategy import Status
+from kvroute_simulator.engine import CostModel, Engine, EngineConfig, EngineRequest, ideal_hit_tokens
+from kvroute_simulator.engine import Sequence as EngineSeq
+from kvroute_simulator.workloads import Arrival
+
+__all__ = [
+    "NO_BACKEND",
+    "Comparison",
+    "InstanceResult",
+    "ScaleEvent",
+    "SimulationConfig",
+    "StrategyResult",
+    "compare",
+    "parse_scale",
+    "simulate",
+]
+
+log = structlog.get_logger(__name__)
+
+_SCALE_ITEM = re.compile(r"^\s*(?P<time>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h)?\s*:\s*(?P<delta>[+-]\d+)\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+#: The rejection reason of a request that arrived while the fleet had no member.
+NO_BACKEND = "no instance in the fleet"
+
+
+@attrs.frozen
+class ScaleEvent:
+    """At ``time`` seconds, add (``delta`` > 0) or remove (``delta`` < 0) instances."""
+
+    time: float
+    delta: int
+
+
+def parse_scale(spec: str) -> tuple[ScaleEvent, ...]:
+    """Parse ``"300s:+1,600s:-2"`` (units ms, s, m, h; seconds by default) into scale events."""
+    events = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        match = _SCALE_ITEM.match(item)
+        if match is None or int(match["delta"]) == 0:
+            raise ConfigError(
+                f"'scale' items must look like TIME:+N or TIME:-N, for example 300s:+1 or 10m:-2 (got {item!r})."
+            )
+        events.append(ScaleEvent(float(match["time"]) * _UNITS[match["unit"]], int(match["delta"])))
+    return tuple(sorted(events, key=lambda e: e.time))
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not value > 0:
+        raise ConfigError(f"'{attr.name}' must be positive (got {value!r}).")
+
+
+@attrs.frozen(kw_only=True)
+class SimulationConfig:
+    """The simulated fleet: how many instances, each engine's settings and costs, scale events."""
+
+    instances: int = attrs.field(default=7, validator=_positive)
+    engine: EngineConfig = attrs.field(factory=EngineConfig)
+    cost: CostModel = attrs.field(factory=CostModel)
+    scale: tuple[ScaleEvent, ...] = ()
+    #: Seed given to strategies that take a ``seed`` option (unless the options set one).
+    seed: int = 0
+    #: Send a conversation's next turn ``think_time`` after the previous one finished.
+    closed_loop: bool = True
+    #: Width in seconds of the windows of the hit-rate and load time series.
+    sample_interval: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen
+class InstanceResult:
+    """One instance's share of a run."""
+
+    id: str
+    requests: int
+    share: float
+    prompt_tokens: int
+    hit_tokens: int
+    output_tokens: int
+    busy_time: float
+    preemptions: int
+    added_at: float
+    removed_at: float | None
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over prompt tokens on this instance."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@attrs.frozen
+class StrategyResult:
+    """The figures of one strategy over one workload (times in seconds)."""
+
+    strategy: str
+    options: Mapping[str, Any]
+    requests: int
+    completed: int
+    rejected: int
+    #: Rejected requests per reason (an engine's limit, or an empty fleet).
+    rejected_reasons: Mapping[str, int]
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    ttft_mean: float
+    hit_rate: float
+    output_tokens: int
+    makespan: float
+    output_throughput: float
+    share_min: float
+    share_max: float
+    spills: int
+    route_cost_p50: float
+    route_cost_p99: float
+    preemptions: int
+    wall_time: float
+    instances: tuple[InstanceResult, ...]
+    decisions: Mapping[str, int]
+    #: (window start s, hit rate in the window, requests in flight per instance id at the window's end)
+    timeline: tuple[tuple[float, float, Mapping[str, int]], ...] = attrs.field(repr=False)
+    ttfts: tuple[float, ...] = attrs.field(repr=False)
+
+    def to_json(self, *, include_samples: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (TTFT samples only with ``include_samples``)."""
+        data = attrs.asdict(self, recurse=True, filter=lambda a, _v: a.name not in ("ttfts", "timeline"))
+        data["options"] = dict(self.options)
+        data["rejected_reasons"] = dict(self.rejected_reasons)
+        data["instances"] = [dict(attrs.asdict(i), hit_rate=i.hit_rate) for i in self.instances]
+        data["timeline"] = [{"t": t, "hit_rate": h, "in_flight": dict(f)} for t, h, f in self.timeline]
+        if include_samples:
+            data["ttfts"] = list(self.ttfts)
+        return data
+
+
+@attrs.frozen
+class Comparison:
+    """Several strategies over the same arrivals, with the hit-rate upper bound.
+
+    ``prompt_tokens`` and the bound cover the requests the engines accept; ``rejected``
+    counts the others (per reason in ``rejected_reasons``), which every strategy sees refused.
+    """
+
+    workload: str
+    requests: int
+    prompt_tokens: int
+    upper_bound_hit_rate: float
+    config: SimulationConfig
+    results: tuple[StrategyResult, ...]
+    scale: tuple[ScaleEvent, ...] = ()
+    rejected: int = 0
+    rejected_reasons: Mapping[str, int] = attrs.field(factory=dict)
+
+    def baseline(self, name: str = "random") -> StrategyResult | None:
+        """The result of ``name`` if it ran."""
+        return next((r for r in self.results if r.strategy == name), None)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of already sorted values (NaN when empty)."""
+    if not sorted_values:
+        return math.nan
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _takes_seed(factory: Callable[..., Any]) -> bool:
+    if isinstance(factory, type) and attrs.has(factory):
+        return any((a.alias or a.name) == "seed" and a.init for a in attrs.fields(factory))
+    try:
+        return "seed" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@attrs.define
+class _Instance:
+    backend: Backend
+    engine: Engine
+    added_at: float
+    removed_at: float | None = None
+    requests: int = 0
+
+
+@attrs.define
+class _Flight:
+    arrival: Arrival
+    lease: Lease
+    instance: _Instance
+    seq: EngineSeq
+
+
+class _Run:
+    """The mutable state of one simulation run."""
+
+    def __init__(
+        self,
+        arrivals: Sequence[Arrival],
+        strategy: str,
+        options: Mapping[str, Any],
+        config: SimulationConfig,
+        plugins: PluginManager,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        self.arrivals = arrivals
+        self.config = config
+        self.progress = progress
+        self.fleet = Fleet()
+        self.instances: dict[str, _Instance] = {}
+        self.order: list[str] = []  # ids in the order they were added
+        self.next_index = 0
+        for _ in range(config.instances):
+            self._add(0.0)
+        opts = dict(options)
+        registration = plugins.strategies.get(strategy)
+        if registration is not None and "seed" not in opts and _takes_seed(registration.factory):
+            opts["seed"] = config.seed
+        self.options = opts
+        self.router = Router.create(self.fleet, strategy, opts, plugins=plugins)
+        self.strategy = strategy
+        self.flights: dict[int, _Flight] = {}  # id(engine Sequence) -> flight
+        self.finished_at: dict[str, float] = {}
+        self.waiting_for: dict[str, list[Arrival]] = {}
+        self.deferred: list[tuple[float, int, Arrival]] = []
+        self.counter = 0
+        self.ttfts: list[float] = []
+        self.route_costs: list[float] = []
+        self.spills = 0
+        self.rejected: dict[str, int] = {}
+        self.completed = 0
+        self.decisions: dict[str, int] = {}
+        self.first_arrival: float | None = None
+        self.last_finish = 0.0
+        self.timeline: list[tuple[float, float, Mapping[str, int]]] = []
+        self.window_start = 0.0
+        self.window_tokens = (0, 0)
+
+    # -- fleet -----------------------------------------------------------------------------
+
+    def _add(self, now: float) -> None:
+        backend_id = f"i{self.next_index}"
+        self.next_index += 1
+        backend = Backend(id=backend_id, url=f"sim://{backend_id}", kind="simulated")
+        engine = Engine(self.config.engine, self.config.cost, name=backend_id)
+        self.instances[backend_id] = _Instance(backend, engine, now)
+        self.order.append(backend_id)
+        self.fleet.add(backend)
+
+    def _scale(self, event: ScaleEvent, now: float) -> None:
+        if event.delta > 0:
+            for _ in range(event.delta):
+                self._add(now)
+        else:
+            members = [i for i in reversed(self.order) if i in self.fleet]
+            for backend_id in members[: -event.delta]:
+                self.fleet.remove(backend_id)
+                self.instances[backend_id].removed_at = now
+        log.debug("fleet_scaled", at=now, delta=event.delta, members=len(self.fleet))
+
+    def _refresh_loads(self) -> None:
+        block_size = self.config.engine.block_size
+        for state in self.fleet:
+            engine = self.instances[state.id].engine
+            stats = engine.stats
+            state.load = EngineLoad(
+                running=engine.num_running,
+                waiting=engine.num_waiting,
+                kv_usage=engine.kv_usage,
+                prefix_cache_queries=float(stats.prompt_tokens),
+                prefix_cache_hits=float(stats.hit_tokens),
+                block_size=block_size,
+            )
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _route(self, arrival: Arrival, now: float) -> None:
+        if self.first_arrival is None:
+            self.first_arrival = now
+        request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
+        self._refresh_loads()
+        try:
+            lease = self.router.acquire(request)
+        except NoBackendAvailable:
+            self._reject(NO_BACKEND, arrival, now)
+            return
+        decision = lease.decision
+        self.route_costs.append(decision.duration_s)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        if decision.spilled:
+            self.spills += 1
+        instance = self.instances[decision.backend.id]
+        engine_request = arrival.engine_request()
+        refused = instance.engine.config.rejection(engine_request)
+        if refused is not None:
+            # The engine answers at once with an error (vLLM: HTTP 400) and serves the others.
+            self.router.release(lease, Status.ERROR, refused.message)
+            self._reject(refused.reason, arrival, now)
+            return
+        instance.requests += 1
+        seq = instance.engine.submit(engine_request, now)
+        self.flights[id(seq)] = _Flight(arrival, lease, instance, seq)
+
+    def _reject(self, reason: str, arrival: Arrival, now: float) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.debug("request_rejected", request_id=arrival.request_id, reason=reason, at=now)
+        self._done(arrival.request_id, now)
+
+    def _finish(self, seq: EngineSeq, now: float) -> None:
+        flight = self.flights.pop(id(seq))
+        self.router.release(flight.lease)
+        self.completed += 1
+        self.last_finish = max(self.last_finish, now)
+        self._done(flight.arrival.request_id, now)
+
+    def _done(self, request_id: str, now: float) -> None:
+        self.finished_at[request_id] = now
+        for follower in self.waiting_for.pop(request_id, ()):
+            self.counter += 1
+            heapq.heappush(self.deferred, (now + follower.think_time, self.counter, follower))
+        if self.progress is not None:
+            self.progress(1)
+
+    def _sample(self, upto: float) -> None:
+        """Close every sampling window that ends at or before ``upto``."""
+        width = self.config.sample_interval
+        while self.window_start + width <= upto:
+            prompt = sum(i.engine.stats.prompt_tokens for i in self.instances.values())
+            hits = sum(i.engine.stats.hit_tokens for i in self.instances.values())
+            d_prompt, d_hits = prompt - self.window_tokens[0], hits - self.window_tokens[1]
+            in_flight = {i: self.instances[i].engine.in_flight for i in self.order if i in self.fleet}
+            self.timeline.append((self.window_start, d_hits / d_prompt if d_prompt else math.nan, in_flight))
+            self.window_tokens = (prompt, hits)
+            self.window_start += width
+
+    def run(self) -> None:
+        arrivals = self.arrivals
+        scale = list(self.config.scale)
+        ai = si = 0
+        closed = self.config.closed_loop
+        instances = self.instances
+        inf = math.inf
+        while True:
+            # Next engine event (a linear scan: fleets are small).
+            t_engine, engine_id = inf, ""
+            for backend_id, instance in instances.items():
+                t = instance.engine.next_event_time()
+                if t is not None and t < t_engine:
+                    t_engine, engine_id = t, backend_id
+            t_arrival = arrivals[ai].time if ai < len(arrivals) else inf
+            t_deferred = self.deferred[0][0] if self.deferred else inf
+            t_scale = scale[si].time if si < len(scale) else inf
+            now = min(t_engine, t_arrival, t_deferred, t_scale)
+            if now == inf:
+                break
+            self._sample(now)
+            if t_scale == now:
+                self._scale(scale[si], now)
+                si += 1
+            elif t_arrival == now or t_deferred == now:
+                if t_deferred <= t_arrival:
+                    arrival = heapq.heappop(self.deferred)[2]
+                else:
+                    arrival = arrivals[ai]
+                    ai += 1
+                    if closed and arrival.follows is not None:
+                        done = self.finished_at.get(arrival.follows)
+                        if done is None:
+                            self.waiting_for.setdefault(arrival.follows, []).append(arrival)
+                            continue
+                        if done + arrival.think_time > now:
+                            self.counter += 1
+                            heapq.heappush(self.deferred, (done + arrival.think_time, self.counter, arrival))
+                            continue
+                self._route(arrival, now)
+            else:
+                result = instances[engine_id].engine.step(now)
+                for seq in result.first_tokens:
+                    ttft = seq.ttft
+                    assert ttft is not None
+                    self.ttfts.append(ttft)
+                for seq in result.finished:
+                    self._finish(seq, now)
+        self._sample(self.last_finish + self.config.sample_interval)
+        self.router.close()
+
+    # -- results ---------------------------------------------------------------------------
+
+    def result(self, wall: float) -> StrategyResult:
+        ttfts = sorted(self.ttfts)
+        costs = sorted(self.route_costs)
+        total_requests = sum(i.requests for i in self.instances.values()) or 1
+        instances = []
+        for backend_id in self.order:
+            inst = self.instances[backend_id]
+            stats = inst.engine.stats
+            instances.append(
+                InstanceResult(
+                    id=backend_id,
+                    requests=inst.requests,
+                    share=inst.requests / total_requests,
+                    prompt_tokens=stats.prompt_tokens,
+                    hit_tokens=stats.hit_tokens,
+                    output_tokens=stats.output_tokens,
+                    busy_time=stats.busy_time,
+                    preemptions=stats.preemptions,
+                    added_at=inst.added_at,
+                    removed_at=inst.removed_at,
+                )
+            )
+        # Balance over the instances present from the start to the end (scaled ones see part of the run).
+        steady = [i for i in instances if i.added_at == 0.0 and i.removed_at is None] or instances
+        steady_total = sum(i.requests for i in steady) or 1
+        shares = [i.requests / steady_total for i in steady]
+        prompt = sum(i.prompt_tokens for i in instances)
+        hits = sum(i.hit_tokens for i in instances)
+        output = sum(i.output_tokens for i in instances)
+        start = self.first_arrival or 0.0
+        makespan = max(self.last_finish - start, 0.0)
+        return StrategyResult(
+            strategy=self.strategy,
+            options=self.options,
+            requests=len(self.arrivals),
+            completed=self.completed,
+            rejected=sum(self.rejected.values()),
+            rejected_reasons=dict(sorted(self.rejected.items())),
+            ttft_p50=_quantile(ttfts, 0.50),
+            ttft_p90=_quantile(ttfts, 0.90),
+            ttft_p99=_quantile(ttfts, 0.99),
+            ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+            hit_rate=hits / prompt if prompt else 0.0,
+            output_tokens=output,
+            makespan=makespan,
+            output_throughput=output / makespan if makespan > 0 else 0.0,
+            share_min=min(shares) if shares else 0.0,
+            share_max=max(shares) if shares else 0.0,
+            spills=self.spills,
+            route_cost_p50=_quantile(costs, 0.50),
+            route_cost_p99=_quantile(costs, 0.99),
+            preemptions=sum(i.preemptions for i in instances),
+            wall_time=wall,
+            instances=tuple(instances),
+            decisions=dict(sorted(self.decisions.items())),
+            timeline=tuple(self.timeline),
+            ttfts=tuple(self.ttfts),
+        )
+
+
+def simulate(
+    arrivals: Sequence[Arrival],
+    strategy: str,
+    options: Mapping[str, Any] | None = None,
+    config: SimulationConfig | None = None,
+    *,
+    plugins: PluginManager | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> StrategyResult:
+    """Run ``arrivals`` (sorted by time) through the strategy registered as ``strategy``.
+
+    ``progress`` is called with 1 each time a request is done (finished or rejected).
+    Raises `ConfigError` for an unknown strategy or invalid options.
+    """
+    config = config or SimulationConfig()
+    plugins = plugins or PluginManager()
+    wall = time.perf_counter()
+    run = _Run(arrivals, strategy, options or {}, config, plugins, progress)
+    run.run()
+    result = run.result(time.perf_counter() - wall)
+    log.info(
+        "strategy_simulated",
+        strategy=strategy,
+        requests=result.requests,
+        hit_rate=round(result.hit_rate, 4),
+        ttft_p50=round(result.ttft_p50, 4),
+        wall_s=round(result.wall_time, 2),
+    )
+    return result
+
+
+def compare(
+    arrivals: Sequence[Arrival],
+    strategies: Iterable[str],
+    config: SimulationConfig | None = None,
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    workload: str = "custom",
+    plugins: PluginManager | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Comparison:
+    """Run every strategy over the same arrivals; ``options`` maps a strategy name to its options."""
+    config = config or SimulationConfig()
+    plugins = plugins or PluginManager()
+    options = options or {}
+    requests = [a.engine_request() for a in arrivals]
+    hits, total = ideal_hit_tokens(requests, config.engine)
+    refused = _refusals(requests, config.engine)
+    results = tuple(
+        simulate(arrivals, name, options.get(name), config, plugins=plugins, progress=progress) for name in strategies
+    )
+    return Comparison(
+        workload=workload,
+        requests=len(arrivals),
+        prompt_tokens=total,
+        upper_bound_hit_rate=hits / total if total else 0.0,
+        config=config,
+        results=results,
+        scale=config.scale,
+        rejected=sum(refused.values()),
+        rejected_reasons=refused,
+    )
+
+
+def _refusals(requests: Iterable[EngineRequest], engine: EngineConfig) -> dict[str, int]:
+    """Count the requests engines with these settings refuse, per reason."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        refused = engine.rejection(request)
+        if refused is not None:
+            counts[refused.reason] = counts.get(refused.reason, 0) + 1
+    return dict(sorted(counts.items()))
