@@ -5,9 +5,11 @@ A backend kind (``openai``, ``vllm``, ``tensorrt-llm``...) is registered through
 returning an object that follows `BackendAdapter`. The core ships ``openai``: any
 OpenAI-compatible server, probed on ``/health``, with no engine telemetry.
 
-Optional async methods (the proxy's health checker calls them when an adapter has them,
-and falls back to plain HTTP on the paths otherwise), each given an `HttpGetter` bound to
-the backend's base URL, its credentials and the probe timeout:
+Optional capabilities, each declared as a `runtime_checkable` protocol below (`Probes`,
+`ListsModels`, `PollsLoad`, `StreamsEvents`, `Closes`): the proxy's health checker calls them when
+an adapter has them, and falls back to plain HTTP on the paths otherwise. Each is given an
+`HttpGetter` bound to the backend's base URL, its credentials and the probe timeout (a client may
+also offer ``with_timeout(seconds)`` for engine endpoints that hold their answer):
 
 * ``probe(http) -> bool``: is the engine able to serve? (default: ``GET health_path`` is 200)
 * ``list_models(http) -> list[str]``: served model ids (default: parse ``GET models_path``)
@@ -31,15 +33,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from kvroute.backend import Backend
+from kvroute.backend import Backend, EngineLoad
 
 __all__ = [
     "BackendAdapter",
+    "Closes",
     "HttpClient",
     "HttpGetter",
     "HttpReply",
     "KvEventSink",
+    "ListsModels",
     "OpenAIAdapter",
+    "PollsLoad",
+    "Probes",
+    "StreamsEvents",
     "kv_event_sink",
     "parse_model_list",
     "set_backend_exact",
@@ -162,6 +169,56 @@ class BackendAdapter(Protocol):
     health_path: str
     #: Path listing served models in OpenAI's ``{"object": "list", "data": [...]}`` shape.
     models_path: str
+
+
+# -- optional capabilities, declared ----------------------------------------------------
+# A host (the proxy, an embedding gateway) asks ``isinstance(adapter, PollsLoad)`` rather than
+# probing attribute names; an adapter has a capability by having the method.
+
+
+@runtime_checkable
+class Probes(Protocol):
+    """An adapter that decides itself whether its engine can serve (else: ``GET health_path`` is 200)."""
+
+    async def probe(self, http: HttpGetter) -> bool:
+        """True when the engine can serve; raise ``ValueError`` with the engine's reason when it cannot."""
+        ...
+
+
+@runtime_checkable
+class ListsModels(Protocol):
+    """An adapter that reads the engine's served model ids."""
+
+    async def list_models(self, http: HttpGetter) -> list[str]:
+        """The served model ids; ``ValueError`` on a non-200 or a malformed answer."""
+        ...
+
+
+@runtime_checkable
+class PollsLoad(Protocol):
+    """An adapter that reads the engine's load telemetry (stored with ``Fleet.update_load``)."""
+
+    async def poll_load(self, http: HttpGetter) -> EngineLoad | None:
+        """The engine's load now, or ``None`` while it has reported none."""
+        ...
+
+
+@runtime_checkable
+class StreamsEvents(Protocol):
+    """An adapter that feeds the engine's KV cache events into a `KvEventSink` until cancelled."""
+
+    async def run_events(self, http: HttpGetter, sink: KvEventSink, *, task_status: Any = ...) -> None:
+        """Follow the engine's events into ``sink``; handles its own reconnects, raises only on cancellation."""
+        ...
+
+
+@runtime_checkable
+class Closes(Protocol):
+    """An adapter holding resources (a pending call, a socket) to release when its backend goes away."""
+
+    async def aclose(self) -> None:
+        """Release them; called once when the backend is removed or the host stops."""
+        ...
 
 
 @attrs.define

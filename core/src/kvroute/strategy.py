@@ -21,6 +21,7 @@ from kvroute.request import RouteRequest
 __all__ = [
     "BaseStrategy",
     "Decision",
+    "HasPromptTokenizer",
     "Outcome",
     "Pick",
     "SpillReason",
@@ -111,6 +112,16 @@ class Strategy(Protocol):
 
     def on_fleet_change(self, event: FleetEvent, members: Sequence[BackendState]) -> None:
         """Membership changed; ``members`` is every backend now in the fleet."""
+        ...
+
+
+@runtime_checkable
+class HasPromptTokenizer(Protocol):
+    """A strategy that tokenizes prompts as the engine does (the proxy then checks parity at startup)."""
+
+    @property
+    def prompt_tokenizer(self) -> Any:
+        """The tokenizer it uses (``tokenize`` / ``chat`` methods; see kvroute_server.parity)."""
         ...
 
 
