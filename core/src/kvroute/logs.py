@@ -31,6 +31,17 @@ _PLAIN: tuple[Any, ...] = (
 )
 
 
+def _quiet_host_filter(logger: Any, method_name: str, event_dict: Any) -> Any:
+    """Drop an event below the standard logger's level before rendering, when structlog is unconfigured.
+
+    A host that configured structlog filters with its own settings (and tests capture every
+    event with ``structlog.testing.capture_logs``), so then every event goes on.
+    """
+    if not structlog.is_configured():
+        return structlog.stdlib.filter_by_level(logger, method_name, event_dict)
+    return event_dict
+
+
 def _render(logger: Any, method_name: str, event_dict: Any) -> Any:
     """Render with the host's structlog processors when it configured structlog, else plainly."""
     chain = structlog.get_config()["processors"] if structlog.is_configured() else _PLAIN
@@ -42,8 +53,8 @@ def _render(logger: Any, method_name: str, event_dict: Any) -> Any:
 def get_logger(name: str) -> Any:
     """A structlog logger for module ``name`` whose events go to ``logging.getLogger(name)``.
 
-    Use it at module level in library and plugin code: ``log = get_logger(__name__)``. An event
-    below the standard logger's level is dropped before anything is rendered, so a quiet host
-    pays a level check per event, nothing more.
+    Use it at module level in library and plugin code: ``log = get_logger(__name__)``. While the
+    host leaves structlog unconfigured, an event below the standard logger's level is dropped
+    before anything is rendered, so a quiet host pays a level check per event, nothing more.
     """
-    return structlog.wrap_logger(logging.getLogger(name), processors=[structlog.stdlib.filter_by_level, _render])
+    return structlog.wrap_logger(logging.getLogger(name), processors=[_quiet_host_filter, _render])
