@@ -1,12 +1,22 @@
-"""The command line as a user meets it: help, wrong flags, plugins listing, commands whose extra is missing."""
+"""The command line as a user meets it: help, wrong flags, plugins listing, commands that plugins add.
+
+Subcommands other than ``plugins`` come from plugins (hook ``kvroute_register_commands``). The
+commands of kvroute's own application distributions (kvroute-server, kvroute-simulator) are
+listed even when those are not installed, with the pip command that brings them. Tests that
+need an environment without them run ``kvroute`` in a subprocess with the distribution's entry
+point blocked (tests/core/test_first_contact.py); the ones here build a fresh ``kvroute`` group
+in-process, or run fake plugin distributions in a subprocess.
+"""
 
 from __future__ import annotations
 
-import importlib
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -16,6 +26,50 @@ from click.testing import CliRunner
 
 from kvroute import cli
 from kvroute.cli import main
+from kvroute.plugins import BLOCK_ENV, PluginManager
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: The application distributions whose commands kvroute lists even when they are missing:
+#: their folder in the checkout and the entry-point name KVROUTE_BLOCK_PLUGINS takes.
+APPLICATIONS = {"kvroute-server": ("contrib/server", "server"), "kvroute-simulator": ("contrib/simulator", "simulator")}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _listed(help_text: str) -> dict[str, str]:
+    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
+    rows: dict[str, str] = {}
+    name = ""
+    for line in help_text.partition("Commands:")[2].splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            rows[name] = text.strip()
+        elif line.strip() and name:
+            rows[name] += " " + line.strip()
+    return rows
+
+
+def fresh_main() -> click.Group:
+    """A new ``kvroute`` group, as a new process builds it: plugins are asked on its first use."""
+    return cli._PluginGroup(
+        name="kvroute",
+        callback=main.callback,
+        params=list(main.params),
+        help=main.help,
+        context_settings=main.context_settings,
+        commands={"plugins": cli.plugins},
+    )
 
 
 class TestCli:
@@ -49,86 +103,204 @@ class TestCli:
         assert result.exit_code == 0 and "kvroute, version" in result.output
 
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+class TestKnownCommands:
+    """The table of commands of kvroute's own applications, against the distributions that add them."""
 
-
-class TestLazyCommands:
-    def test_every_command_is_listed(self) -> None:
-        """`kvroute --help` lists every command of the table and `plugins`, installed extras or not."""
+    def test_every_known_command_is_listed(self) -> None:
+        """`kvroute --help` lists every known command, `plugins` and the third-party p2c-info; a known one is marked with its extra exactly when its distribution is missing."""
         result = CliRunner().invoke(main, ["--help"])
-        assert result.exit_code == 0
-        listed = {line.split()[0] for line in result.output.partition("Commands:")[2].splitlines() if line.startswith("  ") and not line.startswith("   ")}
-        assert listed == {*cli._LAZY_COMMANDS, "plugins"}
+        assert result.exit_code == 0, result.output
+        listed = _listed(result.output)
+        assert set(listed) == {*cli._KNOWN_COMMANDS, "plugins", "p2c-info"}
+        for name, known in cli._KNOWN_COMMANDS.items():
+            marker = f'[needs: pip install "kvroute[{known.extra}]"]'
+            assert listed[name].endswith(marker) != _installed(known.distribution), (name, listed[name])
+        assert "needs:" not in listed["plugins"] + listed["p2c-info"]
 
-    def test_table_names_match_the_commands(self) -> None:
-        """Each table entry whose dependencies are here imports a click command of the same name (the others get a stand-in)."""
-        for name, spec in cli._LAZY_COMMANDS.items():
+    def test_installed_commands_come_from_their_distribution(self) -> None:
+        """A known command whose distribution is installed is the one that distribution's plugin added; otherwise a stand-in that exits 1 with the hint."""
+        added = PluginManager().register_commands(click.Group())
+        for name, known in cli._KNOWN_COMMANDS.items():
             command = main.get_command(click.Context(main), name)
             assert command is not None and command.name == name
-            if spec.missing_module() is None:
-                module, _, attr = spec.target.partition(":")
-                assert command is getattr(importlib.import_module(module), attr)
+            if _installed(known.distribution):
+                assert added[name].distribution == known.distribution, (name, added.get(name))
             else:
+                assert name not in added
                 result = CliRunner().invoke(main, [name])
-                assert result.exit_code == 1 and f'pip install "kvroute[{spec.extra}]"' in result.stderr
+                assert result.exit_code == 1 and f'pip install "kvroute[{known.extra}]"' in result.stderr
 
-    def test_needed_modules_come_from_the_extra(self) -> None:
-        """Every module a command checks for is a requirement of the extra its hint tells users to install."""
+    def test_each_hint_installs_the_distribution(self) -> None:
+        """The extra each hint names makes pip install the distribution the command comes with."""
         requires = metadata.requires("kvroute") or []
-        for name, spec in cli._LAZY_COMMANDS.items():
-            if spec.extra is None:
-                assert spec.needs == (), name
-                continue
+        for name, known in cli._KNOWN_COMMANDS.items():
             in_extra = {
                 _canonical(re.match(r"[A-Za-z0-9._-]+", req).group())  # type: ignore[union-attr]
                 for req in requires
-                if re.search(rf"extra\s*==\s*['\"]{re.escape(spec.extra)}['\"]", req)
+                if re.search(rf"extra\s*==\s*['\"]{re.escape(known.extra)}['\"]", req)
             }
-            assert spec.needs and {_canonical(m) for m in spec.needs} <= in_extra, (name, spec.needs, in_extra)
+            assert _canonical(known.distribution) in in_extra, (name, known.extra, in_extra)
 
-    def test_missing_dependency_gives_install_hint(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """A command whose needed module is absent is listed with its pip command and, whatever its arguments, exits 1 with the hint."""
-        spec = cli._LazyCommand("kvroute.cli:main", "Do a thing.", "thing", ("kvroute_test_absent_dependency",), "the thing's dependencies")
-        monkeypatch.setitem(cli._LAZY_COMMANDS, "thing", spec)
-        listing = CliRunner().invoke(main, ["--help"])
-        assert re.search(r'^  thing +Do a thing\. \[needs: pip install "kvroute\[thing\]"\]$', listing.output, re.MULTILINE), listing.output
-        for args in ([], ["--help"], ["--no-such-flag", "value"]):
-            result = CliRunner().invoke(main, ["thing", *args])
-            assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
-            assert result.stderr == (
-                "Error: 'kvroute thing' needs the thing's dependencies (missing module 'kvroute_test_absent_dependency'). "
-                'Install them with: pip install "kvroute[thing]"\n'
-            )
+    def test_emulator_extra_brings_the_server(self) -> None:
+        """`kvroute emulate` serves HTTP with kvroute-server: its extra pulls kvroute-simulator's emulator extra, which requires kvroute-server."""
+        assert cli._KNOWN_COMMANDS["emulate"].extra == "emulator"
+        requires = metadata.requires("kvroute") or []
+        assert any(re.match(r"kvroute-simulator\[emulator\]==", r) and "extra == 'emulator'" in r for r in requires), requires
+        simulator = tomllib.loads((ROOT / "contrib/simulator/pyproject.toml").read_text())
+        assert any(r.startswith("kvroute-server==") for r in simulator["project"]["optional-dependencies"]["emulator"])
 
-    def test_undeclared_missing_import_gives_install_hint(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-        """A command module that fails on a third-party import its entry does not list still gets the hint naming that module."""
-        (tmp_path / "kvroute_test_command_module.py").write_text("import kvroute_test_absent_dependency\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        spec = cli._LazyCommand("kvroute_test_command_module:command", "Do a thing.", "thing", (), "the thing's dependencies")
-        monkeypatch.setitem(cli._LAZY_COMMANDS, "thing", spec)
-        result = CliRunner().invoke(main, ["thing"])
-        assert result.exit_code == 1
-        assert "(missing module 'kvroute_test_absent_dependency'). Install them with: pip install \"kvroute[thing]\"" in result.stderr
+    def test_known_distributions_are_plugins_of_their_commands(self) -> None:
+        """Each distribution the table names is a folder of this repository with one entry point in group kvroute, the name tests block."""
+        distributions = {known.distribution for known in cli._KNOWN_COMMANDS.values()}
+        assert distributions == set(APPLICATIONS)
+        for distribution, (folder, entry_point) in APPLICATIONS.items():
+            project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+            assert project["name"] == distribution
+            assert list(project["entry-points"]["kvroute"]) == [entry_point]
 
-    def test_missing_kvroute_module_is_not_hidden(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """A module of kvroute itself that is missing is a broken installation: the error surfaces instead of an install hint."""
-        monkeypatch.setitem(cli._LAZY_COMMANDS, "thing", cli._LazyCommand("kvroute._no_such_module:command", "Do a thing.", "thing"))
-        result = CliRunner().invoke(main, ["thing"])
-        assert isinstance(result.exception, ModuleNotFoundError) and result.exception.name == "kvroute._no_such_module"
+
+class TestStandIns:
+    """What a known command whose distribution is missing does, with that distribution's entry point blocked."""
+
+    def test_listed_with_the_pip_command(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without the applications, each known command is one help line ending in the pip command that brings it."""
+        monkeypatch.setenv(BLOCK_ENV, "server,simulator")
+        listing = CliRunner().invoke(fresh_main(), ["--help"], terminal_width=200)
+        assert listing.exit_code == 0, listing.output
+        expected = {
+            "serve": 'Run the OpenAI-compatible routing proxy. [needs: pip install "kvroute[server]"]',
+            "check-parity": 'Compare the router\'s tokenizer with an engine\'s. [needs: pip install "kvroute[server]"]',
+            "simulate": 'Simulate a fleet and compare strategies. [needs: pip install "kvroute[simulator]"]',
+            "emulate": 'Run an engine emulator (a fake vLLM server). [needs: pip install "kvroute[emulator]"]',
+        }
+        for name, text in expected.items():
+            assert re.search(rf"^  {re.escape(name)} +{re.escape(text)}$", listing.output, re.MULTILINE), listing.output
+
+    @pytest.mark.parametrize(
+        ("command", "distribution", "extra"),
+        [
+            ("serve", "kvroute-server", "server"),
+            ("check-parity", "kvroute-server", "server"),
+            ("simulate", "kvroute-simulator", "simulator"),
+            ("emulate", "kvroute-simulator", "emulator"),
+        ],
+    )
+    @pytest.mark.parametrize("args", [[], ["--help"], ["-h"], ["--no-such-flag", "value"], ["--port", "0", "extra"]])
+    def test_any_arguments_give_the_hint(
+        self, monkeypatch: pytest.MonkeyPatch, command: str, distribution: str, extra: str, args: list[str]
+    ) -> None:
+        """Whatever it is given, a missing command exits 1 with one line naming the distribution and the pip command."""
+        monkeypatch.setenv(BLOCK_ENV, "server,simulator")
+        result = CliRunner().invoke(fresh_main(), [command, *args])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+        assert result.stderr == (
+            f"Error: 'kvroute {command}' comes with the {distribution} distribution, which is not installed. "
+            f'Install it with: pip install "kvroute[{extra}]"\n'
+        )
+        assert result.stdout == ""
+
+    def test_installed_command_is_not_replaced(self) -> None:
+        """With nothing blocked, a fresh group's `plugins` is kvroute's own and p2c-info the third party's."""
+        group = fresh_main()
+        context = click.Context(group)
+        assert group.get_command(context, "plugins") is cli.plugins
+        command = group.get_command(context, "p2c-info")
+        assert command is not None and command.callback is not None
+        assert command.callback.__module__ == "kvroute_p2c"
 
     def test_close_command_name_is_suggested(self) -> None:
-        """A mistyped command exits 2 and suggests the closest one."""
+        """A mistyped command exits 2 and suggests the closest one, installed or not."""
         result = CliRunner().invoke(main, ["simulat"])
         assert result.exit_code == 2 and "No such command 'simulat'. Did you mean 'simulate'?" in result.stderr
 
-    def test_help_imports_no_command_module(self) -> None:
-        """`kvroute --help` lists the commands without importing the proxy, the emulator, the parity check or the simulator."""
+    def test_help_imports_no_server_runtime(self) -> None:
+        """`kvroute --help` lists the commands without importing uvicorn, aiohttp, matplotlib or the proxy's app, runner and upstream client."""
+        heavy = ("uvicorn", "aiohttp", "matplotlib", "kvroute_server.app", "kvroute_server.runner", "kvroute_server.upstream")
         code = (
             "import sys\n"
             "from kvroute.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print([m for m in ('kvroute_server', 'kvroute_simulator.emulator', 'kvroute_server.parity', 'kvroute_simulator') if m in sys.modules], file=sys.stderr)\n"
+            f"print([m for m in {heavy!r} if m in sys.modules], file=sys.stderr)\n"
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-        assert result.stderr == "[]\n" and "serve" in result.stdout
+        assert result.stderr == "[]\n" and "serve" in result.stdout and "p2c-info" in result.stdout
+
+
+COMMAND_PLUGIN = """
+import click
+import kvroute
+
+@kvroute.hookimpl
+def kvroute_register_commands(cli):
+    @cli.command({name!r})
+    def hello():
+        \"\"\"Say hello.\"\"\"
+        click.echo({greeting!r})
+"""
+
+FAILING_PLUGIN = """
+import kvroute
+
+@kvroute.hookimpl
+def kvroute_register_commands(cli):
+    raise RuntimeError("no terminal here")
+"""
+
+
+def _fake_distribution(root: Path, dist: str, version: str, ep_name: str, module: str, source: str) -> None:
+    """Write an installed-looking distribution (a .dist-info with an entry point) under root."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[kvroute]\n{ep_name} = {module}\n")
+
+
+def _kvroute(root: Path, *args: str, block: str = "") -> subprocess.CompletedProcess[str]:
+    """Run the installed ``kvroute`` script with the fake distributions under root importable."""
+    script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
+    assert script is not None, f"no kvroute script next to {sys.executable}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])))
+    env[BLOCK_ENV] = block
+    return subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+class TestPluginCommandErrors:
+    """Plugins that add commands badly, as the real `kvroute` script meets them."""
+
+    def test_same_name_twice_names_both(self, tmp_path: Path) -> None:
+        """Two distributions adding the same command make every invocation exit 1 with one line naming both; blocking one, as it says, fixes it."""
+        _fake_distribution(tmp_path, "kvroute-hello-a", "1.0", "hello-a", "kvroute_hello_a", COMMAND_PLUGIN.format(name="hello", greeting="a"))
+        _fake_distribution(tmp_path, "kvroute-hello-b", "2.0", "hello-b", "kvroute_hello_b", COMMAND_PLUGIN.format(name="hello", greeting="b"))
+        named = r"plugin 'hello-a' \(distribution kvroute-hello-a 1\.0\)|plugin 'hello-b' \(distribution kvroute-hello-b 2\.0\)"
+        for args in (["--help"], ["hello"]):
+            result = _kvroute(tmp_path, *args)
+            assert result.returncode == 1 and result.stdout == ""
+            assert re.fullmatch(
+                rf"Error: command 'hello' is registered twice: by ({named}) and by ({named}); block one with KVROUTE_BLOCK_PLUGINS\.\n",
+                result.stderr,
+            ), result.stderr
+            assert "kvroute-hello-a" in result.stderr and "kvroute-hello-b" in result.stderr
+        fixed = _kvroute(tmp_path, "hello", block="hello-b")
+        assert (fixed.returncode, fixed.stdout, fixed.stderr) == (0, "a\n", "")
+
+    def test_command_of_kvroute_itself_is_not_taken(self, tmp_path: Path) -> None:
+        """A plugin adding a command named like kvroute's own `plugins` is refused, naming kvroute and the plugin."""
+        _fake_distribution(tmp_path, "kvroute-squat", "1.0", "squat", "kvroute_squat", COMMAND_PLUGIN.format(name="plugins", greeting="mine"))
+        result = _kvroute(tmp_path, "plugins")
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == (
+            "Error: command 'plugins' is registered twice: by kvroute itself and by plugin 'squat' "
+            "(distribution kvroute-squat 1.0); block one with KVROUTE_BLOCK_PLUGINS.\n"
+        )
+
+    def test_failing_hook_is_named(self, tmp_path: Path) -> None:
+        """A plugin whose command hook raises makes `kvroute` exit 1 with one line naming it, its distribution, the hook and the error; no traceback."""
+        _fake_distribution(tmp_path, "kvroute-boom", "3.1", "boom", "kvroute_boom", FAILING_PLUGIN)
+        for args in (["--help"], ["plugins"], ["serve"]):
+            result = _kvroute(tmp_path, *args)
+            assert result.returncode == 1 and result.stdout == ""
+            assert result.stderr == (
+                "Error: plugin 'boom' (distribution kvroute-boom 3.1) failed in hook kvroute_register_commands: "
+                "RuntimeError: no terminal here\n"
+            )

@@ -1,30 +1,30 @@
 """A new user's first minutes, as separate processes: the real `kvroute` entry point and a fresh interpreter.
 
-* Commands whose extra is not installed are listed anyway and say what to install. The missing
-  extra is simulated with a ``sitecustomize`` module on ``PYTHONPATH`` whose meta path finder makes
-  the server extra's modules unimportable, as in an environment with only ``pip install kvroute``.
+* Commands whose application distribution (kvroute-server, kvroute-simulator) is not installed
+  are listed anyway and say what to install. The missing distribution is simulated for real:
+  ``KVROUTE_BLOCK_PLUGINS`` keeps the plugin manager from loading its entry point, and a
+  ``sitecustomize`` module on ``PYTHONPATH`` makes its package unimportable, as after a plain
+  ``pip install kvroute``.
 * Help, a wrong flag and a wrong command give short messages and exit status 2, never a traceback.
-* kvroute used as a library writes nothing on stdout or stderr unless the host configures logging;
-  the commands keep showing their log lines on stderr.
+* kvroute used as a library writes nothing on stdout or stderr unless the host configures logging.
 
-These run in tox's ``core`` env, which does not install the server extra; what needs it (``kvroute
-serve --help``, its log lines) is tested in tests/server/test_command.py.
+These run in tox's ``core`` env, which installs neither application, and in a development
+environment that has both; what needs them (``kvroute serve --help``, ``kvroute simulate``'s
+log lines, ``kvroute emulate`` without kvroute-server) is tested in tests/server and tests/simulator.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
-
-SERVER_MODULES = ("uvicorn", "aiohttp", "prometheus_client")
 
 BLOCKER = """
 import sys
@@ -56,11 +56,12 @@ def _kvroute(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     return _run([script, *args], env=env)
 
 
-def _importable(module: str) -> bool:
+def _installed(distribution: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
         return False
+    return True
 
 
 def _commands(help_text: str) -> dict[str, str]:
@@ -76,89 +77,148 @@ def _commands(help_text: str) -> dict[str, str]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def without_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """An environment in which the server extra's modules cannot be imported."""
-    directory = tmp_path_factory.mktemp("without-server")
-    (directory / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(SERVER_MODULES)))
+def _without(tmp_path_factory: pytest.TempPathFactory, entry_points: list[str], packages: list[str]) -> dict[str, str]:
+    """An environment in which ``entry_points`` are not loaded and ``packages`` cannot be imported."""
+    directory = tmp_path_factory.mktemp("without-" + "-".join(entry_points))
+    (directory / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(packages)))
     env = dict(os.environ)
-    # The engine adapters depend on prometheus-client; plain `pip install kvroute` has neither.
-    env["KVROUTE_BLOCK_PLUGINS"] = "vllm,tensorrt-llm"
+    env["KVROUTE_BLOCK_PLUGINS"] = ",".join(entry_points)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(directory), env.get("PYTHONPATH", "")]))
     return env
 
 
-def _hint(command: str, what: str, module: str) -> str:
-    return f"'kvroute {command}' needs {what} (missing module '{module}'). Install them with: pip install \"kvroute[server]\""
+@pytest.fixture(scope="module")
+def library_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """As after `pip install kvroute`: neither kvroute-server nor kvroute-simulator."""
+    return _without(tmp_path_factory, ["server", "simulator"], ["kvroute_server", "kvroute_simulator"])
 
 
-class TestMissingServerExtra:
-    def test_the_blocker_blocks(self, without_server: dict[str, str]) -> None:
-        """The simulated environment really lacks every module of the server extra (else the tests below prove nothing)."""
-        for module in SERVER_MODULES:
-            result = _run([sys.executable, "-c", f"import {module}"], env=without_server)
-            assert result.returncode == 1 and f"No module named '{module}'" in result.stderr
+@pytest.fixture(scope="module")
+def without_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """As after `pip install "kvroute[simulator]"`: no kvroute-server (kvroute-simulator when this environment has it)."""
+    return _without(tmp_path_factory, ["server"], ["kvroute_server"])
 
-    def test_help_lists_every_command_with_its_extra(self, without_server: dict[str, str]) -> None:
-        """`kvroute --help` lists serve, emulate and check-parity, each marked with the install command it needs."""
-        result = _kvroute("--help", env=without_server)
+
+ALL_COMMANDS = ["check-parity", "emulate", "p2c-info", "plugins", "serve", "simulate"]
+SERVE = "Run the OpenAI-compatible routing proxy."
+NEEDS = '[needs: pip install "kvroute[{}]"]'
+
+
+def _hint(command: str, distribution: str, extra: str) -> str:
+    return (
+        f"'kvroute {command}' comes with the {distribution} distribution, which is not installed. "
+        f'Install it with: pip install "kvroute[{extra}]"'
+    )
+
+
+class TestLibraryOnly:
+    def test_the_blocks_hold(self, library_only: dict[str, str]) -> None:
+        """The simulated environment loads no application plugin and imports no application package (else the tests below prove nothing)."""
+        code = (
+            "from kvroute.plugins import PluginManager\n"
+            "print(sorted(p.name for p in PluginManager().plugins()))\n"
+            "for name in ('kvroute_server', 'kvroute_simulator'):\n"
+            "    try:\n        __import__(name)\n    except ModuleNotFoundError as exc:\n        print(exc.name)\n"
+        )
+        result = _run([sys.executable, "-c", code], env=library_only)
         assert result.returncode == 0, result.stderr
+        plugins, *unimportable = result.stdout.splitlines()
+        assert "server" not in plugins and "simulator" not in plugins and "p2c" in plugins
+        assert unimportable == ["kvroute_server", "kvroute_simulator"]
+
+    def test_help_lists_every_command_with_its_extra(self, library_only: dict[str, str]) -> None:
+        """`kvroute --help` lists serve, check-parity, simulate and emulate, each with the pip command that brings it."""
+        result = _kvroute("--help", env=library_only)
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)
-        assert sorted(commands) == ["check-parity", "emulate", "plugins", "serve", "simulate"]
-        for name in ("serve", "emulate", "check-parity"):
-            assert commands[name].endswith('[needs: pip install "kvroute[server]"]'), commands
-        assert "needs:" not in commands["simulate"] + commands["plugins"]
+        assert sorted(commands) == ALL_COMMANDS
+        assert commands["serve"] == f"{SERVE} {NEEDS.format('server')}"
+        assert commands["check-parity"].endswith(NEEDS.format("server"))
+        assert commands["simulate"].endswith(NEEDS.format("simulator"))
+        assert commands["emulate"].endswith(NEEDS.format("emulator"))
+        assert "needs:" not in commands["plugins"] + commands["p2c-info"]
 
     @pytest.mark.parametrize(
         ("args", "hint"),
         [
-            (["serve"], _hint("serve", "the proxy's dependencies", "uvicorn")),
-            (["serve", "--help"], _hint("serve", "the proxy's dependencies", "uvicorn")),
-            (["serve", "--backend", "http://127.0.0.1:9", "--port", "0"], _hint("serve", "the proxy's dependencies", "uvicorn")),
-            (["emulate", "--port", "0"], _hint("emulate", "the emulator's dependencies", "uvicorn")),
-            (["check-parity", "--backend", "http://127.0.0.1:9"], _hint("check-parity", "the HTTP client's dependencies", "aiohttp")),
+            (["serve"], _hint("serve", "kvroute-server", "server")),
+            (["serve", "--help"], _hint("serve", "kvroute-server", "server")),
+            (["serve", "-h"], _hint("serve", "kvroute-server", "server")),
+            (["serve", "--backend", "http://127.0.0.1:9", "--port", "0"], _hint("serve", "kvroute-server", "server")),
+            (["check-parity", "--backend", "http://127.0.0.1:9"], _hint("check-parity", "kvroute-server", "server")),
+            (["simulate"], _hint("simulate", "kvroute-simulator", "simulator")),
+            (["simulate", "--help"], _hint("simulate", "kvroute-simulator", "simulator")),
+            (["simulate", "--requests", "5", "--bogus"], _hint("simulate", "kvroute-simulator", "simulator")),
+            (["emulate", "--port", "0"], _hint("emulate", "kvroute-simulator", "emulator")),
+            (["emulate", "--help"], _hint("emulate", "kvroute-simulator", "emulator")),
         ],
     )
-    def test_command_says_what_to_install(self, without_server: dict[str, str], args: list[str], hint: str) -> None:
-        """Running a command without its extra prints one line naming the missing module and the pip command, exit 1."""
-        result = _kvroute(*args, env=without_server)
-        assert result.returncode == 1
-        assert result.stderr == f"Error: {hint}\n"
-        assert result.stdout == ""
+    def test_command_says_what_to_install(self, library_only: dict[str, str], args: list[str], hint: str) -> None:
+        """Running a command of a missing distribution prints one line naming it and the pip command, exit 1, whatever the arguments."""
+        result = _kvroute(*args, env=library_only)
+        assert (result.returncode, result.stderr, result.stdout) == (1, f"Error: {hint}\n", "")
 
-    def test_other_commands_unaffected(self, without_server: dict[str, str]) -> None:
-        """Commands that need no extra still run: `kvroute plugins --json` lists the strategies."""
-        result = _kvroute("plugins", "--json", env=without_server)
+    def test_other_commands_unaffected(self, library_only: dict[str, str]) -> None:
+        """Commands of installed plugins still run: `kvroute plugins --json` lists the strategies, `kvroute p2c-info` answers."""
+        result = _kvroute("plugins", "--json", env=library_only)
         assert result.returncode == 0, result.stderr
-        assert "bounded-load" in {row["name"] for row in json.loads(result.stdout)}
+        assert {"bounded-load", "p2c"} <= {row["name"] for row in json.loads(result.stdout)}
+        info = _kvroute("p2c-info", env=library_only)
+        assert (info.returncode, info.stderr) == (0, "") and info.stdout.startswith("p2c:")
+
+
+class TestWithoutServer:
+    def test_help_marks_what_needs_the_server(self, without_server: dict[str, str]) -> None:
+        """Without kvroute-server, serve, check-parity and emulate are marked with their extra; simulate only if kvroute-simulator is missing too."""
+        result = _kvroute("--help", env=without_server)
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        commands = _commands(result.stdout)
+        assert sorted(commands) == ALL_COMMANDS
+        assert commands["serve"] == f"{SERVE} {NEEDS.format('server')}"
+        assert commands["check-parity"].endswith(NEEDS.format("server"))
+        assert commands["emulate"] == f"Run an engine emulator (a fake vLLM server). {NEEDS.format('emulator')}"
+        assert commands["simulate"].endswith(NEEDS.format("simulator")) != _installed("kvroute-simulator")
+
+    @pytest.mark.parametrize("args", [["serve"], ["serve", "--help"], ["check-parity"]])
+    def test_server_commands_say_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:
+        """Without kvroute-server, its commands exit 1 with the server extra's pip command."""
+        result = _kvroute(*args, env=without_server)
+        assert (result.returncode, result.stderr, result.stdout) == (1, f"Error: {_hint(args[0], 'kvroute-server', 'server')}\n", "")
+
+    @pytest.mark.parametrize("args", [["emulate"], ["emulate", "--help"], ["emulate", "--port", "0"]])
+    def test_emulate_says_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:
+        """Without kvroute-server, `kvroute emulate` exits 1 with one line ending in the emulator extra's pip command, whoever answers."""
+        result = _kvroute(*args, env=without_server)
+        assert (result.returncode, result.stdout) == (1, "")
+        assert result.stderr.startswith("Error: 'kvroute emulate' ")
+        assert result.stderr.endswith('Install it with: pip install "kvroute[emulator]"\n')
+        assert result.stderr.count("\n") == 1
 
 
 class TestNewUser:
     def test_help(self) -> None:
-        """`kvroute --help` lists every command with its one-line help, marks those whose extra is missing, and exits 0."""
+        """`kvroute --help` lists every command with its one-line help, marks those whose distribution is missing, and exits 0."""
         result = _kvroute("--help")
         assert result.returncode == 0 and result.stderr == ""
         commands = _commands(result.stdout)
-        assert sorted(commands) == ["check-parity", "emulate", "plugins", "serve", "simulate"]
-        assert commands["simulate"] == "Simulate a fleet and compare strategies."
-        # Marked as needing the server extra exactly when this environment lacks it (tox's core env does).
-        server_missing = not all(map(_importable, SERVER_MODULES))
-        marker = '[needs: pip install "kvroute[server]"]'
-        assert commands["serve"] == "Run the OpenAI-compatible routing proxy." + (f" {marker}" if server_missing else "")
+        assert sorted(commands) == ALL_COMMANDS
+        assert commands["serve"].endswith(NEEDS.format("server")) != _installed("kvroute-server")
+        assert commands["simulate"].endswith(NEEDS.format("simulator")) != _installed("kvroute-simulator")
+        assert commands["plugins"].startswith("List installed strategies and backend kinds")
 
     @pytest.mark.parametrize(
         ("args", "message"),
         [
             (["plugins", "--bogus"], "Error: No such option '--bogus'"),
-            (["simulate", "--instances", "0"], "Error: Invalid value for '-n' / '--instances'"),
-            (["simulate", "--seed", "x"], "Error: Invalid value for '--seed': 'x' is not a valid integer."),
+            (["plugins", "extra"], "Error: Got unexpected extra argument (extra)"),
             (["nonsense"], "Error: No such command 'nonsense'."),
             (["serv"], "Error: No such command 'serv'. Did you mean 'serve'?"),
+            (["simulat"], "Error: No such command 'simulat'. Did you mean 'simulate'?"),
             (["--bogus"], "Error: No such option '--bogus'"),
         ],
     )
     def test_mistakes_exit_2_without_traceback(self, args: list[str], message: str) -> None:
-        """A wrong flag, value or command prints usage and one error line, exit 2, no traceback."""
+        """A wrong flag, argument or command prints usage and one error line, exit 2, no traceback."""
         result = _kvroute(*args)
         assert result.returncode == 2
         assert message in result.stderr and "Usage: kvroute" in result.stderr
@@ -215,12 +275,3 @@ class TestLibraryLogging:
         assert len(events) == 7, result.stderr  # 2 initial backends, add, unhealthy, healthy, draining, remove
         assert all(line.startswith("INFO kvroute.fleet ") for line in events)
         assert "change=removed" in events[-1] and "backend=gpu2" in events[-1]
-
-
-class TestCommandLogging:
-    def test_simulate_logs_on_stderr(self) -> None:
-        """`kvroute simulate --log-level info` keeps its table on stdout and the library's log lines on stderr."""
-        result = _kvroute("simulate", "-s", "least-outstanding", "--requests", "20", "--no-progress", "--log-level", "info")
-        assert result.returncode == 0, result.stderr
-        assert "least-outstanding" in result.stdout and "fleet_changed" not in result.stdout
-        assert "fleet_changed" in result.stderr

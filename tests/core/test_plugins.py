@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 
 import kvroute
 from kvroute import Backend, Fleet, PluginLoadError, PluginManager, Router, RouteRequest
-from kvroute.plugins import BLOCK_ENV, DISABLE_AUTOLOAD_ENV, PLUGINS_ENV
+from kvroute.plugins import BLOCK_ENV, DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, PluginInfo
 
 
 def fake_distribution(root: Path, dist: str, version: str, ep_name: str, module: str, source: str) -> None:
@@ -110,6 +114,85 @@ class TestRegistrationErrors:
         assert set(pm.backend_kinds) == {"openai"} and dict(pm.strategies) == {}
 
 
+class _Greeter:
+    """A plugin adding one command that prints its greeting."""
+
+    def __init__(self, command: str, greeting: str) -> None:
+        self.command = command
+        self.greeting = greeting
+
+    @kvroute.hookimpl
+    def kvroute_register_commands(self, cli: click.Group) -> None:
+        @cli.command(self.command)
+        def greet() -> None:
+            click.echo(self.greeting)
+
+
+class TestRegisterCommands:
+    def test_commands_are_added_and_attributed(self) -> None:
+        """Each plugin's commands land in the group, and register_commands says which plugin added which."""
+        pm = PluginManager(autoload=False)
+        pm.register(_Greeter("hello", "hi"), name="plug-a")
+        pm.register(_Greeter("bye", "ciao"), name="plug-b")
+        group = click.Group("kvroute")
+        assert pm.register_commands(group) == {"hello": PluginInfo("plug-a"), "bye": PluginInfo("plug-b")}
+        assert CliRunner().invoke(group, ["hello"]).output == "hi\n"
+        assert CliRunner().invoke(group, ["bye"]).output == "ciao\n"
+
+    def test_duplicate_command_names_both(self) -> None:
+        """Two plugins adding the same command name is a PluginLoadError naming both and the way out."""
+        pm = PluginManager(autoload=False)
+        pm.register(_Greeter("hello", "hi"), name="plug-a")
+        pm.register(_Greeter("hello", "hey"), name="plug-b")
+        with pytest.raises(PluginLoadError) as info:
+            pm.register_commands(click.Group("kvroute"))
+        assert re.fullmatch(
+            r"command 'hello' is registered twice: by plugin 'plug-(a|b)' and by plugin 'plug-(a|b)'; "
+            r"block one with KVROUTE_BLOCK_PLUGINS\.",
+            str(info.value),
+        ), info.value
+        assert "'plug-a'" in str(info.value) and "'plug-b'" in str(info.value)
+
+    def test_command_already_in_the_group_is_not_replaced(self) -> None:
+        """A plugin adding a command the group already holds is refused, naming kvroute itself."""
+        pm = PluginManager(autoload=False)
+        pm.register(_Greeter("plugins", "mine"), name="squat")
+        group = click.Group("kvroute")
+        own = click.Command("plugins")
+        group.add_command(own)
+        with pytest.raises(PluginLoadError, match=r"^command 'plugins' is registered twice: by kvroute itself and by plugin 'squat'"):
+            pm.register_commands(group)
+
+    def test_failing_command_hook_is_attributed(self) -> None:
+        """An exception inside kvroute_register_commands names the plugin, the hook and the error, with the error as cause."""
+
+        class Bad:
+            @kvroute.hookimpl
+            def kvroute_register_commands(self, cli: click.Group) -> None:
+                raise RuntimeError("boom")
+
+        pm = PluginManager(autoload=False)
+        pm.register(Bad(), name="bad")
+        with pytest.raises(PluginLoadError) as info:
+            pm.register_commands(click.Group("kvroute"))
+        assert str(info.value) == "plugin 'bad' failed in hook kvroute_register_commands: RuntimeError: boom"
+        assert isinstance(info.value.__cause__, RuntimeError)
+
+    def test_entry_point_plugin_names_its_distribution(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A command hook failing in an installed plugin names its distribution and version too."""
+        source = "import kvroute\n\n@kvroute.hookimpl\ndef kvroute_register_commands(cli):\n    raise KeyError('cli')\n"
+        fake_distribution(tmp_path, "kvroute-cmd-broken", "4.2", "cmd-broken", "kvroute_cmd_broken_mod", source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+        monkeypatch.setenv(PLUGINS_ENV, "cmd-broken")
+        with pytest.raises(PluginLoadError) as info:
+            PluginManager().register_commands(click.Group("kvroute"))
+        assert str(info.value) == (
+            "plugin 'cmd-broken' (distribution kvroute-cmd-broken 4.2) failed in hook kvroute_register_commands: "
+            "KeyError: 'cli'"
+        )
+
+
 class TestThirdPartyDistribution:
     """The tox env pip-installs tests/third_party/kvroute-p2c like any outside plugin."""
 
@@ -131,3 +214,23 @@ class TestThirdPartyDistribution:
         assert sum(counts) == 8 and max(counts) - min(counts) <= 2
         assert {lease.decision.reason for lease in held} == {"p2c"}
         assert all(lease.decision.detail["versus"] != lease.backend.id for lease in held)
+
+    def test_adds_a_command(self) -> None:
+        """The third-party plugin's `kvroute p2c-info` is listed, attributed to its distribution, and runs from the real script."""
+        added = PluginManager().register_commands(click.Group("kvroute"))
+        assert (added["p2c-info"].distribution, added["p2c-info"].version) == ("kvroute-p2c", "0.1.0")
+        listing = subprocess.run([sys.executable, "-m", "kvroute", "--help"], check=True, capture_output=True, text=True).stdout
+        assert re.search(r"^  p2c-info +Say what the p2c strategy does", listing, re.MULTILINE), listing
+        run = subprocess.run([sys.executable, "-m", "kvroute", "p2c-info"], capture_output=True, text=True, check=False)
+        assert (run.returncode, run.stderr) == (0, "")
+        assert run.stdout.startswith("p2c: sample two backends")
+
+    def test_installed_from_a_wheel(self) -> None:
+        """kvroute-p2c is installed as a built distribution (not editable), so its entry points come from real package metadata."""
+        distribution = metadata.distribution("kvroute-p2c")
+        direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
+        assert not direct_url.get("dir_info", {}).get("editable", False), direct_url
+        import kvroute_p2c
+
+        assert Path(kvroute_p2c.__file__).resolve().is_relative_to(Path(str(distribution.locate_file(""))).resolve())
+        assert "tests/third_party" not in Path(kvroute_p2c.__file__).as_posix()

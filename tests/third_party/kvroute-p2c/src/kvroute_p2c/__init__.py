@@ -27,3 +27,13 @@ class PowerOfTwo(kvroute.BaseStrategy):
 @kvroute.hookimpl
 def kvroute_register_strategies(register):
     register("p2c", PowerOfTwo)
+
+
+@kvroute.hookimpl
+def kvroute_register_commands(cli):
+    import click
+
+    @cli.command("p2c-info")
+    def p2c_info():
+        """Say what the p2c strategy does (a command added by a third-party plugin)."""
+        click.echo("p2c: sample two backends, route to the one with fewer requests in flight per unit of weight")
