@@ -5,8 +5,6 @@ The public API is re-exported here; everything else is an implementation detail.
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
-
 from kvroute._markers import hookimpl
 from kvroute.adapters import BackendAdapter, HttpGetter, HttpReply, OpenAIAdapter
 from kvroute.backend import Backend, BackendState, EngineLoad
@@ -25,11 +23,6 @@ from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
-
-try:
-    __version__ = _metadata.version("kvroute")
-except _metadata.PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "AFFINITY_HEADER",
@@ -66,3 +59,16 @@ __all__ = [
     "hash_parts",
     "hookimpl",
 ]
+
+
+def __getattr__(name: str) -> str:
+    # ``kvroute.__version__`` is read from the installed metadata on first use: importing
+    # importlib.metadata costs ~25 ms that `import kvroute` need not pay.
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            return metadata.version("kvroute")
+        except metadata.PackageNotFoundError:  # running from a source tree
+            return "0.0.0"
+    raise AttributeError(f"module 'kvroute' has no attribute {name!r}")

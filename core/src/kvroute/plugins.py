@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 
@@ -131,6 +130,8 @@ class PluginManager:
 
     def load_entrypoints(self, only: set[str] | None = None) -> None:
         """Import every entry point of group ``kvroute`` (or just those in ``only``)."""
+        from importlib import metadata  # imported here: ~25 ms that `import kvroute` need not pay
+
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in self._blocked or (only is not None and ep.name not in only):
                 continue
@@ -263,6 +264,8 @@ class PluginManager:
 
 
 def _own_version() -> str | None:
+    from importlib import metadata
+
     try:
         return metadata.version("kvroute")
     except metadata.PackageNotFoundError:
