@@ -7,7 +7,7 @@ Rows (median and p99 per call, microseconds), all on one core, nothing on the ne
 * ``vllm /metrics, whole text``: prometheus-client's parser on a whole captured vLLM 0.32 body
   (``tests/e2e/vllm/fixtures/metrics_busy.txt``, ~600 lines): what a naive adapter would pay
   per backend per health round.
-* ``vllm /metrics, parse_metrics``: the adapter's parse (only the families it reads go through the parser).
+* ``vllm /metrics, parse_prometheus``: the adapter's parse (only the families it reads go through the parser).
 * ``vllm KV batch decode``: ``decode_message`` on each of the 11 captured ZMQ messages, per message.
 * ``vllm KV apply 2,048-token store``: decoding and applying the first captured ``BlockStored``
   (16 blocks of 128 tokens: the router re-hashes them from their token ids) to a fresh index.
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvroute_tensorrt_llm import EventFeed, merge_iteration_stats, parse_events
+from kvroute_tensorrt_llm import TrtllmEventFeed, merge_iteration_stats, parse_events
 from kvroute_tokenizer_prefix import BlockIndex
-from kvroute_vllm import KvEventFeed, decode_message, parse_metrics
+from kvroute_vllm import VllmEventFeed, decode_message, parse_prometheus
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def main() -> None:
             decode_message(frames, b"kv")
 
     def apply_first() -> None:
-        KvEventFeed("b", BlockIndex(128)).receive(decode_message(messages[0], b"kv"))
+        VllmEventFeed("b", BlockIndex(128)).receive(decode_message(messages[0], b"kv"))
 
     def trt_merge() -> None:
         stats = None
@@ -68,13 +68,13 @@ def main() -> None:
             stats = merge_iteration_stats(stats, answer)
 
     def trt_apply() -> None:
-        feed = EventFeed("t", BlockIndex(32))
+        feed = TrtllmEventFeed("t", BlockIndex(32))
         for answer in trt_events:
             feed.receive(parse_events(answer))
 
     rows = [
         ("vllm /metrics, whole text", lambda: list(text_string_to_metric_families(metrics)), 1),
-        ("vllm /metrics, parse_metrics", lambda: parse_metrics(metrics), 1),
+        ("vllm /metrics, parse_prometheus", lambda: parse_prometheus(metrics), 1),
         ("vllm KV batch decode (per message)", decode_all, len(messages)),
         ("vllm KV apply 2,048-token store", apply_first, 1),
         ("trtllm /metrics merge (4 answers)", trt_merge, 1),

@@ -162,7 +162,7 @@ class TestTensorRTLLMAdapter:
         load = await adapter.poll_load(http)
         assert load is not None and (load.running, load.waiting, load.kv_usage, load.block_size) == (4, 2, 0.125, 32)
         assert (load.prefix_cache_hits, load.prefix_cache_queries) == (128 * 32, (128 + 384) * 32)
-        assert adapter.stats_seen is not None and adapter.stats_seen.max_blocks == 8192
+        assert adapter.metrics is not None and adapter.metrics.max_blocks == 8192
         assert "metrics" not in server.calls
         assert adapter.stats()["load_polling"]["source"] == "prometheus"
 
@@ -204,7 +204,9 @@ class TestTensorRTLLMAdapter:
         assert not index.is_exact("t0")
         assert index.match(block_hashes(list(range(1000, 1096)), 32), ["t0"]) == {"t0": 2}
         assert index.capacity("t0") == 101256
-        assert adapter.stats()["kv_events"]["blocks_stored"] == 4  # 2 + 1 + 1, of which 2 were removed later
+        stats = adapter.stats()
+        assert stats["kv_events"]["blocks_stored"] == 4  # 2 + 1 + 1, of which 2 were removed later
+        assert stats["kv_events"]["lost_reason"] is None and stats["metrics"]["max_blocks"] == 101256
 
     async def test_events_held_while_traffic_flows(self, trtllm: Any) -> None:
         """/kv_cache_events held past the client's usual timeout still delivers the events it drained."""

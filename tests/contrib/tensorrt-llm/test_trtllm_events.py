@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from kvroute_tensorrt_llm import (
     Created,
-    EventFeed,
     EventFormatError,
     Malformed,
     Removed,
     Stored,
+    TrtllmEventFeed,
     UnknownEvent,
     Updated,
     parse_events,
@@ -66,9 +66,9 @@ def _removed(event_id: int, hashes: list[int | str], **item: Any) -> dict[str, A
     return {"event_id": event_id, "data": {"type": "removed", "block_hashes": hashes}, "window_size": 4096, **item}
 
 
-def _fed(answers: list[list[dict[str, Any]]], *, start: bool = True, **options: Any) -> tuple[BlockIndex, EventFeed]:
+def _fed(answers: list[list[dict[str, Any]]], *, start: bool = True, **options: Any) -> tuple[BlockIndex, TrtllmEventFeed]:
     index = BlockIndex(BS)
-    feed = EventFeed("t", index, **options)
+    feed = TrtllmEventFeed("t", index, **options)
     if start:
         feed.start()
     for answer in answers:
@@ -205,7 +205,7 @@ class TestEventFeed:
         index, feed = _fed(answers[:3])
         assert _matched(index, _ids(1000, 128)) == 3  # the fourth block holds image tokens
         assert index.blocks("t") == 3
-        assert feed.stats.skipped == 1  # layer group 1 repeats group 0's blocks
+        assert feed.stats.skipped_events == 1  # layer group 1 repeats group 0's blocks
         for answer in answers[3:]:
             feed.receive(parse_events(answer))
         assert _matched(index, _ids(1000), cache_salt="tenant-a") == 1
@@ -237,6 +237,21 @@ class TestEventFeed:
         assert [log for log in logs if log["event"] == "kv_index_inexact"] == [
             {"event": "kv_index_inexact", "backend": "t", "reason": "event_gap", "rank": 0, "after": 1, "count": 3, "log_level": "warning"}
         ]
+
+    def test_sink_is_told_the_reason(self) -> None:
+        """The index learns why the backend is not exact (set_exact's reason), and forgets it once exact again."""
+        index, feed = _fed([[_v1_stored(1, [0])], [_v1_stored(5, [100])]])
+        assert index.inexact_reason("t") == "event_gap"
+        feed.resync()
+        assert index.is_exact("t") and index.inexact_reason("t") is None
+
+    def test_losses_while_inexact_count_one_transition(self) -> None:
+        """Every loss is counted by reason, but the backend stops being exact (logged, counted) once until it is exact again."""
+        with capture_logs() as logs:
+            _, feed = _fed([[_v1_stored(1, [0])], [_v1_stored(5, [100])], [{"event_id": 6, "data": {"type": "pinned"}}]])
+        assert feed.stats.inexact_reasons == {"event_gap": 1, "unknown_event": 1} and feed.stats.inexact == 1
+        assert [log["reason"] for log in logs if log["event"] == "kv_index_inexact"] == ["event_gap"]
+        assert feed.lost_reason == "event_gap" and feed.report()["lost_reason"] == "event_gap"
 
     def test_unknown_event_marks_inexact(self) -> None:
         """An event of an unknown type might have removed blocks: the backend goes inexact."""
@@ -273,7 +288,7 @@ class TestEventFeed:
     def test_held_until_block_sizes_agree(self) -> None:
         """With the index hashing another block size, events wait in order and are applied once it changes."""
         index = BlockIndex(16)
-        feed = EventFeed("t", index)
+        feed = TrtllmEventFeed("t", index)
         feed.start()
         feed.receive(parse_events([_v1_stored(1, [0, 32])]))
         feed.receive(parse_events([_removed(2, [_v1_hash(0, 32)])]))
@@ -285,7 +300,7 @@ class TestEventFeed:
     def test_held_overflow_marks_inexact(self) -> None:
         """Dropping a held event (too many waiting for the block size) loses it: the backend goes inexact."""
         index = BlockIndex(16)
-        feed = EventFeed("t", index, max_held=1)
+        feed = TrtllmEventFeed("t", index, max_held=1)
         feed.start()
         feed.receive(parse_events([_v1_stored(1, [0]), _v1_stored(2, [100])]))
         assert feed.stats.dropped_held == 1 and not feed.exact
@@ -294,25 +309,25 @@ class TestEventFeed:
     def test_engine_block_size_from_metrics_decides(self) -> None:
         """When the metrics gave tokens per block, a stored block of another size ends the run."""
         index = BlockIndex(BS)
-        feed = EventFeed("t", index)
+        feed = TrtllmEventFeed("t", index)
         feed.engine_block_size = BS
         small = {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [_block(v1_block_hash(_ids(0, 16)), _ids(0, 16))]}}
         feed.receive(parse_events([_v1_stored(1, [0, 32]), small]))
-        assert index.blocks("t") == 2 and feed.stats.skipped == 1
+        assert index.blocks("t") == 2 and feed.stats.skipped_events == 1
 
     def test_smaller_windows_are_skipped(self) -> None:
         """Events of a smaller attention window than seen stay out of the index."""
         large = _v1_stored(1, [100])
         small = {**_v1_stored(2, [200]), "window_size": 512}
         index, feed = _fed([[large, small]])
-        assert index.blocks("t") == 1 and feed.stats.skipped == 1
+        assert index.blocks("t") == 1 and feed.stats.skipped_events == 1
 
     def test_lora_id_blocks_are_skipped(self) -> None:
         """A block naming a LoRA by id only stays out of the index (the router keys adapters by name)."""
         event = _v1_stored(1, [0])
         event["data"]["blocks"][0]["lora_id"] = 4
         index, feed = _fed([[event]])
-        assert index.blocks("t") == 0 and feed.stats.skipped == 1
+        assert index.blocks("t") == 0 and feed.stats.skipped_events == 1
 
     def test_ranks_are_kept_apart(self) -> None:
         """An engine hash names a block on one attention-DP rank only: another rank's removal of it changes nothing."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvroute_tensorrt_llm import TrtllmStats, merge_iteration_stats, parse_prometheus
+from kvroute_tensorrt_llm import TrtllmMetrics, merge_iteration_stats, parse_prometheus
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -78,7 +78,7 @@ class TestIterationStats:
 
     def test_to_load(self) -> None:
         """The EngineLoad carries the values and the observation time."""
-        load = TrtllmStats(running=1, waiting=2, block_size=32).to_load(observed_at=3.0)
+        load = TrtllmMetrics(running=1, waiting=2, block_size=32).to_load(observed_at=3.0)
         assert (load.running, load.waiting, load.block_size, load.observed_at) == (1, 2, 32, 3.0)
 
     @pytest.mark.parametrize(
@@ -100,19 +100,20 @@ class TestIterationStats:
 class TestPrometheus:
     def test_trtllm_names(self) -> None:
         """trtllm-serve's collector gives running, waiting, utilization, blocks and the reuse counters in tokens."""
-        gauges = parse_prometheus((FIXTURES / "prometheus.txt").read_text())
-        assert gauges == {
-            "running": 4.0, "waiting": 2.0, "kv_usage": 0.125, "block_size": 32.0, "max_blocks": 8192.0,
-            "used_blocks": 1024.0, "prefix_cache_hits": 128 * 32.0, "prefix_cache_queries": (128 + 384) * 32.0,
-        }
+        metrics = parse_prometheus((FIXTURES / "prometheus.txt").read_text())
+        assert metrics == TrtllmMetrics(
+            running=4, waiting=2, kv_usage=0.125, block_size=32, max_blocks=8192,
+            used_blocks=1024, prefix_cache_hits=128 * 32.0, prefix_cache_queries=(128 + 384) * 32.0,
+        )
+        assert all(type(getattr(metrics, count)) is int for count in ("running", "waiting", "block_size", "max_blocks", "used_blocks"))
 
     def test_triton_backend_names(self) -> None:
         """Triton's TensorRT-LLM backend metrics are read by their type labels."""
-        assert parse_prometheus(TRITON) == {"running": 5.0, "waiting": 3.0, "kv_usage": 0.75, "block_size": 64.0, "max_blocks": 8000.0}
+        assert parse_prometheus(TRITON) == TrtllmMetrics(running=5, waiting=3, kv_usage=0.75, block_size=64, max_blocks=8000)
 
     def test_no_known_gauges(self) -> None:
         """A body without any known gauge (a server that has not logged iteration stats yet) gives nothing."""
-        assert parse_prometheus("# TYPE up gauge\nup 1\n") == {}
+        assert parse_prometheus("# TYPE up gauge\nup 1\n") == TrtllmMetrics()
 
     def test_unparsable(self) -> None:
         """Text that is not Prometheus' format is an error saying so."""

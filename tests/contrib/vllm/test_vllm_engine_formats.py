@@ -21,9 +21,8 @@ from kvroute_vllm import (
     WINDOW_KINDS,
     BlockStored,
     EventBatch,
-    ExactFlag,
-    KvEventFeed,
     VllmAdapter,
+    VllmEventFeed,
     ZmqSource,
     ZmqSubscriber,
     decode_batch,
@@ -34,6 +33,7 @@ from kvroute_vllm import (
 from structlog.testing import capture_logs
 
 from kvroute import Backend
+from kvroute.adapters import ExactFlag
 from tests.contrib.vllm.vllm_fakes import (
     FakeHttp,
     FakeVllmPublisher,
@@ -67,9 +67,9 @@ def _live(capture: str, scenario: str) -> list[EventBatch]:
     return [decode_message(frames, b"kv") for frames in publisher_capture(capture)["scenarios"][scenario]["live"]]
 
 
-def _feed(sink: RecordingSink | None = None, **kwargs: Any) -> tuple[KvEventFeed, RecordingSink]:
+def _feed(sink: RecordingSink | None = None, **kwargs: Any) -> tuple[VllmEventFeed, RecordingSink]:
     sink = sink or RecordingSink(block_size=BS)
-    return KvEventFeed("b0", sink, **kwargs), sink
+    return VllmEventFeed("b0", sink, **kwargs), sink
 
 
 def _tokens(start: int, blocks: int) -> list[int]:
@@ -193,11 +193,11 @@ class _RejectingSink(RecordingSink):
         raise ValueError("refused by the sink")
 
 
-def _lora_without_name(feed: KvEventFeed) -> None:
+def _lora_without_name(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1], _tokens(0, 1), lora_id=3)))
 
 
-def _gap_with_failed_replay(feed: KvEventFeed) -> None:
+def _gap_with_failed_replay(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1], _tokens(0, 1))))
     gap = feed.receive(_batch(3, _store([2], _tokens(100, 1))))
     assert gap is not None
@@ -205,41 +205,41 @@ def _gap_with_failed_replay(feed: KvEventFeed) -> None:
     feed.skip_gap(gap)
 
 
-def _unknown_kind(feed: KvEventFeed) -> None:
+def _unknown_kind(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1], _tokens(0, 1), group_idx=0, kv_cache_spec_kind="paged_sparse_attention")))
 
 
-def _window_only(feed: KvEventFeed) -> None:
+def _window_only(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1], _tokens(0, 1), group_idx=0, kv_cache_spec_kind="sliding_window")))
 
 
-def _unknown_event_type(feed: KvEventFeed) -> None:
+def _unknown_event_type(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, {"type": "BlockMigrated", "block_hashes": [1]}))
 
 
-def _history_incomplete(feed: KvEventFeed) -> None:
+def _history_incomplete(feed: VllmEventFeed) -> None:
     feed.replayed([_batch(40, _store([1], _tokens(0, 1)))], complete=True)  # the buffer no longer reaches batch 0
 
 
-def _unknown_parent(feed: KvEventFeed) -> None:
+def _unknown_parent(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([5], _tokens(0, 1), parent=99)))
 
 
-def _malformed_store(feed: KvEventFeed) -> None:
+def _malformed_store(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1, 2], _tokens(0, 1))))
 
 
-def _lookahead(feed: KvEventFeed) -> None:
+def _lookahead(feed: VllmEventFeed) -> None:
     feed.receive(_batch(0, _store([1], _tokens(0, 1), lookahead_token_ids=[[5, 6]])))
 
 
-def _held_dropped(feed: KvEventFeed) -> None:
+def _held_dropped(feed: VllmEventFeed) -> None:
     feed.sink.index.reset(8)  # type: ignore[attr-defined]  # the strategy hashes blocks of another size
     for seq in range(3):
         feed.receive(_batch(seq, _store([seq + 1], _tokens(seq * 100, 1))))
 
 
-LOSS_PATHS: dict[str, Callable[[KvEventFeed], None]] = {
+LOSS_PATHS: dict[str, Callable[[VllmEventFeed], None]] = {
     "lora_without_name": _lora_without_name,
     "lost_batches": _gap_with_failed_replay,
     "unknown_cache_kind": _unknown_kind,
@@ -268,7 +268,7 @@ class TestExactness:
         """A sink whose set_exact takes no reason (the tokenizer-prefix BlockIndex today) is still told, without one."""
         index = BlockIndex(BS)
         index.set_exact("b0", True)
-        feed = KvEventFeed("b0", index)
+        feed = VllmEventFeed("b0", index)
         _unknown_kind(feed)
         assert not index.is_exact("b0") and feed.lost_reason == "unknown_cache_kind"
 
@@ -292,7 +292,7 @@ class TestExactness:
         """With two ranks the backend is exact only once both subscribe; a rank losing events makes it inexact."""
         sink = RecordingSink(block_size=BS)
         flag = ExactFlag("b0", sink)
-        rank0, rank1 = (KvEventFeed("b0", sink, rank=r, exact_flag=flag) for r in (0, 1))
+        rank0, rank1 = (VllmEventFeed("b0", sink, rank=r, exact_flag=flag) for r in (0, 1))
         flag.subscribed(rank0, True)
         assert (sink.exact, sink.reasons) == ({"b0": False}, {"b0": "not_subscribed"})
         flag.subscribed(rank1, True)
@@ -307,7 +307,7 @@ class TestExactness:
         """When the sink forgot the backend's blocks (another rank made it exact again), the subscriber replays from 0."""
         payloads = captured_payloads()[:3]
         sink = RecordingSink()
-        feed = KvEventFeed("b0", sink)
+        feed = VllmEventFeed("b0", sink)
         async with FakeVllmPublisher() as pub:
             for payload in payloads:
                 pub.store(payload)
@@ -330,7 +330,7 @@ class TestExactness:
         payloads = captured_payloads()
         sink = RecordingSink()
         flag = ExactFlag("b0", sink)
-        feed = KvEventFeed("b0", sink, exact_flag=flag)
+        feed = VllmEventFeed("b0", sink, exact_flag=flag)
         async with FakeVllmPublisher(ignore_replays=100) as pub:
             subscriber = ZmqSubscriber(ZmqSource(pub.endpoint, "kv", pub.replay_endpoint), replay_timeout=0.2)
             with anyio.fail_after(30):
@@ -475,7 +475,7 @@ class TestOldReplayFormat:
         payloads = captured_payloads()[:6]
         sink = RecordingSink()
         flag = ExactFlag("b0", sink)
-        feed = KvEventFeed("b0", sink, exact_flag=flag)
+        feed = VllmEventFeed("b0", sink, exact_flag=flag)
         async with FakeVllmPublisher(replay_topic=False) as pub:
             for payload in payloads[:3]:
                 pub.store(payload)

@@ -6,7 +6,7 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 from kvroute_tokenizer_prefix import BlockIndex, block_hashes, root_hash
-from kvroute_vllm import EventBatch, Gap, KvEventFeed, decode_batch
+from kvroute_vllm import EventBatch, Gap, VllmEventFeed, decode_batch
 
 from tests.contrib.vllm.vllm_fakes import RecordingSink, captured_payloads, kv_events, model_router_hashes
 
@@ -30,7 +30,7 @@ def _batch(seq: int, *events: dict[str, object], rank: int = 0) -> EventBatch:
 
 def _in_order(upto: int = 10) -> BlockIndex:
     index = BlockIndex(BS)
-    feed = KvEventFeed("a", index)
+    feed = VllmEventFeed("a", index)
     for batch in _batches()[:upto]:
         assert feed.receive(batch) is None
     return index
@@ -41,7 +41,7 @@ class TestKvEventFeed:
         """After each captured batch, the index holds exactly the blocks the engine holds, in router hashes."""
         payloads = captured_payloads()
         index = BlockIndex(BS)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         for seq, batch in enumerate(_batches()):
             feed.receive(batch)
             assert set(index.holders) == model_router_hashes(payloads[: seq + 1]), f"after batch {seq}"
@@ -57,7 +57,7 @@ class TestKvEventFeed:
         """A batch past the expected one returns the gap; replaying it and offering the batch again catches up."""
         batches = _batches()
         index = BlockIndex(BS)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         feed.receive(batches[0])
         assert feed.receive(batches[3]) == Gap(1, 3)
         feed.replayed(batches[1:5])
@@ -70,7 +70,7 @@ class TestKvEventFeed:
     def test_unfillable_gap_is_counted_lost(self) -> None:
         """Without a replay the gap is skipped and counted, and the stream goes on."""
         batches = _batches()
-        feed = KvEventFeed("a", BlockIndex(BS))
+        feed = VllmEventFeed("a", BlockIndex(BS))
         feed.receive(batches[0])
         gap = feed.receive(batches[4])
         assert gap == Gap(1, 4)
@@ -81,7 +81,7 @@ class TestKvEventFeed:
     def test_replay_that_starts_late_counts_the_missing_batches(self) -> None:
         """A replay buffer that no longer reaches the expected batch: the missing ones are counted lost."""
         batches = _batches()
-        feed = KvEventFeed("a", BlockIndex(BS))
+        feed = VllmEventFeed("a", BlockIndex(BS))
         feed.receive(batches[0])
         feed.replayed(batches[3:5])
         assert (feed.stats.lost_batches, feed.expected) == (2, 5)
@@ -89,7 +89,7 @@ class TestKvEventFeed:
     def test_publisher_restart_clears_the_backend(self) -> None:
         """A live sequence number that does not grow means the engine restarted: its blocks are forgotten."""
         sink = RecordingSink()
-        feed = KvEventFeed("a", sink)
+        feed = VllmEventFeed("a", sink)
         batches = _batches()
         for batch in batches[:3]:
             feed.receive(batch)
@@ -100,7 +100,7 @@ class TestKvEventFeed:
 
     def test_restart_then_gap_asks_for_replay_from_zero(self) -> None:
         """After a restart the first live batch past 0 reveals a gap from 0."""
-        feed = KvEventFeed("a", BlockIndex(BS))
+        feed = VllmEventFeed("a", BlockIndex(BS))
         batches = _batches()
         feed.receive(batches[5])
         assert feed.receive(batches[2]) == Gap(0, 2)
@@ -108,7 +108,7 @@ class TestKvEventFeed:
     def test_batches_wait_while_block_sizes_differ(self) -> None:
         """Until the sink hashes blocks of the engine's size, batches are held in order, then applied."""
         index = BlockIndex(16)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         for batch in _batches()[:4]:
             feed.receive(batch)
         assert (feed.holding, index.blocks("a")) == (4, 0)
@@ -119,7 +119,7 @@ class TestKvEventFeed:
 
     def test_held_batches_are_bounded(self) -> None:
         """A sink that never agrees on the block size does not make the feed grow without bound."""
-        feed = KvEventFeed("a", BlockIndex(16), max_held=3)
+        feed = VllmEventFeed("a", BlockIndex(16), max_held=3)
         for batch in _batches()[:6]:
             feed.receive(batch)
         assert (feed.holding, feed.stats.dropped_held) == (3, 3)
@@ -127,7 +127,7 @@ class TestKvEventFeed:
     def test_cpu_blocks_and_other_groups_are_skipped(self) -> None:
         """Blocks on another medium or in another KV cache group do not enter the GPU index."""
         sink = RecordingSink()
-        feed = KvEventFeed("a", sink)
+        feed = VllmEventFeed("a", sink)
         tokens = list(range(BS))
         feed.receive(_batch(0, _stored([1], tokens, medium="CPU"), _stored([2], tokens, group_idx=1, kv_cache_spec_kind="sliding_window")))
         feed.receive(_batch(1, {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}))
@@ -137,7 +137,7 @@ class TestKvEventFeed:
     def test_lora_name_and_cache_salt_key_the_root(self) -> None:
         """The LoRA name and the cache_salt found in the first block's extra keys seed the router's chain."""
         sink = RecordingSink()
-        feed = KvEventFeed("a", sink)
+        feed = VllmEventFeed("a", sink)
         tokens = list(range(2 * BS))
         feed.receive(_batch(0, _stored([7, 8], tokens, lora_name="tenant-lora", extra_keys=[["tenant-lora", "salt-1"], ["tenant-lora"]])))
         expected = block_hashes(tokens, BS, parent=root_hash("tenant-lora", "salt-1"))
@@ -147,14 +147,14 @@ class TestKvEventFeed:
     def test_multimodal_blocks_end_the_event(self) -> None:
         """A block keyed by a multimodal identifier cannot be recomputed from tokens: it and its successors are skipped."""
         sink = RecordingSink()
-        feed = KvEventFeed("a", sink)
+        feed = VllmEventFeed("a", sink)
         tokens = list(range(3 * BS))
         feed.receive(_batch(0, _stored([1, 2, 3], tokens, extra_keys=[None, [["img-hash", 5]], None])))
         assert sink.index.blocks("a") == 1
 
     def test_lora_known_only_by_id_is_skipped(self) -> None:
         """Old servers name LoRA adapters by id only; such blocks cannot be keyed like the router's."""
-        feed = KvEventFeed("a", RecordingSink())
+        feed = VllmEventFeed("a", RecordingSink())
         feed.receive(_batch(0, _stored([1], list(range(BS)), lora_id=3)))
         assert feed.stats.skipped_events == 1 and feed.stats.blocks_stored == 0
 
@@ -162,16 +162,28 @@ class TestKvEventFeed:
         """The same engine hash on two data-parallel ranks names two blocks: removing one keeps the other's mapping."""
         sink = RecordingSink()
         a, b = list(range(BS)), list(range(1, BS + 1))
-        rank0, rank1 = KvEventFeed("x", sink, rank=0), KvEventFeed("x", sink, rank=1)
+        rank0, rank1 = VllmEventFeed("x", sink, rank=0), VllmEventFeed("x", sink, rank=1)
         rank0.receive(_batch(0, _stored([42], a), rank=0))
         rank1.receive(_batch(0, _stored([42], b), rank=1))
         rank1.receive(_batch(1, {"type": "BlockRemoved", "block_hashes": [42], "medium": "GPU"}, rank=1))
         assert sink.index.match(block_hashes(a, BS), ["x"]) == {"x": 1}
         assert sink.index.match(block_hashes(b, BS), ["x"]) == {"x": 0}
 
+    def test_wide_digests_do_not_collide_across_ranks(self) -> None:
+        """A digest wider than 64 bits (bytes hashes) on rank 0 and a small hash on rank 1 name different blocks."""
+        sink = RecordingSink()
+        a, b = list(range(BS)), list(range(1, BS + 1))
+        wide = (2**64 + 5).to_bytes(32, "big")  # a digest sent as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
+        rank0, rank1 = VllmEventFeed("x", sink, rank=0), VllmEventFeed("x", sink, rank=1)
+        rank0.receive(_batch(0, _stored([wide], a), rank=0))  # type: ignore[list-item]
+        rank1.receive(_batch(0, _stored([5], b), rank=1))
+        rank0.receive(_batch(1, {"type": "BlockRemoved", "block_hashes": [wide], "medium": "GPU"}, rank=0))
+        assert sink.index.match(block_hashes(a, BS), ["x"]) == {"x": 0}
+        assert sink.index.match(block_hashes(b, BS), ["x"]) == {"x": 1}
+
     def test_unknown_parent_is_an_orphan(self) -> None:
         """A continuation whose parent block was never seen cannot be hashed and is counted as an orphan."""
-        feed = KvEventFeed("a", BlockIndex(BS))
+        feed = VllmEventFeed("a", BlockIndex(BS))
         feed.receive(_batch(0, _stored([5], list(range(BS)), parent=99)))
         assert (feed.stats.orphan_events, feed.stats.blocks_stored) == (1, 0)
 
@@ -192,7 +204,7 @@ class TestFeedDelivery:
         """However batches are dropped or repeated live, filling gaps from the replay buffer ends in the in-order state."""
         batches = _batches()[:10]
         index = BlockIndex(BS)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         feed.replayed([], complete=True)  # subscribed before the first batch: the replay buffer was empty
         for seq in live:
             gap = feed.receive(batches[seq])
@@ -202,7 +214,7 @@ class TestFeedDelivery:
         assert feed.expected is not None
         feed.replayed(batches[feed.expected :])  # the next live message would reveal the tail
         reference = BlockIndex(BS)
-        reference_feed = KvEventFeed("a", reference)
+        reference_feed = VllmEventFeed("a", reference)
         for batch in batches:
             reference_feed.receive(batch)
         assert index.holders == reference.holders

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvroute_vllm import parse_metrics
+from kvroute_vllm import parse_prometheus
 
 from tests.contrib.vllm.vllm_fakes import fixture_text
 
@@ -63,7 +63,7 @@ vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_bloc
 class TestParseMetrics:
     def test_captured_busy_server(self) -> None:
         """A real vLLM 0.32 body under load gives its running, waiting, usage, counters, block size and cache size."""
-        m = parse_metrics(fixture_text("metrics_busy.txt"))
+        m = parse_prometheus(fixture_text("metrics_busy.txt"))
         assert (m.running, m.waiting) == (2, 1)
         assert m.kv_usage == pytest.approx(0.46478873239436624)
         assert (m.prefix_cache_queries, m.prefix_cache_hits) == (11955.0, 3200.0)
@@ -71,48 +71,48 @@ class TestParseMetrics:
 
     def test_captured_idle_and_after(self) -> None:
         """Idle and after-load bodies of the same server: zero load, counters that only grow."""
-        idle = parse_metrics(fixture_text("metrics_idle.txt"))
-        after = parse_metrics(fixture_text("metrics_after.txt"))
+        idle = parse_prometheus(fixture_text("metrics_idle.txt"))
+        after = parse_prometheus(fixture_text("metrics_after.txt"))
         assert (idle.running, idle.waiting, idle.kv_usage, idle.prefix_cache_queries) == (0, 0, 0.0, 0.0)
         assert after.prefix_cache_queries == 14599.0 and after.prefix_cache_hits == 3200.0
         assert idle.started_at == after.started_at is not None
 
     def test_waiting_by_reason_is_not_waiting(self) -> None:
         """vllm:num_requests_waiting_by_reason shares a prefix with num_requests_waiting but is not summed into it."""
-        assert parse_metrics(CURRENT).waiting == 5
+        assert parse_prometheus(CURRENT).waiting == 5
 
     def test_data_parallel_engines_are_summed_and_usage_averaged(self) -> None:
         """Two engines: counts and counters add up, KV usage is their mean, cache blocks add up."""
-        m = parse_metrics(CURRENT)
+        m = parse_prometheus(CURRENT)
         assert (m.running, m.prefix_cache_queries, m.prefix_cache_hits) == (5, 21480.0, 12800.0)
         assert m.kv_usage == pytest.approx(0.25)
         assert (m.block_size, m.num_gpu_blocks, m.engines) == (16, 5460, 2)
 
     def test_old_gpu_prefixed_names_without_engine_label(self) -> None:
         """Servers before 0.9.2 (gpu_ names, no engine label) are read the same way."""
-        m = parse_metrics(OLD)
+        m = parse_prometheus(OLD)
         assert (m.running, m.waiting, m.kv_usage) == (7, 2, 0.25)
         assert (m.prefix_cache_queries, m.prefix_cache_hits, m.block_size, m.num_gpu_blocks) == (4096.0, 1024.0, 32, 500)
 
     def test_current_names_win_over_old_ones(self) -> None:
         """A server exposing both generations is read from the current names."""
         both = CURRENT + OLD.replace("vllm:num_requests_", "vllm:ignored_").replace("} 0.25", "} 0.9")
-        m = parse_metrics(both)
+        m = parse_prometheus(both)
         assert m.kv_usage == pytest.approx(0.25)
         assert (m.prefix_cache_queries, m.prefix_cache_hits) == (21480.0, 12800.0)
 
     def test_to_load_stamps_observation_time(self) -> None:
         """The EngineLoad carries the values and the given observation time, so it can go stale."""
-        load = parse_metrics(CURRENT).to_load(observed_at=12.5)
+        load = parse_prometheus(CURRENT).to_load(observed_at=12.5)
         assert (load.running, load.waiting, load.block_size, load.observed_at) == (5, 5, 16, 12.5)
         assert load.age(now=20.0) == 7.5
 
     def test_not_vllm(self) -> None:
         """A Prometheus body without vLLM's families is an error naming what was expected."""
         with pytest.raises(ValueError, match="expected vLLM's Prometheus metrics"):
-            parse_metrics("# TYPE up gauge\nup 1.0\n")
+            parse_prometheus("# TYPE up gauge\nup 1.0\n")
 
     def test_not_prometheus(self) -> None:
         """A body that does not parse as Prometheus text is an error."""
         with pytest.raises(ValueError, match="Prometheus text"):
-            parse_metrics('vllm:num_requests_running{engine="0" 3.0\n')
+            parse_prometheus('vllm:num_requests_running{engine="0" 3.0\n')

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from kvroute_tokenizer_prefix import BlockIndex
-from kvroute_vllm import KvEventFeed, ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
+from kvroute_vllm import VllmEventFeed, ZmqSource, ZmqSubscriber, engine_binds, resolve_endpoint
 
 from tests.contrib.vllm.vllm_fakes import FakeVllmPublisher, captured_payloads, model_router_hashes, wait_for
 
@@ -51,7 +51,7 @@ class TestEndpoints:
         assert resolve_endpoint(endpoint, url) == expected
 
 
-async def _follow(subscriber: ZmqSubscriber, feed: KvEventFeed, body: object) -> None:
+async def _follow(subscriber: ZmqSubscriber, feed: VllmEventFeed, body: object) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(subscriber.run, feed)
         try:
@@ -65,7 +65,7 @@ class TestZmqSubscriber:
         """Buffered batches arrive through the first replay, live ones follow, and a batch never sent live is replayed."""
         payloads = captured_payloads()[:10]
         index = BlockIndex(128)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         async with FakeVllmPublisher() as pub:
             for payload in payloads[:3]:
                 pub.store(payload)
@@ -91,7 +91,7 @@ class TestZmqSubscriber:
         """When the first replay gets no answer (engine still starting), the first live batch past 0 triggers one."""
         payloads = captured_payloads()[:4]
         index = BlockIndex(128)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         async with FakeVllmPublisher(ignore_replays=1) as pub:
             for payload in payloads[:3]:
                 pub.store(payload)
@@ -111,7 +111,7 @@ class TestZmqSubscriber:
     async def test_without_replay_a_gap_is_counted(self) -> None:
         """With no replay endpoint the subscriber skips a gap, counts it, and keeps applying."""
         payloads = captured_payloads()
-        feed = KvEventFeed("a", BlockIndex(128))
+        feed = VllmEventFeed("a", BlockIndex(128))
         async with FakeVllmPublisher(replay=False) as pub:
             subscriber = ZmqSubscriber(ZmqSource(pub.endpoint, "kv", None))
 
@@ -129,7 +129,7 @@ class TestZmqSubscriber:
         """When the engine's endpoint is concrete, the subscriber binds it and the engine's PUB connects."""
         payloads = captured_payloads()
         index = BlockIndex(128)
-        feed = KvEventFeed("a", index)
+        feed = VllmEventFeed("a", index)
         subscriber = ZmqSubscriber(ZmqSource("tcp://127.0.0.1:*", "kv", None, bind=True))
         async with anyio.create_task_group() as tg:
             tg.start_soon(subscriber.run, feed)
@@ -144,7 +144,7 @@ class TestZmqSubscriber:
     async def test_undecodable_messages_are_counted_and_skipped(self) -> None:
         """A message that is not vLLM's framing is logged and counted; the stream goes on."""
         payloads = captured_payloads()
-        feed = KvEventFeed("a", BlockIndex(128))
+        feed = VllmEventFeed("a", BlockIndex(128))
         async with FakeVllmPublisher(replay=False) as pub:
             subscriber = ZmqSubscriber(ZmqSource(pub.endpoint, "kv", None))
 

@@ -3,10 +3,11 @@
 Public API:
 
 * `TensorRTLLMAdapter`: the adapter (registered as kind ``tensorrt-llm``; options in its module),
-  `LoadStats`: how its load polling went.
-* `merge_iteration_stats`, `parse_prometheus`, `TrtllmStats`: the load telemetry as the router reads it.
-* `parse_events`, `EventFeed`: ``/kv_cache_events`` answers and applying them to a
-  `kvroute.adapters.KvEventSink`, with an honest exact flag.
+  a `kvroute.adapters.OpenAIAdapter`; `LoadStats`: how its load polling went.
+* `merge_iteration_stats`, `parse_prometheus`, `TrtllmMetrics`: the load telemetry as the router reads it.
+* `parse_events`, `TrtllmEventFeed` (a `kvroute.adapters.KvEventFeed`), `TrtllmFeedStats`:
+  ``/kv_cache_events`` answers and applying them to a `kvroute.adapters.KvEventSink`, with an
+  honest exact flag.
 * `v1_block_hash`: the engine's ``v1_block_key`` block hash (to tell what a block is keyed on).
 """
 
@@ -18,26 +19,24 @@ import kvroute
 from kvroute_tensorrt_llm.adapter import LoadStats, TensorRTLLMAdapter
 from kvroute_tensorrt_llm.events import (
     Created,
-    EventFeed,
     EventFormatError,
-    FeedStats,
     KvCacheEvent,
     Malformed,
     Removed,
     Stored,
     StoredBlock,
+    TrtllmEventFeed,
+    TrtllmFeedStats,
     UnknownEvent,
     Updated,
     parse_events,
 )
 from kvroute_tensorrt_llm.hashing import v1_block_hash
-from kvroute_tensorrt_llm.metrics import TrtllmStats, merge_iteration_stats, parse_prometheus
+from kvroute_tensorrt_llm.metrics import TrtllmMetrics, merge_iteration_stats, parse_prometheus
 
 __all__ = [
     "Created",
-    "EventFeed",
     "EventFormatError",
-    "FeedStats",
     "KvCacheEvent",
     "LoadStats",
     "Malformed",
@@ -45,7 +44,9 @@ __all__ = [
     "Stored",
     "StoredBlock",
     "TensorRTLLMAdapter",
-    "TrtllmStats",
+    "TrtllmEventFeed",
+    "TrtllmFeedStats",
+    "TrtllmMetrics",
     "UnknownEvent",
     "Updated",
     "kvroute_register_backend_kinds",

@@ -41,34 +41,24 @@ import anyio
 import attrs
 from anyio.abc import TaskStatus
 
-from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
-from kvroute.backend import Backend, EngineLoad
+from kvroute.adapters import Backoff, HttpGetter, KvEventSink, OpenAIAdapter, check_path, set_backend_capacity
+from kvroute.backend import EngineLoad
 from kvroute.logs import get_logger
-from kvroute_tensorrt_llm.events import EventFeed, parse_events
-from kvroute_tensorrt_llm.metrics import ITERATION_GAUGES, TrtllmStats, merge_iteration_stats, parse_prometheus
+from kvroute_tensorrt_llm.events import TrtllmEventFeed, parse_events
+from kvroute_tensorrt_llm.metrics import ITERATION_GAUGES, TrtllmMetrics, merge_iteration_stats, parse_prometheus
 
 __all__ = ["LoadStats", "TensorRTLLMAdapter"]
 
 log = get_logger(__name__)
 
-_RETRY_MAX_S = 30.0
 #: Health rounds between two looks for a Prometheus endpoint that was missing.
 _PROMETHEUS_RECHECK = 60
 #: How long a load poll waits for a ``/metrics`` answer before answering with the last values.
 _METRICS_WAIT_S = 0.5
-_COUNTS = ("running", "waiting", "block_size", "max_blocks", "used_blocks")
 
 
 class _StatusError(ValueError):
     """An endpoint answered another status than 200."""
-
-
-def _path(value: object, name: str, *, allow_empty: bool = False) -> str:
-    if allow_empty and value in ("", None):
-        return ""
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise ValueError(f"'{name}' must be a path starting with '/'{' or empty' if allow_empty else ''} (got {value!r}).")
-    return value
 
 
 def _bool(value: object) -> bool:
@@ -106,24 +96,16 @@ def _events_resync(value: object) -> float:
     return _seconds(value, "kv_events_resync", 0.05, 86400, zero=True)
 
 
-def _health_path(value: object) -> str:
-    return _path(value, "health_path")
-
-
-def _models_path(value: object) -> str:
-    return _path(value, "models_path")
-
-
 def _metrics_path(value: object) -> str:
-    return _path(value, "metrics_path", allow_empty=True)
+    return check_path(value, "metrics_path", allow_empty=True)
 
 
 def _prometheus_path(value: object) -> str:
-    return _path(value, "prometheus_path", allow_empty=True)
+    return check_path(value, "prometheus_path", allow_empty=True)
 
 
 def _kv_events_path(value: object) -> str:
-    return _path(value, "kv_events_path")
+    return check_path(value, "kv_events_path")
 
 
 def _loss_reason(exc: Exception) -> str:
@@ -166,12 +148,13 @@ class LoadStats:
 
 
 @attrs.define
-class TensorRTLLMAdapter:
-    """Everything engine-specific about one ``trtllm-serve`` server (options in the module docstring)."""
+class TensorRTLLMAdapter(OpenAIAdapter):
+    """Everything engine-specific about one ``trtllm-serve`` server (options in the module docstring).
 
-    backend: Backend
-    health_path: str = attrs.field(default="/health", converter=_health_path)
-    models_path: str = attrs.field(default="/v1/models", converter=_models_path)
+    Health and models are `kvroute.adapters.OpenAIAdapter`'s (TensorRT-LLM answers ``/health`` 503
+    "LLM is unavailable" when it cannot serve; the probe's error carries it).
+    """
+
     metrics_path: str = attrs.field(default="/metrics", converter=_metrics_path)
     metrics_timeout: float = attrs.field(default=120.0, converter=_metrics_timeout)
     prometheus_path: str = attrs.field(default="/prometheus/metrics", converter=_prometheus_path)
@@ -181,46 +164,18 @@ class TensorRTLLMAdapter:
     kv_events_timeout: float = attrs.field(default=120.0, converter=_events_timeout)
     kv_events_resync: float = attrs.field(default=60.0, converter=_events_resync)
     #: Load as last read (JSON stats folded together, or Prometheus gauges).
-    stats_seen: TrtllmStats | None = attrs.field(default=None, init=False)
-    feed: EventFeed | None = attrs.field(default=None, init=False)
+    metrics: TrtllmMetrics | None = attrs.field(default=None, init=False)
+    feed: TrtllmEventFeed | None = attrs.field(default=None, init=False)
     load_stats: LoadStats = attrs.field(factory=LoadStats, init=False)
     _prometheus_missing: int = attrs.field(default=0, init=False)
-    _json: TrtllmStats | None = attrs.field(default=None, init=False)
+    _json: TrtllmMetrics | None = attrs.field(default=None, init=False)
     _json_at: float | None = attrs.field(default=None, init=False)
     _fetch: asyncio.Task[None] | None = attrs.field(default=None, init=False)
     _fetch_error: Exception | None = attrs.field(default=None, init=False)
 
-    @classmethod
-    def create(cls, backend: Backend, **options: Any) -> TensorRTLLMAdapter:
-        """Factory registered for kind ``tensorrt-llm``."""
-        known = {a.name for a in attrs.fields(cls) if a.init and a.name != "backend"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
-        return cls(backend, **options)
-
-    async def probe(self, http: HttpGetter) -> bool:
-        """True when ``health_path`` answers 200; otherwise ``ValueError`` carrying the engine's status and reason.
-
-        (TensorRT-LLM: 503 "LLM is unavailable".) The health checker counts the error as a failed probe and logs its text
-        when it ejects the backend.
-        """
-        reply = await http.get(self.health_path)
-        if reply.status == 200:
-            return True
-        reason = reply.body[:200].decode("utf-8", "replace").strip()
-        raise ValueError(f"{self.health_path} answered {reply.status}{': ' + reason if reason else ''}")
-
-    async def list_models(self, http: HttpGetter) -> list[str]:
-        """The served model ids; ``ValueError`` on a non-200 or a malformed body."""
-        reply = await http.get(self.models_path)
-        if reply.status != 200:
-            raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
-        return parse_model_list(reply.json())
-
     # -- load -----------------------------------------------------------------------------
 
-    async def _prometheus(self, http: HttpGetter) -> dict[str, float] | None:
+    async def _prometheus(self, http: HttpGetter) -> TrtllmMetrics | None:
         if not self.prometheus_path:
             return None
         if self._prometheus_missing:
@@ -230,18 +185,16 @@ class TensorRTLLMAdapter:
         if reply.status == 404:
             self._prometheus_missing = _PROMETHEUS_RECHECK
             return None
-        if reply.status != 200:
-            raise ValueError(f"{self.prometheus_path} answered {reply.status}, expected 200.")
-        return parse_prometheus(reply.body.decode("utf-8", "replace"))
+        return parse_prometheus(reply.raise_for_status(self.prometheus_path).body.decode("utf-8", "replace"))
 
     def _source(self, source: str, reason: str) -> None:
         if self.load_stats.source != source:
             self.load_stats.source = source
             log.info("trtllm_load_source", backend=self.backend.id, source=source, reason=reason)
 
-    def _seen(self, stats: TrtllmStats | None, observed_at: float | None) -> EngineLoad | None:
-        self.stats_seen = stats
-        if stats is None or stats == TrtllmStats() or observed_at is None:
+    def _seen(self, stats: TrtllmMetrics | None, observed_at: float | None) -> EngineLoad | None:
+        self.metrics = stats
+        if stats is None or stats == TrtllmMetrics() or observed_at is None:
             return None
         if self.feed is not None and stats.block_size:
             self.feed.engine_block_size = stats.block_size
@@ -256,11 +209,11 @@ class TensorRTLLMAdapter:
         ``/metrics`` is not asked. Otherwise ``/metrics`` is read in the background (see the
         module docstring). ``ValueError`` when an answer cannot be read.
         """
-        gauges = await self._prometheus(http)
-        if gauges is not None and ITERATION_GAUGES & gauges.keys():
+        prometheus = await self._prometheus(http)
+        gauges = prometheus.reported() if prometheus is not None else None
+        if prometheus is not None and gauges is not None and ITERATION_GAUGES & gauges.keys():
             self._source("prometheus", "the server's Prometheus collector reads the iteration stats (return_perf_metrics)")
-            changes: dict[str, Any] = {k: round(v) if k in _COUNTS else v for k, v in gauges.items()}
-            return self._seen(TrtllmStats(**changes), time.monotonic())
+            return self._seen(prometheus, time.monotonic())
         stats = self._json
         observed_at = self._json_at
         if self.metrics_path:
@@ -269,8 +222,7 @@ class TensorRTLLMAdapter:
             if stats is not None:
                 self._source("json", "no Prometheus endpoint" if gauges is None else "no iteration gauges in Prometheus yet")
         if gauges:  # some gauges but no iteration ones (e.g. tokens per block): on top of the JSON values
-            changes = {k: round(v) if k in _COUNTS else v for k, v in gauges.items()}
-            stats = attrs.evolve(stats or TrtllmStats(), **changes)
+            stats = attrs.evolve(stats or TrtllmMetrics(), **gauges)
             observed_at = observed_at if observed_at is not None else time.monotonic()
         return self._seen(stats, observed_at)
 
@@ -307,9 +259,7 @@ class TensorRTLLMAdapter:
         try:
             with anyio.fail_after(self.metrics_timeout):
                 reply = await http.get(self.metrics_path)
-            if reply.status != 200:
-                raise ValueError(f"{self.metrics_path} answered {reply.status}, expected 200.")
-            self._json = merge_iteration_stats(self._json, reply.json())
+            self._json = merge_iteration_stats(self._json, reply.raise_for_status(self.metrics_path).json())
             self._json_at = time.monotonic()
             self.load_stats.answers += 1
         except TimeoutError as exc:
@@ -343,11 +293,11 @@ class TensorRTLLMAdapter:
             return
         backend = self.backend.id
         post = _with_timeout(http, self.kv_events_timeout).post
-        self.feed = feed = EventFeed(backend, sink)
-        if self.stats_seen is not None and self.stats_seen.block_size:
-            feed.engine_block_size = self.stats_seen.block_size
+        self.feed = feed = TrtllmEventFeed(backend, sink)
+        if self.metrics is not None and self.metrics.block_size:
+            feed.engine_block_size = self.metrics.block_size
         started = False
-        delay = self.kv_events_interval
+        backoff = Backoff(first=self.kv_events_interval)
         try:
             while True:
                 try:
@@ -361,28 +311,24 @@ class TensorRTLLMAdapter:
                     items = parse_events(reply.json())
                 except (OSError, ValueError) as exc:  # TimeoutError is an OSError
                     error = f"{type(exc).__name__}: {exc}"
-                    log.info("kv_events_unreadable", backend=backend, error=error, retry_in_s=delay)
+                    log.info("kv_events_unreadable", backend=backend, error=error, retry_in_s=backoff.delay)
                     if started:
                         # The server may have drained its buffer into the answer that did not arrive.
-                        feed.mark_inexact(_loss_reason(exc), error=error)
-                    await anyio.sleep(delay)
-                    delay = min(max(delay * 2, 1.0), _RETRY_MAX_S)
+                        feed.lose(_loss_reason(exc), error=error)
+                    await backoff.sleep()
                     continue
-                delay = self.kv_events_interval
+                backoff.reset()
                 if not started:
                     started = True
                     feed.start()
-                    max_blocks = self.stats_seen.max_blocks if self.stats_seen is not None else None
-                    set_capacity = getattr(sink, "set_capacity", None)
-                    if max_blocks and set_capacity is not None:
-                        set_capacity(backend, max_blocks)
+                    set_backend_capacity(sink, backend, self.metrics.max_blocks if self.metrics is not None else None)
                 try:
                     feed.receive(items)
                     if feed.holding:
                         feed.resume()
                 except Exception as exc:  # a bug must not take the proxy down; cancellation passes
                     log.exception("kv_events_failed", backend=backend)
-                    feed.mark_inexact("feed_error", error=f"{type(exc).__name__}: {exc}")
+                    feed.lose("feed_error", error=f"{type(exc).__name__}: {exc}")
                 waited = feed.inexact_for
                 if self.kv_events_resync and waited is not None and waited >= self.kv_events_resync:
                     feed.resync("resync")
@@ -392,9 +338,8 @@ class TensorRTLLMAdapter:
 
     def stats(self) -> dict[str, Any]:
         """Counters for operators: the last load, how it was polled, and the event feed's counters."""
-        feed = self.feed
         return {
-            "load": attrs.asdict(self.stats_seen) if self.stats_seen is not None else None,
+            "metrics": attrs.asdict(self.metrics) if self.metrics is not None else None,
             "load_polling": attrs.asdict(self.load_stats),
-            "kv_events": attrs.asdict(feed.stats) | {"holding": feed.holding, "exact": feed.exact} if feed is not None else None,
+            "kv_events": self.feed.report() if self.feed is not None else None,
         }

@@ -30,39 +30,40 @@ Only one KV stream is followed: the largest attention window, and within it the 
 group seen (the V2 manager repeats each block once per layer group). Ranks of attention data
 parallelism keep their engine hashes apart.
 
-Exactness: the backend is exact (`EventFeed.exact`, ``sink.set_exact``) only while no event
-can have been skipped or lost since its blocks were last cleared. A gap in a rank's event ids,
-a malformed or unknown event, a poll that timed out after the server may have drained its
-buffer (`EventFeed.mark_inexact`) each turn it off, with a ``kv_index_inexact`` log line and
-counters. It comes back, with the backend's blocks cleared (an empty index claims nothing the
-engine lacks), when the engine reports a new cache (``created``, or event ids starting again)
-or when the adapter resyncs (`EventFeed.resync`).
+Exactness (`kvroute.adapters.KvEventFeed`, whose holding, losses, exact flag and counters this
+feed shares): the backend is exact only while no event can have been skipped or lost since its
+blocks were last cleared. A gap in a rank's event ids (``event_gap``), a malformed or unknown
+event (``malformed_event``, ``unknown_event``), a poll that failed after the server may have
+drained its buffer (the adapter's `TrtllmEventFeed.lose`), held events dropped
+(``held_events_dropped``) each turn it off, with a ``kv_index_inexact`` log line and counters. It
+comes back, with the backend's blocks cleared (an empty index claims nothing the engine lacks),
+when the engine reports a new cache (``created``, or event ids starting again) or when the adapter
+resyncs (`TrtllmEventFeed.resync`).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from kvroute.adapters import KvEventSink
+from kvroute.adapters import RANKS, ExactFlag, FeedStats, KvEventFeed, KvEventSink, rank_key
 from kvroute.logs import get_logger
 from kvroute_tensorrt_llm.hashing import v1_block_hash
 
 __all__ = [
     "Created",
-    "EventFeed",
     "EventFormatError",
-    "FeedStats",
     "KvCacheEvent",
     "Malformed",
     "Removed",
     "Stored",
     "StoredBlock",
+    "TrtllmEventFeed",
+    "TrtllmFeedStats",
     "UnknownEvent",
     "Updated",
     "parse_events",
@@ -72,8 +73,6 @@ log = get_logger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _HEX = re.compile(r"[0-9a-fA-F]+")
-#: Attention-DP ranks a key can tell apart (engine hash * _RANKS + rank).
-_RANKS = 1 << 16
 #: Hash algorithms whose integer hashes are the engine's V1 block-key hash (None: an older serializer).
 _V1_ALGOS = (None, "v1_block_key")
 #: Mismatching V1 hashes, with none matching, after which the check is taken to be wrong for this engine.
@@ -260,8 +259,8 @@ def _item(raw: object, where: str) -> KvCacheEvent:
     event_id = _int(raw.get("event_id"), f"{where}.event_id")
     try:
         rank = _int(raw.get("attention_dp_rank"), f"{where}.attention_dp_rank", optional=True) or 0
-        if not 0 <= rank < _RANKS:
-            raise EventFormatError(f"{where}.attention_dp_rank: expected 0 to {_RANKS - 1}, got {rank}.")
+        if not 0 <= rank < RANKS:
+            raise EventFormatError(f"{where}.attention_dp_rank: expected 0 to {RANKS - 1}, got {rank}.")
         algo = raw.get("hash_algo")
         if algo is not None and not isinstance(algo, str):
             raise EventFormatError(f"{where}.hash_algo: expected a string or null, got {algo!r}.")
@@ -296,117 +295,56 @@ def parse_events(data: object) -> list[KvCacheEvent]:
 
 
 @attrs.define
-class FeedStats:
-    """Counters of one backend's event feed."""
+class TrtllmFeedStats(FeedStats):
+    """The counters every feed keeps (`kvroute.adapters.FeedStats`), plus TensorRT-LLM's."""
 
+    #: Events received, event ids skipped over, malformed events, events of unknown types.
     events: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    cleared: int = 0
     lost_events: int = 0
-    held: int = 0
-    dropped_held: int = 0
-    orphan_events: int = 0
-    skipped: int = 0
-    rejected: int = 0
     malformed: int = 0
     unknown: int = 0
     #: Blocks whose engine hash says they are keyed on more than their tokens (LoRA, salt...).
     keyed_blocks: int = 0
-    #: Times the index went inexact, in all and per reason; times it was made exact again.
-    inexact: int = 0
-    inexact_reasons: dict[str, int] = attrs.field(factory=dict)
-    resyncs: int = 0
-
-
-def _key(engine_hash: int, rank: int) -> int:
-    """The sink's key of an engine hash on an attention-DP rank (distinct for every pair)."""
-    return engine_hash * _RANKS + rank
 
 
 _UNSET: Any = object()
 
 
-class EventFeed:
+class TrtllmEventFeed(KvEventFeed[KvCacheEvent]):
     """Apply one backend's TensorRT-LLM events to ``sink``, in order, and keep its exact flag honest.
 
-    ``engine_block_size`` (tokens per block) comes from the metrics when known; otherwise a
-    stored block's token count tells it. While the sink hashes blocks of another size, events
-    are held in order (`resume` applies them).
+    One feed carries every attention-DP rank (each item names its own). ``engine_block_size``
+    (tokens per block) comes from the metrics when known; otherwise a stored block's token count
+    tells it. The backend is exact from `start` (the first answer) to `stop`.
     """
+
+    logger: ClassVar[Any] = log
+    stats: TrtllmFeedStats
 
     def __init__(
         self, backend: str, sink: KvEventSink, *, max_held: int = 100_000, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.backend = backend
-        self.sink = sink
-        self.max_held = max_held
-        self.clock = clock
+        # Not subscribed until the first answer; the sink holds the backend as inexact until then.
+        flag = ExactFlag(backend, sink, reported=False)
+        super().__init__(backend, sink, max_held=max_held, exact_flag=flag, stats=TrtllmFeedStats(), clock=clock)
         self.engine_block_size: int | None = None
-        self.stats = FeedStats()
-        self._exact = False
-        self._inexact_since: float | None = None
         self._last_id: dict[int, int] = {}
         self._window: int | None = None
         self._group: int | None = _UNSET
-        self._held: deque[KvCacheEvent] = deque()
-        self._warned: set[str] = set()
         #: V1 hash check: None until a hash matched (or enough did not), then on (True) or off (False).
         self._hash_check: bool | None = None
         self._hash_misses = 0
 
-    # -- exactness ----------------------------------------------------------------------
-
-    @property
-    def exact(self) -> bool:
-        """Whether the sink holds this backend as exact (no event skipped or lost since its last clear)."""
-        return self._exact
-
-    @property
-    def inexact_for(self) -> float | None:
-        """Seconds since the feed went inexact after a loss (``None``: exact, or never started)."""
-        return None if self._inexact_since is None else self.clock() - self._inexact_since
-
     def start(self) -> None:
         """The first answer arrived: clear the backend and mark it exact."""
-        self._make_exact("subscribed")
+        self.resync("subscribed")
+        self.subscribe()
 
     def stop(self) -> None:
         """The feed ends: the backend goes back to the strategy's own records."""
-        if self._exact:
-            self.sink.set_exact(self.backend, False)
-        self._exact = False
-        self._inexact_since = None
-
-    def mark_inexact(self, reason: str, **context: Any) -> None:
-        """Events may have been skipped or lost: the sink stops trusting this backend's blocks."""
-        self.stats.inexact += 1
-        self.stats.inexact_reasons[reason] = self.stats.inexact_reasons.get(reason, 0) + 1
-        self._inexact_since = self.clock()
-        if self._exact:
-            self.sink.set_exact(self.backend, False)
-            self._exact = False
-        log.warning("kv_index_inexact", backend=self.backend, reason=reason, **context)
-
-    def resync(self, reason: str = "resync") -> None:
-        """Clear the backend's blocks and trust the events again (no stale block can remain)."""
-        self._make_exact(reason)
-
-    def _make_exact(self, reason: str) -> None:
-        was_inexact = self._inexact_since is not None
-        self.sink.all_cleared(self.backend)
-        self.sink.set_exact(self.backend, True)
-        self._exact = True
-        self._inexact_since = None
-        if was_inexact:
-            self.stats.resyncs += 1
-            log.info("kv_index_exact", backend=self.backend, reason=reason)
+        self.unsubscribe()
 
     # -- events -------------------------------------------------------------------------
-
-    @property
-    def holding(self) -> int:
-        return len(self._held)
 
     def _size_of(self, event: Stored) -> int | None:
         if self.engine_block_size:
@@ -418,56 +356,30 @@ class EventFeed:
             return True
         return self._size_of(item.event) == self.sink.block_size
 
+    def _engine_block_size(self, item: KvCacheEvent) -> int | None:
+        return self._size_of(item.event) if isinstance(item.event, Stored) else self.engine_block_size
+
     def receive(self, items: Iterable[KvCacheEvent]) -> None:
         """Events from one poll, in order."""
         for item in items:
             self.stats.events += 1
             if item.event_id is not None:
                 self._sequence(item.rank, item.event_id)
-            if self._held or not self._fits(item):
-                self._held.append(item)
-                self.stats.held += 1
-                if len(self._held) > self.max_held:
-                    self._held.popleft()
-                    self.stats.dropped_held += 1
-                    self._warn_once(
-                        "overflow", "kv_events_block_size_mismatch", router_block_size=self.sink.block_size,
-                        engine_block_size=self.engine_block_size,
-                        hint="leave the strategy's block_size unset or set it to the engine's tokens_per_block",
-                    )
-                    self.mark_inexact("held_events_dropped", held=len(self._held))
-                continue
-            self._apply(item)
+            self.offer(item)
 
     def _sequence(self, rank: int, event_id: int) -> None:
         last = self._last_id.get(rank)
         if last is not None and event_id <= last:
             # The counter started again: the server restarted, and its cache with it.
             log.warning("kv_events_restarted", backend=self.backend, rank=rank, event_id=event_id, last=last)
-            self.sink.all_cleared(self.backend)
-            self.stats.cleared += 1
-            self._held.clear()
+            self._drop_held()
             self._last_id.clear()
-            if not self._exact and self._inexact_since is not None:
-                self._make_exact("engine_restarted")
+            self.engine_cleared("engine_restarted")
         elif last is not None and event_id > last + 1:
             count = event_id - last - 1
             self.stats.lost_events += count
-            self.mark_inexact("event_gap", rank=rank, after=last, count=count)
+            self.lose("event_gap", rank=rank, after=last, count=count)
         self._last_id[rank] = event_id
-
-    def resume(self) -> int:
-        """Apply held events once the sink's block size equals the engine's; returns how many."""
-        applied = 0
-        while self._held and self._fits(self._held[0]):
-            self._apply(self._held.popleft())
-            applied += 1
-        return applied
-
-    def _warn_once(self, key: str, event: str, *, level: str = "warning", **context: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            getattr(log, level)(event, backend=self.backend, **context)
 
     def _follows(self, item: KvCacheEvent) -> bool:
         """Whether the event belongs to the stream the index follows (largest window, first layer group)."""
@@ -487,30 +399,28 @@ class EventFeed:
         event = item.event
         if isinstance(event, Malformed):
             self.stats.malformed += 1
-            self.mark_inexact("malformed_event", event_id=item.event_id, error=event.error)
+            self.lose("malformed_event", event_id=item.event_id, error=event.error)
             return
         if isinstance(event, UnknownEvent):
             self.stats.unknown += 1
-            self.mark_inexact("unknown_event", event_id=item.event_id, type=event.kind)
+            self.lose("unknown_event", event_id=item.event_id, type=event.kind)
             return
         if isinstance(event, Created):
-            self.sink.all_cleared(self.backend)
-            self.stats.cleared += 1
             self._last_id.clear()
             if item.event_id is not None:
                 self._last_id[item.rank] = item.event_id
-            if not self._exact and self._inexact_since is not None:
-                self._make_exact("cache_created")
+            self.engine_cleared("cache_created")
             return
         if not self._follows(item):
-            self.stats.skipped += 1
+            self.stats.skipped_events += 1
             return
         if isinstance(event, Stored):
             self._stored(event, item)
         elif isinstance(event, Removed):
-            self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [_key(h, item.rank) for h in event.block_hashes])
+            keys = [rank_key(h, item.rank) for h in event.block_hashes]
+            self.stats.blocks_removed += self.sink.blocks_removed(self.backend, keys)
         elif event.cache_level is not None and event.cache_level != 0:  # Updated: moved off the GPU
-            self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [_key(event.block_hash, item.rank)])
+            self.stats.blocks_removed += self.sink.blocks_removed(self.backend, [rank_key(event.block_hash, item.rank)])
 
     def _keyed_as_tokens(self, block: StoredBlock, parent: int | None, algo: str | None) -> bool:
         """Whether the engine's V1 hash of ``block`` is the hash of its tokens alone (True when it cannot tell)."""
@@ -553,7 +463,7 @@ class EventFeed:
             usable.append(block)
             parent = block.block_hash
         if not usable:
-            self.stats.skipped += 1
+            self.stats.skipped_events += 1
             return
         tokens: list[int] = [t for b in usable for t in b.token_ids]
         rank = item.rank
@@ -562,12 +472,12 @@ class EventFeed:
                 self.backend,
                 tokens,
                 block_size=size,
-                parent_engine_hash=None if event.parent_hash is None else _key(event.parent_hash, rank),
-                engine_hashes=[_key(b.block_hash, rank) for b in usable],
+                parent_engine_hash=None if event.parent_hash is None else rank_key(event.parent_hash, rank),
+                engine_hashes=[rank_key(b.block_hash, rank) for b in usable],
                 cache_salt=usable[0].cache_salt if event.parent_hash is None else None,
             )
         except ValueError as exc:
-            self.stats.rejected += 1
+            self.stats.rejected_events += 1
             self._warn_once("rejected", "kv_event_rejected", error=str(exc))
             return
         if not stored:

@@ -8,7 +8,7 @@ each rank's latest row and adds the ranks up. Fields read (``null`` or missing =
 the rank's earlier value is kept):
 
 =============================  =================================================================
-`TrtllmStats` field            JSON field (summed over ranks)
+`TrtllmMetrics` field          JSON field (summed over ranks)
 =============================  =================================================================
 ``running``                    ``numActiveRequests``
 ``waiting``                    ``numQueuedRequests``
@@ -28,54 +28,41 @@ has ``nv_trt_llm_request_metrics{request_type="active"|"waiting"}`` and
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.backend import EngineLoad
+from kvroute.adapters import EngineMetrics, prometheus_subset
 
-__all__ = ["ITERATION_GAUGES", "TrtllmStats", "merge_iteration_stats", "parse_prometheus"]
+__all__ = ["ITERATION_GAUGES", "TrtllmMetrics", "merge_iteration_stats", "parse_prometheus"]
 
-#: Keys of `parse_prometheus` that only iteration stats fill (their presence means the server logs them).
+#: Fields of `parse_prometheus` that only iteration stats fill (their presence means the server logs them).
 ITERATION_GAUGES = frozenset({"running", "waiting", "kv_usage"})
+#: Fields that count (requests, blocks, tokens per block): whole numbers.
+_COUNTS = ("running", "waiting", "block_size", "max_blocks", "used_blocks")
 
 _SUMMED = ("running", "waiting", "max_blocks", "used_blocks", "prefix_cache_hits", "prefix_cache_queries")
 
 
 @attrs.frozen
-class TrtllmStats:
+class TrtllmMetrics(EngineMetrics):
     """What the router knows of one TensorRT-LLM server's load; ``None`` = never reported.
 
-    ``ranks`` holds each attention-DP rank's own latest values (empty when the values did not
-    come from JSON rows); the other fields are their total.
+    The `EngineMetrics` fields (``to_load``), plus the KV cache's size and use in blocks and the last
+    iteration. ``ranks`` holds each attention-DP rank's own latest values (empty when the values did
+    not come from JSON rows); the other fields are their total.
     """
 
-    running: int | None = None
-    waiting: int | None = None
-    kv_usage: float | None = None
-    block_size: int | None = None
-    prefix_cache_hits: float | None = None
-    prefix_cache_queries: float | None = None
     max_blocks: int | None = None
     iteration: int | None = None
     used_blocks: int | None = None
-    ranks: tuple[tuple[int, TrtllmStats], ...] = ()
+    ranks: tuple[tuple[int, TrtllmMetrics], ...] = ()
 
-    def to_load(self, observed_at: float | None = None) -> EngineLoad:
-        """The core's `EngineLoad` (``observed_at``: a ``time.monotonic()`` reading, default now)."""
-        return EngineLoad(
-            running=self.running,
-            waiting=self.waiting,
-            kv_usage=self.kv_usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            block_size=self.block_size,
-            observed_at=time.monotonic() if observed_at is None else observed_at,
-        )
+    def reported(self) -> dict[str, Any]:
+        """The fields the server reported (not ``None``), ``ranks`` aside."""
+        return {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None and k != "ranks"}
 
 
 def _number(data: Mapping[str, Any], key: str, where: str) -> float | None:
@@ -91,7 +78,7 @@ def _count(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-def _row(stats: TrtllmStats, item: Mapping[str, Any], where: str) -> TrtllmStats:
+def _row(stats: TrtllmMetrics, item: Mapping[str, Any], where: str) -> TrtllmMetrics:
     """One rank's values after one of its iteration rows."""
     changes: dict[str, Any] = {}
     for name, key in (("running", "numActiveRequests"), ("waiting", "numQueuedRequests"), ("iteration", "iter")):
@@ -127,7 +114,7 @@ def _row(stats: TrtllmStats, item: Mapping[str, Any], where: str) -> TrtllmStats
     return attrs.evolve(stats, **changes)
 
 
-def _total(ranks: dict[int, TrtllmStats]) -> TrtllmStats:
+def _total(ranks: dict[int, TrtllmMetrics]) -> TrtllmMetrics:
     """The server's values: the ranks' counts added up, usage over all their blocks."""
     rows = list(ranks.values())
     changes: dict[str, Any] = {}
@@ -144,29 +131,28 @@ def _total(ranks: dict[int, TrtllmStats]) -> TrtllmStats:
     changes["block_size"] = sizes[0] if sizes else None
     iterations = [r.iteration for r in rows if r.iteration is not None]
     changes["iteration"] = max(iterations) if iterations else None
-    return TrtllmStats(**changes, ranks=tuple(sorted(ranks.items())))
+    return TrtllmMetrics(**changes, ranks=tuple(sorted(ranks.items())))
 
 
-def merge_iteration_stats(previous: TrtllmStats | None, data: object) -> TrtllmStats:
+def merge_iteration_stats(previous: TrtllmMetrics | None, data: object) -> TrtllmMetrics:
     """Fold a ``/metrics`` JSON answer into the previous stats (an empty list changes nothing)."""
     if not isinstance(data, list):
         raise ValueError(f"expected TensorRT-LLM's /metrics to be a JSON list of iteration stats, got {type(data).__name__}.")
     if not data and previous is not None:
         return previous
     ranks = dict(previous.ranks) if previous is not None else {}
-    if previous is not None and not ranks and previous != TrtllmStats():
+    if previous is not None and not ranks and previous != TrtllmMetrics():
         ranks[0] = previous  # values from before per-rank tracking (e.g. another source): rank 0's
     for i, item in enumerate(data):
         where = f"/metrics[{i}]"
         if not isinstance(item, Mapping):
             raise ValueError(f"{where}: expected an object of iteration stats, got {type(item).__name__}.")
         rank = _count(_number(item, "attentionDpRank", where)) or 0
-        ranks[rank] = _row(ranks.get(rank, TrtllmStats()), item, where)
-    return _total(ranks) if ranks else TrtllmStats()
+        ranks[rank] = _row(ranks.get(rank, TrtllmMetrics()), item, where)
+    return _total(ranks) if ranks else TrtllmMetrics()
 
 
-_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-#: Sample name -> key of `parse_prometheus` (trtllm-serve's collector).
+#: Sample name -> field of `parse_prometheus` (trtllm-serve's collector).
 _TRTLLM = {
     "trtllm_num_requests_running": "running",
     "trtllm_num_requests_waiting": "waiting",
@@ -180,28 +166,20 @@ _TRTLLM = {
 _TRITON = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 _FAMILIES = frozenset({*(n.removesuffix("_total") for n in _TRTLLM), *_TRITON})
 _SAMPLES = frozenset({*_TRTLLM, *_TRITON})
-#: Keys that are one value per engine, not a count to add up: the mean over samples.
+#: Fields that are one value per engine, not a count to add up: the mean over samples.
 _MEANS = ("kv_usage", "block_size")
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
+def parse_prometheus(text: str) -> TrtllmMetrics:
     """The load values of a TensorRT-LLM (or Triton TensorRT-LLM backend) Prometheus exposition.
 
-    Returns some of ``running``, ``waiting``, ``kv_usage``, ``block_size``, ``max_blocks``,
+    Fills some of ``running``, ``waiting``, ``kv_usage``, ``block_size``, ``max_blocks``,
     ``used_blocks``, ``prefix_cache_hits`` and ``prefix_cache_queries`` (tokens, from the reused
-    and missed block counters); empty when the server has none of them (yet): trtllm-serve sets
+    and missed block counters); none when the server has none of them (yet): trtllm-serve sets
     its gauges once it has logged iteration stats. ``ValueError`` when the text does not parse.
     """
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _FAMILIES:
-                lines.append(line)
-        elif (m := _NAME.match(line)) is not None and m.group(0) in _SAMPLES:
-            lines.append(line)
     try:
-        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
+        families = list(text_string_to_metric_families(prometheus_subset(text, _FAMILIES | _SAMPLES)))
     except (ValueError, TypeError, IndexError) as exc:
         raise ValueError(f"expected Prometheus text format, but it does not parse: {exc}") from None
     sums: dict[str, float] = {}
@@ -239,4 +217,4 @@ def parse_prometheus(text: str) -> dict[str, float]:
         out["prefix_cache_hits"] = reused * per_block
         if missed is not None:
             out["prefix_cache_queries"] = (reused + missed) * per_block
-    return out
+    return TrtllmMetrics(**{k: round(v) if k in _COUNTS else v for k, v in out.items()})

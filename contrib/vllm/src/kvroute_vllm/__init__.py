@@ -2,11 +2,12 @@
 
 Public API:
 
-* `VllmAdapter`: the adapter (registered as kind ``vllm``; options in its docstring).
-* `parse_metrics`, `VllmMetrics`: vLLM's Prometheus ``/metrics`` as the router reads it.
+* `VllmAdapter`: the adapter (registered as kind ``vllm``; options in its docstring), a
+  `kvroute.adapters.OpenAIAdapter`.
+* `parse_prometheus`, `VllmMetrics`: vLLM's Prometheus ``/metrics`` as the router reads it.
 * `decode_message`, `decode_batch`, `decode_replay_reply` and the event types: vLLM's KV event messages.
-* `KvEventFeed`: applies event batches to a `kvroute.adapters.KvEventSink` in sequence order;
-  `ExactFlag`: whether a backend's index may be called exact.
+* `VllmEventFeed` (a `kvroute.adapters.KvEventFeed`): applies event batches to a
+  `kvroute.adapters.KvEventSink` in sequence order; `VllmFeedStats`, its counters.
 * `ZmqSubscriber`, `ZmqSource`: the ZMQ subscriber with replay-based gap filling;
   `locate_publisher`: bind or connect, from the endpoint a server reports.
 """
@@ -28,8 +29,8 @@ from kvroute_vllm.events import (
     decode_message,
     decode_replay_reply,
 )
-from kvroute_vllm.feed import INDEXED_KINDS, WINDOW_KINDS, ExactFlag, FeedStats, Gap, KvEventFeed
-from kvroute_vllm.metrics import VllmMetrics, parse_metrics
+from kvroute_vllm.feed import INDEXED_KINDS, WINDOW_KINDS, Gap, VllmEventFeed, VllmFeedStats
+from kvroute_vllm.metrics import VllmMetrics, parse_prometheus
 from kvroute_vllm.subscriber import (
     ZmqSource,
     ZmqSubscriber,
@@ -47,12 +48,11 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "EventFormatError",
-    "ExactFlag",
-    "FeedStats",
     "Gap",
-    "KvEventFeed",
     "UnknownEvent",
     "VllmAdapter",
+    "VllmEventFeed",
+    "VllmFeedStats",
     "VllmMetrics",
     "ZmqSource",
     "ZmqSubscriber",
@@ -62,7 +62,7 @@ __all__ = [
     "engine_binds",
     "kvroute_register_backend_kinds",
     "locate_publisher",
-    "parse_metrics",
+    "parse_prometheus",
     "resolve_endpoint",
     "split_tcp",
 ]

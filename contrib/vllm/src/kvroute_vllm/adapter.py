@@ -33,11 +33,19 @@ import attrs
 import zmq
 from anyio.abc import TaskStatus
 
-from kvroute.adapters import HttpGetter, KvEventSink, parse_model_list
-from kvroute.backend import Backend, EngineLoad
+from kvroute.adapters import (
+    Backoff,
+    ExactFlag,
+    HttpGetter,
+    KvEventSink,
+    OpenAIAdapter,
+    check_path,
+    set_backend_capacity,
+)
+from kvroute.backend import EngineLoad
 from kvroute.logs import get_logger
-from kvroute_vllm.feed import ExactFlag, KvEventFeed
-from kvroute_vllm.metrics import VllmMetrics, parse_metrics
+from kvroute_vllm.feed import VllmEventFeed
+from kvroute_vllm.metrics import VllmMetrics, parse_prometheus
 from kvroute_vllm.subscriber import (
     ZmqSource,
     ZmqSubscriber,
@@ -51,14 +59,7 @@ __all__ = ["VllmAdapter"]
 
 log = get_logger(__name__)
 
-_RETRY_MAX_S = 30.0
 _RECHECK_S = 60.0
-
-
-def _path(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise ValueError(f"'{name}' must be a path starting with '/' (got {value!r}).")
-    return value
 
 
 def _endpoint(value: object, name: str) -> str | None:
@@ -89,16 +90,8 @@ def _ranks(value: object) -> int:
     return ranks
 
 
-def _health_path(value: object) -> str:
-    return _path(value, "health_path")
-
-
-def _models_path(value: object) -> str:
-    return _path(value, "models_path")
-
-
 def _metrics_path(value: object) -> str:
-    return _path(value, "metrics_path")
+    return check_path(value, "metrics_path")
 
 
 def _kv_replay(value: object) -> str | None:
@@ -159,12 +152,13 @@ def _source_entries(data: object) -> list[tuple[int, str, dict[str, Any]]]:
 
 
 @attrs.define
-class VllmAdapter:
-    """Everything engine-specific about one vLLM server (see the module docstring for options)."""
+class VllmAdapter(OpenAIAdapter):
+    """Everything engine-specific about one vLLM server (see the module docstring for options).
 
-    backend: Backend
-    health_path: str = attrs.field(default="/health", converter=_health_path)
-    models_path: str = attrs.field(default="/v1/models", converter=_models_path)
+    Health and models are `kvroute.adapters.OpenAIAdapter`'s (vLLM answers ``/health`` 503 once its
+    engine died; the probe's error carries it).
+    """
+
     metrics_path: str = attrs.field(default="/metrics", converter=_metrics_path)
     kv_events: str = attrs.field(default="auto", converter=_kv_events)
     kv_replay: str | None = attrs.field(default=None, converter=_kv_replay)
@@ -173,50 +167,20 @@ class VllmAdapter:
     kv_ranks: int = attrs.field(default=1, converter=_ranks)
     #: The last scrape of ``/metrics`` (``None`` until one succeeded).
     metrics: VllmMetrics | None = attrs.field(default=None, init=False)
-    feeds: list[KvEventFeed] = attrs.field(factory=list, init=False)
+    feeds: list[VllmEventFeed] = attrs.field(factory=list, init=False)
     subscribers: list[ZmqSubscriber] = attrs.field(factory=list, init=False)
     _epoch: int = attrs.field(default=0, init=False)
 
-    @classmethod
-    def create(cls, backend: Backend, **options: Any) -> VllmAdapter:
-        """Factory registered for kind ``vllm``."""
-        known = {a.name for a in attrs.fields(cls) if a.init and a.name != "backend"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
-        return cls(backend, **options)
-
-    # -- health, models, load -----------------------------------------------------------
-
-    async def probe(self, http: HttpGetter) -> bool:
-        """True when ``health_path`` answers 200; otherwise ``ValueError`` carrying the engine's status and reason.
-
-        (vLLM: 503 once the engine died.) The health checker counts the error as a failed probe and logs its text
-        when it ejects the backend.
-        """
-        reply = await http.get(self.health_path)
-        if reply.status == 200:
-            return True
-        reason = reply.body[:200].decode("utf-8", "replace").strip()
-        raise ValueError(f"{self.health_path} answered {reply.status}{': ' + reason if reason else ''}")
-
-    async def list_models(self, http: HttpGetter) -> list[str]:
-        """The served model ids; ``ValueError`` on a non-200 or a malformed body."""
-        reply = await http.get(self.models_path)
-        if reply.status != 200:
-            raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
-        return parse_model_list(reply.json())
+    # -- load ------------------------------------------------------------------------------
 
     async def poll_load(self, http: HttpGetter) -> EngineLoad:
         """Scrape ``metrics_path`` into an `EngineLoad` stamped now; ``ValueError`` when it cannot be read."""
-        reply = await http.get(self.metrics_path)
-        if reply.status != 200:
-            raise ValueError(f"{self.metrics_path} answered {reply.status}, expected 200.")
+        reply = (await http.get(self.metrics_path)).raise_for_status(self.metrics_path)
         try:
             text = reply.body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{self.metrics_path} is not UTF-8 text: {exc}.") from None
-        metrics = parse_metrics(text)
+        metrics = parse_prometheus(text)
         previous = self.metrics
         if previous is not None and metrics.started_at is not None and previous.started_at not in (None, metrics.started_at):
             self._epoch += 1
@@ -243,10 +207,8 @@ class VllmAdapter:
         reply = await http.get("/kv_event_sources")
         if reply.status == 404:
             return None
-        if reply.status != 200:
-            raise ValueError(f"/kv_event_sources answered {reply.status}, expected 200.")
         out = []
-        for rank, where, entry in _source_entries(reply.json()):
+        for rank, where, entry in _source_entries(reply.raise_for_status("/kv_event_sources").json()):
             if entry.get("enable_kv_cache_events", True) is False or entry.get("publisher", "zmq") != "zmq":
                 continue
             published = entry.get("endpoint")
@@ -271,15 +233,17 @@ class VllmAdapter:
         return out
 
     async def _discover(self, http: HttpGetter) -> list[ZmqSource]:
-        delay = 1.0
+        backoff = Backoff()
         quiet = False
         while True:
             try:
                 found = await self.sources(http)
             except (OSError, TimeoutError, ValueError) as exc:
-                log.info("kv_event_sources_unreadable", backend=self.backend.id, error=f"{type(exc).__name__}: {exc}")
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _RETRY_MAX_S)
+                log.info(
+                    "kv_event_sources_unreadable", backend=self.backend.id, error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=backoff.delay,
+                )
+                await backoff.sleep()
                 continue
             if found is None:
                 log.warning(
@@ -307,7 +271,7 @@ class VllmAdapter:
             return
         backend = self.backend.id
         flag = ExactFlag(backend, sink)
-        self.feeds = [KvEventFeed(backend, sink, rank=s.rank, exact_flag=flag) for s in sources]
+        self.feeds = [VllmEventFeed(backend, sink, rank=s.rank, exact_flag=flag) for s in sources]
         self.subscribers = [ZmqSubscriber(s) for s in sources]
         try:
             async with anyio.create_task_group() as tg:
@@ -316,7 +280,7 @@ class VllmAdapter:
         finally:
             flag.close()
 
-    async def _follow(self, subscriber: ZmqSubscriber, feed: KvEventFeed, sink: KvEventSink) -> None:
+    async def _follow(self, subscriber: ZmqSubscriber, feed: VllmEventFeed, sink: KvEventSink) -> None:
         backend = self.backend.id
         seen_epoch = self._epoch
         capacity: int | None = None
@@ -329,29 +293,28 @@ class VllmAdapter:
             if feed.holding:
                 feed.resume()
             blocks = self.metrics.num_gpu_blocks if self.metrics is not None else None
-            set_capacity = getattr(sink, "set_capacity", None)
-            if blocks and blocks != capacity and set_capacity is not None:
+            if blocks != capacity and set_backend_capacity(sink, backend, blocks):
                 capacity = blocks
-                set_capacity(backend, blocks)
 
-        delay = 1.0
+        backoff = Backoff()
         while True:
             # A new subscription starts from the replay buffer: the index is rebuilt from what it holds.
             feed.reset()
             try:
-                await subscriber.run(feed, on_wake=wake, on_connected=lambda: feed.exact_flag.subscribed(feed, True))
+                await subscriber.run(feed, on_wake=wake, on_connected=feed.subscribe)
             except Exception as exc:  # never let one backend's events take the proxy down; cancellation passes
                 if isinstance(exc, zmq.ZMQError):
                     log.error(
                         "kv_events_socket_failed", backend=backend, endpoint=subscriber.source.endpoint,
-                        bind=subscriber.source.bind, error=str(exc), retry_in_s=delay,
+                        bind=subscriber.source.bind, error=str(exc), retry_in_s=backoff.delay,
                     )
                 else:
-                    log.exception("kv_events_failed", backend=backend, endpoint=subscriber.source.endpoint, retry_in_s=delay)
+                    log.exception(
+                        "kv_events_failed", backend=backend, endpoint=subscriber.source.endpoint, retry_in_s=backoff.delay
+                    )
                 with contextlib.suppress(Exception):
-                    feed.exact_flag.subscribed(feed, False)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _RETRY_MAX_S)
+                    feed.unsubscribe()
+                await backoff.sleep()
 
     def stats(self) -> dict[str, Any]:
         """Counters for operators: the last metrics and each event feed's counters."""
@@ -363,13 +326,10 @@ class VllmAdapter:
                     "rank": sub.source.rank,
                     "connected": sub.connected,
                     "expected_seq": feed.expected,
-                    "holding": feed.holding,
-                    "exact": feed.exact_flag.reported is True,
-                    "lost_reason": feed.lost_reason,
                     "replays": sub.replays,
                     "replay_failures": sub.replay_failures,
                     "decode_errors": sub.decode_errors,
-                    **attrs.asdict(feed.stats),
+                    **feed.report(),
                 }
                 for sub, feed in zip(self.subscribers, self.feeds, strict=True)
             ],

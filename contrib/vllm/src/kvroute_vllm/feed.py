@@ -1,13 +1,14 @@
 """Applying vLLM's KV event batches to a `kvroute.adapters.KvEventSink`, in sequence order.
 
-No sockets here (see `kvroute_vllm.subscriber`): `KvEventFeed` decides what each batch means
-for the router's index, keeps the sequence numbers straight, and says when the index can no
-longer be called exact (`ExactFlag`).
+No sockets here (see `kvroute_vllm.subscriber`): `VllmEventFeed` decides what each batch means
+for the router's index and keeps the sequence numbers straight. What every engine's feed shares
+(holding batches while block sizes differ, losses and the backend's `kvroute.adapters.ExactFlag`,
+the counters) is `kvroute.adapters.KvEventFeed`'s.
 
 Sequence numbers (one counter per publisher, from 0):
 
 * the next expected batch is applied;
-* a batch past the expected one reveals a gap: `KvEventFeed.receive` returns it as a `Gap`,
+* a batch past the expected one reveals a gap: `VllmEventFeed.receive` returns it as a `Gap`,
   the caller fills it from the replay socket (`replayed`) or gives up on it (`skip_gap`),
   then offers the batch again;
 * a replayed batch already applied is a duplicate and is skipped;
@@ -37,10 +38,9 @@ indexed group at all (a pure sliding-window model) leaves the index without its 
 backend is marked inexact (``cache_kind_not_indexed``). Any other kind (vLLM's own ``unknown``,
 or one added after vLLM 0.33) is warned about once per kind and marks the backend inexact.
 
-Exactness: a feed is *complete* while nothing it was given could have been skipped or lost
-since its blocks were last cleared. Every loss records a reason in ``stats.inexact_reasons``,
-logs ``kv_index_inexact`` (with backend, rank and reason) when the feed stops being complete,
-and updates the backend's `ExactFlag`, which calls ``set_exact(backend, False)``. The losses:
+Exactness (`kvroute.adapters.KvEventFeed.lose`): a feed is *complete* while nothing it was given
+could have been skipped or lost since its blocks were last cleared; every loss has a reason. The
+losses:
 a gap the replay could not fill (``lost_batches``), joining a stream whose earlier batches are
 gone (``history_incomplete``), a store that could not be applied (``lora_without_name``,
 ``malformed_store``, ``unknown_parent``, ``rejected_store``, ``lookahead_hashing``), a
@@ -50,7 +50,7 @@ group beside it (``cache_kind_not_indexed``), an event type it does not know
 (``AllBlocksCleared``, a publisher or engine restart) empties engine and index alike: the feed
 is complete again.
 
-Engine hashes of data-parallel rank ``r > 0`` are offset by ``r << 64`` so that ranks never
+Engine hashes are keyed per data-parallel rank (`kvroute.adapters.rank_key`) so that ranks never
 share a key. While the sink hashes blocks of another size than the engine's (the strategy has
 not learned the engine's block size yet), batches are held, in order, and applied once the
 sizes agree (`resume`).
@@ -58,17 +58,17 @@ sizes agree (`resume`).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from kvroute.adapters import KvEventSink, set_backend_exact
+from kvroute.adapters import ExactFlag, FeedStats, KvEventFeed, KvEventSink, rank_key
 from kvroute.logs import get_logger
 from kvroute_vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, UnknownEvent
 
-__all__ = ["INDEXED_KINDS", "WINDOW_KINDS", "ExactFlag", "FeedStats", "Gap", "KvEventFeed"]
+__all__ = ["INDEXED_KINDS", "WINDOW_KINDS", "Gap", "VllmEventFeed", "VllmFeedStats"]
 
 log = get_logger(__name__)
 
@@ -98,93 +98,17 @@ class Gap:
 
 
 @attrs.define
-class FeedStats:
-    """Counters of one feed (exported by the adapter's ``stats()``)."""
+class VllmFeedStats(FeedStats):
+    """The counters every feed keeps (`kvroute.adapters.FeedStats`), plus vLLM's sequence and filter counters."""
 
     batches: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    cleared: int = 0
     duplicates: int = 0
     gaps: int = 0
     replayed: int = 0
     lost_batches: int = 0
     restarts: int = 0
-    held: int = 0
-    dropped_held: int = 0
-    orphan_events: int = 0
-    skipped_events: int = 0
-    rejected_events: int = 0
     #: Events left out on purpose (another medium, another group, a kind not indexed, multimodal blocks).
     ignored_events: int = 0
-    #: Times the feed stopped being complete (each logged as ``kv_index_inexact``).
-    inexact: int = 0
-    #: Every loss, by reason (see the module docstring).
-    inexact_reasons: dict[str, int] = attrs.field(factory=dict)
-
-
-class ExactFlag:
-    """Whether one backend's index may be called exact, from the state of all its feeds (one per rank).
-
-    Exact means: every feed is subscribed and none has lost anything since its last clear. The
-    value goes to the sink (``set_exact``, with the reason when the sink takes one) only when it
-    changes. A flag a feed makes for itself (no adapter) counts that feed as subscribed.
-
-    Switching a sink back to exact makes it forget the backend's blocks (the tokenizer-prefix
-    index drops its approximate records), so every other feed is asked to rebuild from its
-    replay buffer (``needs_resync``).
-    """
-
-    def __init__(self, backend: str, sink: KvEventSink) -> None:
-        self.backend = backend
-        self.sink = sink
-        #: The value last given to the sink (``None``: not yet).
-        self.reported: bool | None = None
-        self._feeds: list[KvEventFeed] = []
-        self._subscribed: dict[int, bool] = {}
-
-    def add(self, feed: KvEventFeed, *, subscribed: bool = False) -> None:
-        self._feeds.append(feed)
-        self._subscribed[id(feed)] = subscribed
-
-    @property
-    def value(self) -> bool:
-        return bool(self._feeds) and all(self._subscribed[id(f)] and f.lost_reason is None for f in self._feeds)
-
-    def reason(self) -> str | None:
-        for feed in self._feeds:
-            if not self._subscribed[id(feed)]:
-                return "not_subscribed"
-            if feed.lost_reason is not None:
-                return feed.lost_reason
-        return None
-
-    def subscribed(self, feed: KvEventFeed, yes: bool) -> None:
-        """``feed``'s subscription started (``True``) or ended."""
-        self._subscribed[id(feed)] = yes
-        self.update(feed)
-
-    def close(self) -> None:
-        """No feed runs any more: the backend goes back to the strategy's own records."""
-        for feed in self._feeds:
-            self._subscribed[id(feed)] = False
-        self.update(None)
-
-    def update(self, cause: KvEventFeed | None) -> None:
-        """Give the sink the current value if it changed (``cause``: the feed whose state changed)."""
-        value = self.value
-        if value == self.reported:
-            return
-        self.reported = value
-        set_backend_exact(self.sink, self.backend, value, reason=None if value else self.reason())
-        if value:
-            for feed in self._feeds:
-                if feed is not cause:
-                    feed.needs_resync = True
-
-
-def _rank_key(engine_hash: int, rank: int) -> int:
-    return engine_hash + (rank << 64) if rank else engine_hash
 
 
 def _split_extra(
@@ -205,8 +129,12 @@ def _split_extra(
     return False, salt
 
 
-class KvEventFeed:
+class VllmEventFeed(KvEventFeed[EventBatch]):
     """One publisher's (one engine rank's) event stream, applied to ``sink`` for ``backend``."""
+
+    unit: ClassVar[str] = "batches"
+    logger: ClassVar[Any] = log
+    stats: VllmFeedStats
 
     def __init__(
         self,
@@ -217,44 +145,19 @@ class KvEventFeed:
         max_held: int = 10_000,
         exact_flag: ExactFlag | None = None,
     ) -> None:
-        self.backend = backend
-        self.sink = sink
-        self.rank = rank
-        self.max_held = max_held
-        self.stats = FeedStats()
+        super().__init__(backend, sink, rank=rank, max_held=max_held, exact_flag=exact_flag, stats=VllmFeedStats())
+        self.rank: int = rank
         #: The sequence number of the next batch to apply (``None``: nothing seen yet).
         self.expected: int | None = None
-        #: Why the index may miss this stream's blocks (``None``: nothing lost since the last clear).
-        self.lost_reason: str | None = None
-        #: Set when the sink forgot this backend's blocks: rebuild from the replay buffer.
-        self.needs_resync = False
-        #: The backend's exactness; a feed given none makes its own and counts as subscribed.
-        self.exact_flag = exact_flag if exact_flag is not None else ExactFlag(backend, sink)
-        self.exact_flag.add(self, subscribed=exact_flag is None)
         self._last_live: int | None = None
-        self._held: deque[EventBatch] = deque()
         self._group: int | None = None
         self._has_group = False
         self._opaque: set[int] = set()
-        self._warned: set[str] = set()
 
-    # -- exactness -----------------------------------------------------------------------
-
-    def lose(self, reason: str, **context: Any) -> None:
-        """Something this stream carried may be missing from the index: record it, the backend is not exact."""
-        self.stats.inexact_reasons[reason] = self.stats.inexact_reasons.get(reason, 0) + 1
-        if self.lost_reason is None:
-            self.lost_reason = reason
-            self.stats.inexact += 1
-            log.warning("kv_index_inexact", backend=self.backend, rank=self.rank, reason=reason, **context)
-            self.exact_flag.update(self)
-
-    def _cleared(self) -> None:
+    def engine_cleared(self, reason: str) -> None:
+        """The engine dropped every block: so does the sink (multimodal chains left out are forgotten too)."""
         self._opaque.clear()
-        if self.lost_reason is not None:
-            log.info("kv_index_exact_again", backend=self.backend, rank=self.rank, after=self.lost_reason)
-            self.lost_reason = None
-            self.exact_flag.update(self)
+        super().engine_cleared(reason)
 
     # -- sequence ----------------------------------------------------------------------
 
@@ -287,35 +190,32 @@ class KvEventFeed:
         for batch in batches:
             self.stats.replayed += 1
             if self.expected is not None and batch.seq > self.expected:
-                self.stats.lost_batches += batch.seq - self.expected
-                log.warning(
-                    "kv_events_lost", backend=self.backend, rank=self.rank, first=self.expected, count=batch.seq - self.expected
-                )
-                self.lose("lost_batches", first=self.expected, count=batch.seq - self.expected)
+                self._lost(self.expected, batch.seq)
             self._accept(batch)
 
     def skip_gap(self, gap: Gap) -> None:
         """Give up on a gap that could not be replayed."""
         if self.expected is None or self.expected == gap.start:
-            self.stats.lost_batches += gap.end - gap.start
-            log.warning("kv_events_lost", backend=self.backend, rank=self.rank, first=gap.start, count=gap.end - gap.start)
-            self.lose("lost_batches", first=gap.start, count=gap.end - gap.start)
+            self._lost(gap.start, gap.end)
             self.expected = gap.end
+
+    def _lost(self, first: int, end: int) -> None:
+        self.stats.lost_batches += end - first
+        log.warning("kv_events_lost", backend=self.backend, rank=self.rank, first=first, count=end - first)
+        self.lose("lost_batches", first=first, count=end - first)
 
     def reset(self) -> None:
         """Forget the sequence (a new subscription replays from the start); the sink is left as it is."""
         self.expected = None
         self._last_live = None
-        self._held.clear()
+        self._drop_held()
 
     def restart(self) -> None:
         """The engine restarted (or will be re-read from its first batch): forget its blocks and sequence."""
-        self.sink.all_cleared(self.backend)
-        self.stats.cleared += 1
         self.expected = 0
         self._last_live = None
-        self._held.clear()
-        self._cleared()
+        self._drop_held()
+        self.engine_cleared("engine_restarted")
 
     def _accept(self, batch: EventBatch) -> None:
         if self.expected is not None and batch.seq < self.expected:
@@ -324,17 +224,9 @@ class KvEventFeed:
         if self.expected is None and batch.seq > 0:
             self.lose("history_incomplete", first_seq=batch.seq)
         self.expected = batch.seq + 1
-        if self._held or not self._fits(batch):
-            self._hold(batch)
-            return
-        self._apply(batch)
+        self.offer(batch)
 
     # -- block size ----------------------------------------------------------------------
-
-    @property
-    def holding(self) -> int:
-        """Batches waiting for the sink's block size to equal the engine's."""
-        return len(self._held)
 
     def _fits(self, batch: EventBatch) -> bool:
         size = self.sink.block_size
@@ -342,40 +234,10 @@ class KvEventFeed:
             e.block_size == size for e in batch.events if isinstance(e, BlockStored) and self._classify(e, pick=False) == "track"
         )
 
-    def _hold(self, batch: EventBatch) -> None:
-        if not self._held:
-            engine = next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
-            log.info(
-                "kv_events_held", backend=self.backend, engine_block_size=engine, router_block_size=self.sink.block_size
-            )
-        self._held.append(batch)
-        self.stats.held += 1
-        while len(self._held) > self.max_held:
-            self._held.popleft()
-            self.stats.dropped_held += 1
-            self._warn_once(
-                "held_overflow",
-                "kv_events_block_size_mismatch",
-                router_block_size=self.sink.block_size,
-                hint="the strategy hashes blocks of another size than the engine: leave its block_size unset or set it "
-                "to the engine's; events are being dropped",
-            )
-            self.lose("held_batches_dropped")
-
-    def resume(self) -> int:
-        """Apply held batches now that the block sizes agree; returns how many were applied."""
-        applied = 0
-        while self._held and self._fits(self._held[0]):
-            self._apply(self._held.popleft())
-            applied += 1
-        return applied
+    def _engine_block_size(self, batch: EventBatch) -> int | None:
+        return next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
 
     # -- applying ------------------------------------------------------------------------
-
-    def _warn_once(self, key: str, event: str, **context: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(event, backend=self.backend, **context)
 
     def _classify(self, event: BlockStored, *, pick: bool) -> str:
         """``track``, ``ignore`` (another medium or group), ``window`` (a kind not indexed) or ``unknown``."""
@@ -402,7 +264,7 @@ class KvEventFeed:
             if isinstance(event, BlockStored):
                 self._stored(event, rank, not_indexed)
             elif isinstance(event, BlockRemoved):
-                keys = [_rank_key(h, rank) for h in event.block_hashes]
+                keys = [rank_key(h, rank) for h in event.block_hashes]
                 self._opaque.difference_update(keys)
                 if event.medium not in _GPU or (event.group_idx is not None and event.group_idx != self._group):
                     self.stats.skipped_events += 1
@@ -410,9 +272,7 @@ class KvEventFeed:
                     continue
                 self.stats.blocks_removed += self.sink.blocks_removed(self.backend, keys)
             elif isinstance(event, AllBlocksCleared):
-                self.sink.all_cleared(self.backend)
-                self.stats.cleared += 1
-                self._cleared()
+                self.engine_cleared("all_blocks_cleared")
             elif isinstance(event, UnknownEvent):
                 self.stats.skipped_events += 1
                 self._warn_once(
@@ -459,8 +319,8 @@ class KvEventFeed:
                 "shape", "kv_events_malformed_store", hashes=len(event.block_hashes), tokens=len(event.token_ids), block_size=size
             )
             self.lose("malformed_store", hashes=len(event.block_hashes), tokens=len(event.token_ids))
-        keys = [_rank_key(h, rank) for h in event.block_hashes]
-        parent = None if event.parent_block_hash is None else _rank_key(event.parent_block_hash, rank)
+        keys = [rank_key(h, rank) for h in event.block_hashes]
+        parent = None if event.parent_block_hash is None else rank_key(event.parent_block_hash, rank)
         if parent is not None and parent in self._opaque:
             self._opaque.update(keys)  # continues a chain left out on purpose (multimodal)
             self.stats.skipped_events += 1

@@ -24,16 +24,14 @@ lines and ~10 ms to parse; the filtered one well under 1 ms).
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Iterable
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.backend import EngineLoad
+from kvroute.adapters import EngineMetrics, prometheus_subset
 
-__all__ = ["VllmMetrics", "parse_metrics"]
+__all__ = ["VllmMetrics", "parse_prometheus"]
 
 _RUNNING = ("vllm:num_requests_running",)
 _WAITING = ("vllm:num_requests_waiting",)
@@ -48,50 +46,20 @@ _WANTED = frozenset(
     [*_RUNNING, *_WAITING, *_USAGE, _INFO, _START]
     + [name + suffix for name in (*_QUERIES, *_HITS) for suffix in ("", "_total")]
 )
-_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
 @attrs.frozen
-class VllmMetrics:
-    """What one scrape of a vLLM server's ``/metrics`` says, summed over its engines; ``None`` = not reported."""
+class VllmMetrics(EngineMetrics):
+    """What one scrape of a vLLM server's ``/metrics`` says, summed over its engines; ``None`` = not reported.
 
-    running: int | None = None
-    waiting: int | None = None
-    kv_usage: float | None = None
-    prefix_cache_queries: float | None = None
-    prefix_cache_hits: float | None = None
-    block_size: int | None = None
+    The `EngineMetrics` fields (``to_load``), plus the KV cache's size in blocks, whether prefix caching
+    is on, the process start time (a new one: the server restarted) and how many engines reported.
+    """
+
     num_gpu_blocks: int | None = None
     prefix_caching: bool | None = None
     started_at: float | None = None
     engines: int = 0
-
-    def to_load(self, observed_at: float | None = None) -> EngineLoad:
-        """The core's `EngineLoad` (``observed_at``: a ``time.monotonic()`` reading, default now)."""
-        return EngineLoad(
-            running=self.running,
-            waiting=self.waiting,
-            kv_usage=self.kv_usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            block_size=self.block_size,
-            observed_at=time.monotonic() if observed_at is None else observed_at,
-        )
-
-
-def _relevant_lines(text: str) -> str:
-    """The exposition restricted to the families we read (HELP/TYPE lines included)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED:
-                out.append(line)
-            continue
-        m = _NAME.match(line)
-        if m is not None and m.group(0) in _WANTED:
-            out.append(line)
-    return "\n".join(out) + "\n"
 
 
 def _values(samples: dict[str, list[float]], names: Iterable[str], *, counter: bool = False) -> list[float] | None:
@@ -113,12 +81,12 @@ def _int_label(value: str | None) -> int | None:
         return None
 
 
-def parse_metrics(text: str) -> VllmMetrics:
+def parse_prometheus(text: str) -> VllmMetrics:
     """Parse a vLLM ``/metrics`` body; ``ValueError`` when it is not Prometheus text or not vLLM's."""
     samples: dict[str, list[float]] = {}
     infos: list[dict[str, str]] = []
     try:
-        families = list(text_string_to_metric_families(_relevant_lines(text)))
+        families = list(text_string_to_metric_families(prometheus_subset(text, _WANTED)))
     except (ValueError, TypeError, IndexError) as exc:
         raise ValueError(f"expected Prometheus text format from vLLM's /metrics, but it does not parse: {exc}") from None
     for family in families:

@@ -40,7 +40,7 @@ import zmq.asyncio
 
 from kvroute.logs import get_logger
 from kvroute_vllm.events import EventBatch, EventFormatError, decode_message, decode_replay_reply
-from kvroute_vllm.feed import KvEventFeed
+from kvroute_vllm.feed import VllmEventFeed
 
 __all__ = ["ZmqSource", "ZmqSubscriber", "engine_binds", "locate_publisher", "resolve_endpoint", "split_tcp"]
 
@@ -156,7 +156,7 @@ class ZmqSource:
 
 
 class ZmqSubscriber:
-    """Receive one source's batches into a `KvEventFeed`, filling gaps from the replay socket."""
+    """Receive one source's batches into a `VllmEventFeed`, filling gaps from the replay socket."""
 
     def __init__(self, source: ZmqSource, *, replay_timeout: float = 5.0, wake_every: float = 0.5) -> None:
         self.source = source
@@ -206,13 +206,13 @@ class ZmqSubscriber:
         finally:
             dealer.close(linger=0)
 
-    async def _fill(self, feed: KvEventFeed, start: int) -> None:
+    async def _fill(self, feed: VllmEventFeed, start: int) -> None:
         batches, complete = await self.replay(start)
         feed.replayed(batches, complete=complete)
 
     async def run(
         self,
-        feed: KvEventFeed,
+        feed: VllmEventFeed,
         *,
         on_wake: Callable[[], None] | None = None,
         on_connected: Callable[[], None] | None = None,

@@ -1,27 +1,7 @@
-"""Backend adapters: everything engine-specific about talking to one backend.
+"""What an adapter and its host agree on: the HTTP client, the KV event sink, the capability protocols.
 
-A backend kind (``openai``, ``vllm``, ``tensorrt-llm``...) is registered through the
-``kvroute_register_backend_kinds`` hook with a factory ``factory(backend, **options)``
-returning an object that follows `BackendAdapter`. The core ships ``openai``: any
-OpenAI-compatible server, probed on ``/health``, with no engine telemetry.
-
-Optional capabilities, each declared as a `runtime_checkable` protocol below (`Probes`,
-`ListsModels`, `PollsLoad`, `StreamsEvents`, `Closes`): the proxy's health checker calls them when
-an adapter has them, and falls back to plain HTTP on the paths otherwise. Each is given an
-`HttpGetter` bound to the backend's base URL, its credentials and the probe timeout (a client may
-also offer ``with_timeout(seconds)`` for engine endpoints that hold their answer):
-
-* ``probe(http) -> bool``: is the engine able to serve? (default: ``GET health_path`` is 200)
-* ``list_models(http) -> list[str]``: served model ids (default: parse ``GET models_path``)
-* ``poll_load(http) -> EngineLoad | None``: the engine's load telemetry, stored with
-  ``Fleet.update_load`` so strategies can read it (default: none)
-* ``run_events(http, sink, *, task_status)``: a long-running task that feeds the engine's KV
-  cache events into ``sink`` (a `KvEventSink`, see `kv_event_sink`) until cancelled. The
-  proxy starts it in its task group, once per backend, when the strategy offers a sink;
-  ``http`` may also have ``post`` (`HttpClient`). It handles its own reconnects and never
-  raises except on cancellation.
-
-Transport errors raised from these methods count as a failed probe / a skipped poll.
+See `kvroute.adapters` for the whole plugin API; this module holds only the protocols and the two
+helpers that talk to a sink (`set_backend_exact`, `set_backend_capacity`).
 """
 
 from __future__ import annotations
@@ -43,12 +23,11 @@ __all__ = [
     "HttpReply",
     "KvEventSink",
     "ListsModels",
-    "OpenAIAdapter",
     "PollsLoad",
     "Probes",
     "StreamsEvents",
     "kv_event_sink",
-    "parse_model_list",
+    "set_backend_capacity",
     "set_backend_exact",
 ]
 
@@ -63,6 +42,12 @@ class HttpReply:
     def json(self) -> Any:
         """The body parsed as JSON (raises ``ValueError`` when it is not JSON)."""
         return json.loads(self.body)
+
+    def raise_for_status(self, path: str) -> HttpReply:
+        """This reply when its status is 200; otherwise ``ValueError`` naming ``path`` and the status it got."""
+        if self.status != 200:
+            raise ValueError(f"{path} answered {self.status}, expected 200.")
+        return self
 
 
 class HttpGetter(Protocol):
@@ -87,7 +72,9 @@ class KvEventSink(Protocol):
 
     The tokenizer-prefix strategy's block index follows it. Token ids are the stored blocks'
     ids, flat; the sink recomputes its own block hashes from them (never the engine's), and
-    keeps the engine's hashes only to resolve later removals and parents.
+    keeps the engine's hashes only to resolve later removals and parents. A sink may also have
+    ``set_capacity(backend, blocks)`` (the engine's KV cache size; adapters call it through
+    `set_backend_capacity`).
     """
 
     #: Tokens per block the sink hashes with; events of another block size cannot be applied.
@@ -142,6 +129,19 @@ def set_backend_exact(sink: KvEventSink, backend: str, exact: bool, *, reason: s
         sink.set_exact(backend, exact)
 
 
+def set_backend_capacity(sink: KvEventSink, backend: str, blocks: int | None) -> bool:
+    """``sink.set_capacity(backend, blocks)`` when the sink has that optional method and ``blocks`` is known.
+
+    The capacity is the engine's KV cache size in blocks: a sink that bounds what it keeps per backend
+    holds no more than the engine can. Returns whether the sink was told.
+    """
+    set_capacity = getattr(sink, "set_capacity", None)
+    if not blocks or set_capacity is None:
+        return False
+    set_capacity(backend, blocks)
+    return True
+
+
 def kv_event_sink(strategy: object) -> KvEventSink | None:
     """The KV event sink a strategy offers: its ``kv_event_sink``, else its ``index``, if a `KvEventSink`."""
     for name in ("kv_event_sink", "index"):
@@ -149,14 +149,6 @@ def kv_event_sink(strategy: object) -> KvEventSink | None:
         if candidate is not None and isinstance(candidate, KvEventSink):
             return candidate
     return None
-
-
-def parse_model_list(data: object) -> list[str]:
-    """Model ids from OpenAI's ``{"object": "list", "data": [{"id": ...}]}``; ``ValueError`` otherwise."""
-    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        raise ValueError(f"expected an object with a 'data' list of models (got {type(data).__name__}).")
-    ids = [m.get("id") for m in data["data"] if isinstance(m, dict)]
-    return [i for i in ids if isinstance(i, str) and i]
 
 
 @runtime_checkable
@@ -219,28 +211,3 @@ class Closes(Protocol):
     async def aclose(self) -> None:
         """Release them; called once when the backend is removed or the host stops."""
         ...
-
-
-@attrs.define
-class OpenAIAdapter:
-    """Any OpenAI-compatible server: health on ``/health``, models on ``/v1/models``, no telemetry."""
-
-    backend: Backend
-    health_path: str = "/health"
-    models_path: str = "/v1/models"
-
-    @classmethod
-    def create(cls, backend: Backend, **options: Any) -> OpenAIAdapter:
-        """Factory registered for kind ``openai``; options override the paths."""
-        return cls(backend, **options)
-
-    async def probe(self, http: HttpGetter) -> bool:
-        """Healthy when ``health_path`` answers 200."""
-        return (await http.get(self.health_path)).status == 200
-
-    async def list_models(self, http: HttpGetter) -> list[str]:
-        """The ids listed at ``models_path``; ``ValueError`` on a non-200 or a malformed body."""
-        reply = await http.get(self.models_path)
-        if reply.status != 200:
-            raise ValueError(f"{self.models_path} answered {reply.status}, expected 200.")
-        return parse_model_list(reply.json())
