@@ -124,14 +124,6 @@ class EngineAdapter(OpenAIAdapter):
     metrics_path: str = attrs.field(default="/metrics", converter=lambda v: check_path(v, "metrics_path", allow_empty=True))
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class TestOpenAIAdapter:
     def test_create_checks_option_names(self) -> None:
         """create() accepts the adapter's options and names the unknown ones with the known ones (not a TypeError)."""
@@ -350,13 +342,13 @@ class TestKvEventFeed:
 
     def test_inexact_for_counts_from_the_last_loss(self) -> None:
         """inexact_for is the time since the last loss while incomplete, None once complete."""
-        clock = _Clock()
-        feed = ToyFeed(Sink(), clock=clock)
+        now = [10.0]
+        feed = ToyFeed(Sink(), clock=lambda: now[0])
         assert feed.inexact_for is None
         feed.lose("a")
-        clock.now += 5
+        now[0] += 5
         feed.lose("b")
-        clock.now += 2
+        now[0] += 2
         assert feed.inexact_for == 2
         feed.resync()
         assert feed.inexact_for is None
