@@ -107,6 +107,48 @@ class TestFleet:
         assert fleet.version == 1  # load updates are not membership changes
 
 
+class TestServedModels:
+    def test_reported_models_replace_declared_ones(self) -> None:
+        """Once a backend's engine reported its models, candidates filter on them; None restores the declared ones."""
+        fleet = Fleet([Backend("a", models=["m1"]), Backend("b")])
+        fleet.set_served_models("b", ["m2"])
+        assert [s.id for s in fleet.candidates("m1")] == ["a"]
+        assert [s.id for s in fleet.candidates("m2")] == ["b"]
+        fleet.set_served_models("a", ["m2"])
+        assert [s.id for s in fleet.candidates("m1")] == []
+        assert fleet.get("a").models == frozenset({"m2"}) and fleet.models() == {"m2"}
+        fleet.set_served_models("a", None)
+        assert fleet.get("a").models == frozenset({"m1"}) and fleet.models() == {"m1", "m2"}
+
+    def test_an_empty_report_serves_any_model(self) -> None:
+        """An engine reporting no model is treated like a backend declaring none: it serves any."""
+        fleet = Fleet([Backend("a", models=["m1"])])
+        fleet.set_served_models("a", [])
+        assert fleet.get("a").serves("anything") and fleet.get("a").serves(None)
+
+    def test_changes_are_models_events(self) -> None:
+        """A change of served models is a 'models' event with a version bump; the same models again is none."""
+        fleet = make_fleet(1)
+        seen: list[FleetEvent] = []
+        fleet.subscribe(seen.append)
+        assert fleet.set_served_models("b0", ["m"]) is not None
+        assert fleet.set_served_models("b0", ("m",)) is None
+        assert [(e.kind, e.version) for e in seen] == [("models", 2)]
+        with pytest.raises(UnknownBackend, match="no backend with id 'zz'"):
+            fleet.set_served_models("zz", ["m"])
+
+    def test_readded_backend_forgets_reported_models(self) -> None:
+        """A backend removed and added again has its models reported anew (its state starts unknown)."""
+        fleet = make_fleet(1)
+        router = Router(fleet, First())
+        lease = router.acquire(REQ)
+        fleet.set_served_models("b0", ["m"])
+        fleet.remove("b0")
+        fleet.add(Backend("b0"))
+        assert fleet.get("b0").served_models is None and fleet.get("b0") is lease.state
+        router.release(lease)
+
+
 class First(BaseStrategy):
     def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> BackendState:
         return candidates[0]

@@ -193,6 +193,22 @@ class TestDecisions:
         with pytest.raises(NoBackendAvailable, match="1 unhealthy, 1 draining"):
             router.acquire(REQ)
 
+    def test_no_backend_message_counts_only_backends_serving_the_model(self) -> None:
+        """A backend whose engine reports other models is neither 'serving it' nor 'already failed this request'."""
+        fleet = Fleet([Backend("a"), Backend("b"), Backend("c")])
+        fleet.set_served_models("c", ["other"])
+        fleet.set_healthy("b", False)
+        router = Router(fleet, FirstStrategy(), strategy_name="first")
+        with pytest.raises(NoBackendAvailable) as raised:
+            router.acquire(REQ, exclude={"a"})
+        assert str(raised.value) == (
+            "no backend available for model 'm': of 2 serving it, 1 unhealthy, 0 draining, 1 already failed this request."
+        )
+        fleet.set_served_models("a", ["other"])
+        fleet.set_served_models("b", ["other"])
+        with pytest.raises(NoBackendAvailable, match="none of 3 serves model 'm'"):
+            router.acquire(REQ)
+
     def test_strategy_must_pick_a_candidate(self) -> None:
         """A strategy returning a backend outside the candidates is an error, not a silent misroute."""
 

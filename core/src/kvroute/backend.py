@@ -38,7 +38,8 @@ def _models(value: Iterable[str] | str | None) -> frozenset[str]:
 class Backend:
     """Who a backend is: id, base URL, engine kind, capacity weight, served models, labels.
 
-    ``models`` empty means "serves whatever it is asked for" (the fleet does not filter it).
+    ``models`` are the declared ones; empty means "serves whatever it is asked for". What the
+    engine itself reports serving is live state (`BackendState.served_models`) and wins once known.
     ``weight`` is relative capacity: a backend of weight 2 should take twice the share.
     """
 
@@ -50,7 +51,7 @@ class Backend:
     labels: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
 
     def serves(self, model: str | None) -> bool:
-        """Whether this backend may be asked for ``model`` (``None`` matches everything)."""
+        """Whether the declared models allow ``model`` (``None`` matches everything)."""
         return model is None or not self.models or model in self.models
 
 
@@ -79,8 +80,8 @@ class EngineLoad:
 class BackendState:
     """A backend plus what the router knows about it right now.
 
-    Strategies read these objects (``in_flight``, ``weight``, ``load``) but never write them;
-    the `Fleet` and the `Router` do, under the fleet's lock.
+    Strategies read these objects (``in_flight``, ``weight``, ``load``, ``serves``) but never
+    write them; the `Fleet` and the `Router` do, under the fleet's lock.
     """
 
     backend: Backend
@@ -90,6 +91,9 @@ class BackendState:
     load: EngineLoad | None = None
     #: Seconds after which ``load`` counts as stale (``fresh_load`` returns ``None``).
     load_max_age: float = 10.0
+    #: The models the engine reported serving (`Fleet.set_served_models`, from the host's
+    #: discovery); ``None`` until it has, and meanwhile the declared ``backend.models`` count.
+    served_models: frozenset[str] | None = None
 
     @property
     def id(self) -> str:
@@ -98,6 +102,18 @@ class BackendState:
     @property
     def weight(self) -> float:
         return self.backend.weight
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The models routing filters on: the reported ones once known, else the declared ones (empty: any)."""
+        return self.backend.models if self.served_models is None else self.served_models
+
+    def serves(self, model: str | None) -> bool:
+        """Whether this backend may be asked for ``model`` (``None`` matches everything; see `models`)."""
+        if model is None:
+            return True
+        models = self.backend.models if self.served_models is None else self.served_models
+        return not models or model in models
 
     @property
     def routable(self) -> bool:

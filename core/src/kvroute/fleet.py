@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Literal
 
 import attrs
@@ -16,7 +16,9 @@ __all__ = ["Fleet", "FleetEvent", "FleetEventKind"]
 
 log = get_logger(__name__)
 
-FleetEventKind = Literal["attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight"]
+FleetEventKind = Literal[
+    "attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight", "models"
+]
 
 
 @attrs.frozen
@@ -24,7 +26,8 @@ class FleetEvent:
     """One membership change: what happened, to which backend, and the fleet version after it.
 
     ``attached`` (no backend) is sent once to a strategy when a router starts using it, so
-    it learns the members the fleet already had.
+    it learns the members the fleet already had. ``models`` says the models a backend reports
+    serving changed (`Fleet.set_served_models`): which backends may take a model, not placement.
     """
 
     kind: FleetEventKind
@@ -35,8 +38,8 @@ class FleetEvent:
 class Fleet:
     """Membership with a version number; thread-safe.
 
-    Every change that can alter routing (add, remove, drain, health, weight) bumps
-    ``version`` and is passed to subscribers (the router forwards it to the strategy and
+    Every change that can alter routing (add, remove, drain, health, weight, served models)
+    bumps ``version`` and is passed to subscribers (the router forwards it to the strategy and
     to the ``kvroute_fleet_changed`` hook). Load updates and in-flight counts do not.
 
     In-flight counts change only through :meth:`request_started` and
@@ -86,18 +89,22 @@ class Fleet:
             return [s.backend for s in self._states.values()]
 
     def candidates(self, model: str | None = None, exclude: Collection[str] = ()) -> list[BackendState]:
-        """Backends that may take a new request for ``model``: healthy, not draining, not excluded."""
+        """Backends that may take a new request for ``model``: healthy, not draining, serving it, not excluded.
+
+        ``exclude`` is for the backends that already failed this request (retries); a backend that
+        does not serve ``model`` is left out by `BackendState.serves`, not by the caller.
+        """
         with self._lock:
             return [
                 s
                 for s in self._states.values()
-                if s.healthy and not s.draining and s.id not in exclude and s.backend.serves(model)
+                if s.healthy and not s.draining and s.id not in exclude and s.serves(model)
             ]
 
     def models(self) -> set[str]:
-        """The union of the models members declare."""
+        """The union of the models members serve (reported once known, else declared; see `BackendState.models`)."""
         with self._lock:
-            return {m for s in self._states.values() for m in s.backend.models}
+            return {m for s in self._states.values() for m in s.models}
 
     # -- changing ----------------------------------------------------------------------
 
@@ -181,6 +188,20 @@ class Fleet:
                 raise ConfigError(str(exc)) from None
             return self._emit("weight", state.backend)
 
+    def set_served_models(self, backend_id: str, models: Iterable[str] | None) -> FleetEvent | None:
+        """Record the models a backend's engine reports serving (``None``: unknown again, the declared ones count).
+
+        They replace the declared ``Backend.models`` for routing; an empty list, like empty declared
+        models, means any model. A change is a ``models`` event; no event when nothing changes.
+        """
+        served = None if models is None else frozenset(models)
+        with self._lock:
+            state = self.get(backend_id)
+            if state.served_models == served:
+                return None
+            state.served_models = served
+            return self._emit("models", state.backend)
+
     def request_started(self, state: BackendState) -> None:
         """Count one more request in flight on ``state``, a member (the router calls this)."""
         with self._lock:
@@ -217,7 +238,3 @@ class Fleet:
         """Store the latest engine-reported load (no version bump, no event)."""
         with self._lock:
             self.get(backend_id).load = load
-
-    def wait_idle(self, backend_id: str) -> bool:
-        """Whether a backend has no request in flight (to finish a drain)."""
-        return self.get(backend_id).in_flight == 0

@@ -170,7 +170,7 @@ class Router:
         members = list(self.fleet)
         if not members:
             return NoBackendAvailable("no backend available: the fleet is empty.")
-        serving = [s for s in members if s.backend.serves(request.model)]
+        serving = [s for s in members if s.serves(request.model)]
         if not serving:
             return NoBackendAvailable(f"no backend available: none of {len(members)} serves model {request.model!r}.")
         unhealthy = sum(not s.healthy for s in serving)
