@@ -107,9 +107,9 @@ class TestKvEventFeeds:
             sink = app.router.strategy.index  # type: ignore[attr-defined]
             assert sink.exact == {"a": True}
             assert proxy.loop is not None
-            in_loop(proxy, app.add_backend, BackendConfig(id="b", url=b.url, kind="events-test"))
+            in_loop(proxy, app.backends.add, BackendConfig(id="b", url=b.url, kind="events-test"))
             assert _wait(lambda: RUNNING.get("b") == "running")
-            in_loop(proxy, app.remove_backend, "a")
+            in_loop(proxy, app.backends.remove, "a")
             assert _wait(lambda: RUNNING.get("a") == "cancelled")
             assert sink.exact["a"] is False and sink.exact["b"] is True
             assert http("POST", proxy.url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1})[1]["x-kvroute-backend"] == "b"
@@ -130,7 +130,7 @@ class TestKvEventFeeds:
 
         app = ProxyApp(config, plugins=plugins)
         with ServerThread(app) as proxy:
-            assert _wait(lambda: app.health.rounds >= 2)
+            assert _wait(lambda: app.backends.health.rounds >= 2)
             assert http("GET", proxy.url + "/health")[0] == 200
         assert RUNNING == {}
 

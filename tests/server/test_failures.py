@@ -79,8 +79,8 @@ class TestRetries:
         from kvroute_server import BackendConfig
 
         app = proxy.app
-        in_loop(proxy, app.add_backend, BackendConfig(id="dead", url=dead_url))
-        in_loop(proxy, app.add_backend, BackendConfig(id="good", url=good.url))
+        in_loop(proxy, app.backends.add, BackendConfig(id="dead", url=dead_url))
+        in_loop(proxy, app.backends.add, BackendConfig(id="good", url=good.url))
         for i in range(10):
             status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", chat_body(f"r{i}"))
             assert status == 200 and headers["x-kvroute-backend"] == "good"

@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute_server.app import _event_end, _stream_error_event
+from kvroute_server.forwarding import _event_end, _stream_error_event
 from kvroute_server.upstream import UsageSniffer, filter_request_headers, filter_response_headers
 
 

@@ -1,9 +1,10 @@
 """The admin API: list, add, remove, drain and re-weight backends at runtime.
 
 Off unless an admin token is configured; every call needs ``Authorization: Bearer <token>``.
-Changes go through the `Fleet`, so the strategy sees them like any other membership change.
-With ``kvroute serve --workers N`` a change also goes through the workers' shared journal
-(`kvroute_server.journal`), so every worker makes it before the call returns.
+The admin API talks to the proxy's `BackendSet` (and through it the `Fleet`, so the strategy
+sees a change like any other membership change), never to the app. With ``kvroute serve
+--workers N`` a change also goes through the workers' shared journal (`kvroute_server.journal`),
+which this API owns, so every worker makes it before the call returns.
 
 =======  ================================  ================================================
 GET      /admin/backends                   every backend with its live state
@@ -19,11 +20,13 @@ POST     /admin/backends/{id}/undrain      take new requests again
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
+import anyio
 import attrs
 import structlog
+from anyio.abc import TaskStatus
 
 from kvroute.errors import ConfigError, UnknownBackend
 from kvroute_server._asgi import (
@@ -38,10 +41,9 @@ from kvroute_server._asgi import (
     send_error,
     send_json,
 )
+from kvroute_server.backends import BackendSet
 from kvroute_server.config import BackendConfig
-
-if TYPE_CHECKING:
-    from kvroute_server.app import ProxyApp
+from kvroute_server.journal import AdminJournal, WorkerContext
 
 __all__ = ["AdminApi"]
 
@@ -51,12 +53,36 @@ _MAX_ADMIN_BODY = 64 * 1024
 
 
 class AdminApi:
-    """ASGI handler for ``/admin/...`` bound to one `ProxyApp`."""
+    """ASGI handler for ``/admin/...`` changing one `BackendSet`.
 
-    def __init__(self, app: ProxyApp) -> None:
-        assert app.config.admin_token is not None
-        self.app = app
-        self._token = app.config.admin_token.encode()
+    ``worker`` is set in the workers of ``kvroute serve --workers N``: with more than one, changes
+    are shared through the `AdminJournal` (``journal``; run `follow` in the proxy's task group).
+    """
+
+    def __init__(self, backends: BackendSet, token: str, *, worker: WorkerContext | None = None) -> None:
+        self.backends = backends
+        self._token = token.encode()
+        #: The admin journal shared with the other workers (several workers only).
+        self.journal = AdminJournal(worker, self.replay) if worker is not None and worker.count > 1 else None
+
+    async def follow(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Replay the changes other workers made (before this one started, then as they come) until cancelled.
+
+        Reports started once the earlier changes are applied, so that no request sees the fleet without them.
+        """
+        journal = self.journal
+        if journal is None:
+            task_status.started()
+            return
+        try:
+            replayed = journal.catch_up()
+            journal.publish()
+            if replayed:
+                log.info("admin_changes_replayed", count=replayed)
+            task_status.started()
+            await journal.follow()
+        finally:
+            journal.close()
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
@@ -66,15 +92,15 @@ class AdminApi:
         return False
 
     def describe(self, backend_id: str) -> dict[str, Any]:
-        state = self.app.fleet.get(backend_id)
+        """One backend as the admin API shows it: identity, served models and live state."""
+        state = self.backends.fleet.get(backend_id)
         backend = state.backend
-        served = self.app.served_models(backend_id)
         return {
             "id": backend.id,
             "url": backend.url,
             "kind": backend.kind,
             "weight": backend.weight,
-            "models": sorted(served) if served else [],
+            "models": sorted(state.models),
             "labels": dict(backend.labels),
             "healthy": state.healthy,
             "draining": state.draining,
@@ -107,7 +133,7 @@ class AdminApi:
         action, backend_id = route
         try:
             if action == "list":
-                await send_json(send, 200, {"backends": [self.describe(s.id) for s in self.app.fleet]})
+                await send_json(send, 200, {"backends": [self.describe(s.id) for s in self.backends.fleet]})
             elif action == "get":
                 assert backend_id is not None
                 await send_json(send, 200, self.describe(backend_id))
@@ -141,7 +167,7 @@ class AdminApi:
 
     async def _change(self, send: Send, action: str, backend_id: str | None, body: Any) -> None:
         """Make a change; with several workers, through the shared journal so that every worker makes it."""
-        journal = self.app.journal
+        journal = self.journal
         if journal is None:
             status, answer = self.perform(action, backend_id, body)
             await send_json(send, status, answer)
@@ -166,16 +192,16 @@ class AdminApi:
 
         Raises `UnknownBackend` (404) or `ConfigError` (400) and then changes nothing.
         """
-        app = self.app
+        backends = self.backends
         if action == "add":
             config = BackendConfig.from_mapping(body, "admin backend")
-            app.add_backend(config)
+            backends.add(config)
             log.info("admin_backend_added", backend=config.id, url=config.url)
             return 201, self.describe(config.id)
         assert backend_id is not None, f"admin action {action!r} needs a backend id"
         if action == "remove":
             described = self.describe(backend_id)
-            app.remove_backend(backend_id)
+            backends.remove(backend_id)
             log.info("admin_backend_removed", backend=backend_id)
             return 200, {**described, "removed": True}
         if action == "weight":
@@ -184,15 +210,15 @@ class AdminApi:
             weight = body["weight"]
             if isinstance(weight, bool) or not isinstance(weight, int | float):
                 raise ConfigError(f"'weight' must be a number > 0 (got {weight!r}).")
-            app.fleet.set_weight(backend_id, float(weight))
+            backends.fleet.set_weight(backend_id, float(weight))
             return 200, self.describe(backend_id)
         if action == "drain":
             remove = bool(body.get("remove", False)) if isinstance(body, dict) else False
-            app.drain_backend(backend_id, remove=remove)
+            backends.drain(backend_id, remove_when_idle=remove)
             log.info("admin_backend_draining", backend=backend_id, remove_when_idle=remove)
             return 202, {**self.describe(backend_id), "remove_when_idle": remove}
         if action == "undrain":
-            app.drain_backend(backend_id, draining=False)
+            backends.drain(backend_id, draining=False)
             return 200, self.describe(backend_id)
         raise ConfigError(f"unknown admin action {action!r} (expected add, remove, weight, drain or undrain).")
 

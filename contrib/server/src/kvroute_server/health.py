@@ -1,24 +1,25 @@
 """Active health probes, passive ejection, model discovery and load polling, per backend adapter.
 
-Each round probes every backend concurrently through its adapter (``probe``, falling back to
-``GET health_path``). ``unhealthy_threshold`` consecutive failures eject a backend
+Each round probes every backend concurrently through its adapter (``probe`` when it `Probes`,
+else ``GET health_path``). ``unhealthy_threshold`` consecutive failures eject a backend
 (``Fleet.set_healthy(id, False)``, so strategies see it); ``healthy_threshold`` consecutive
-successes bring it back. A healthy backend's adapter is also asked for its models
-(``list_models``) until it answers, and for its load (``poll_load``) every round.
+successes bring it back. A healthy backend whose adapter `ListsModels` and that declares no
+models is asked for them until it answers (stored with ``Fleet.set_served_models``, so routing
+filters on them); one that `PollsLoad` is asked for its load every round. The capabilities are
+the protocols of `kvroute.adapters`, checked with ``isinstance``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import anyio
 import attrs
 import structlog
 from anyio.abc import TaskStatus
 
-from kvroute.adapters import HttpGetter
+from kvroute.adapters import BackendAdapter, HttpGetter, ListsModels, PollsLoad, Probes
 from kvroute.backend import EngineLoad
 from kvroute.errors import UnknownBackend
 from kvroute.fleet import Fleet
@@ -40,23 +41,24 @@ class _Counts:
 
 
 class HealthChecker:
-    """Keeps ``Fleet`` health in step with probes and with errors seen while proxying."""
+    """Keeps ``Fleet`` health and served models in step with probes and with errors seen while proxying.
+
+    ``adapter_for(id)`` is a backend's adapter (``None`` once removed); ``http_for(id)`` its client.
+    """
 
     def __init__(
         self,
         fleet: Fleet,
-        adapters: Mapping[str, Any],
+        adapter_for: Callable[[str], BackendAdapter | None],
         http_for: Callable[[str], HttpGetter],
         config: HealthConfig,
         metrics: ProxyMetrics,
-        on_models: Callable[[str, list[str]], None],
     ) -> None:
         self.fleet = fleet
-        self.adapters = adapters
+        self.adapter_for = adapter_for
         self.http_for = http_for
         self.config = config
         self.metrics = metrics
-        self.on_models = on_models
         self._counts: dict[str, _Counts] = {}
         self._wake = anyio.Event()
         self.rounds = 0
@@ -123,16 +125,15 @@ class HealthChecker:
 
     async def check(self, backend_id: str) -> bool:
         """Probe one backend and apply the thresholds; returns the probe's result."""
-        adapter = self.adapters.get(backend_id)
+        adapter = self.adapter_for(backend_id)
         if adapter is None:
             return False
         http = self.http_for(backend_id)
         error: str | None = None
         try:
             with anyio.fail_after(self.config.timeout):
-                probe = getattr(adapter, "probe", None)
-                if probe is not None:
-                    ok = bool(await probe(http))
+                if isinstance(adapter, Probes):
+                    ok = bool(await adapter.probe(http))
                 else:
                     ok = (await http.get(adapter.health_path)).status == 200
         except _PROBE_ERRORS as exc:
@@ -151,23 +152,23 @@ class HealthChecker:
                 self._set(backend_id, False, "probe", error or "probe answered not ready")
         return ok
 
-    async def _after_success(self, backend_id: str, adapter: Any, http: HttpGetter, counts: _Counts) -> None:
-        if self.config.discover_models and not counts.models_known:
-            list_models = getattr(adapter, "list_models", None)
-            if list_models is not None:
-                try:
-                    with anyio.fail_after(self.config.timeout):
-                        models = list(await list_models(http))
-                except _PROBE_ERRORS as exc:
-                    log.info("models_discovery_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
-                else:
-                    counts.models_known = True
-                    self.on_models(backend_id, models)
-        poll_load = getattr(adapter, "poll_load", None)
-        if poll_load is not None:
+    async def _after_success(self, backend_id: str, adapter: BackendAdapter, http: HttpGetter, counts: _Counts) -> None:
+        # Declared models are the operator's word: the engine is not asked for its own.
+        discover = self.config.discover_models and not counts.models_known and not adapter.backend.models
+        if discover and isinstance(adapter, ListsModels):
             try:
                 with anyio.fail_after(self.config.timeout):
-                    load = await poll_load(http)
+                    models = list(await adapter.list_models(http))
+            except _PROBE_ERRORS as exc:
+                log.info("models_discovery_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
+            else:
+                counts.models_known = True
+                with contextlib.suppress(UnknownBackend):
+                    self.fleet.set_served_models(backend_id, models)
+        if isinstance(adapter, PollsLoad):
+            try:
+                with anyio.fail_after(self.config.timeout):
+                    load = await adapter.poll_load(http)
             except _PROBE_ERRORS as exc:
                 log.info("load_poll_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
                 return
