@@ -81,7 +81,7 @@ def kvroute_register_commands(cli: click.Group) -> None:
 
 @hookspec
 def kvroute_fleet_changed(fleet: Fleet, event: FleetEvent) -> None:
-    """A backend was added, removed, drained, ejected, restored or re-weighted.
+    """A backend was added, removed, drained, ejected, restored or re-weighted, or the models it serves changed.
 
     Called after the change, with the fleet's lock held: do not block, do not change the
     fleet from here. Not firstresult.

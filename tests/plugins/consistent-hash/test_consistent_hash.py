@@ -30,6 +30,18 @@ class TestConsistentHash:
         assert all(d.reason == "hash" and not d.spilled and d.key == decisions[0].key for d in decisions)
         assert decisions[0].detail == {"home": decisions[0].backend.id}
 
+    def test_reported_models_place_keys_only_on_backends_serving_them(self) -> None:
+        """Once an engine reports its models, keys of another model are homed among the backends serving it (no spill)."""
+        r = router()
+        requests = [RouteRequest.from_text(f"prompt {i}", model="m") for i in range(200)]
+        homes = {r.decide(q)[0].backend.id for q in requests}
+        assert len(homes) > 1
+        gone = sorted(homes)[0]
+        r.fleet.set_served_models(gone, ["other"])
+        decisions = [r.decide(q)[0] for q in requests]
+        assert gone not in {d.backend.id for d in decisions}
+        assert all(d.reason == "hash" and not d.spilled for d in decisions)
+
     def test_unroutable_home_falls_through_to_second_choice(self) -> None:
         """Draining the home sends its keys to their second choice, marked as a home_unroutable spill."""
         r = router()

@@ -33,6 +33,7 @@ from kvroute.adapters import HttpClient, HttpReply
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError, InvalidRequest, KvrouteError
 from kvroute.request import RouteRequest
+from kvroute.strategy import HasPromptTokenizer
 
 __all__ = [
     "ParityCase",
@@ -388,7 +389,7 @@ async def startup_check(
     ``tokenizer_parity_ok`` per matching backend and a ``tokenizer_parity_mismatch`` warning
     with the details per mismatching one; never raises on a backend's failure.
     """
-    tokenizer = getattr(strategy, "prompt_tokenizer", None)
+    tokenizer = strategy.prompt_tokenizer if isinstance(strategy, HasPromptTokenizer) else None
     if tokenizer is None:
         return []
     fixed = getattr(strategy, "block_size", None)
@@ -465,7 +466,7 @@ def _build_tokenizer(strategy_name: str, options: dict[str, str]) -> tuple[Any, 
     from kvroute.plugins import PluginManager
 
     strategy = PluginManager().create_strategy(strategy_name, options)
-    tokenizer = getattr(strategy, "prompt_tokenizer", None)
+    tokenizer = strategy.prompt_tokenizer if isinstance(strategy, HasPromptTokenizer) else None
     if tokenizer is None:
         raise ConfigError(f"strategy {strategy_name!r} does not tokenize prompts (it has no prompt_tokenizer).")
     fixed = getattr(strategy, "block_size", None)

@@ -24,7 +24,7 @@ from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend
 __all__ = ["CandidateView", "ConsistentHash", "Rendezvous", "backend_seed", "prefix_key"]
 
 #: Fleet events that change placement; the others (health, draining) only change who is routable.
-PLACEMENT_EVENTS = frozenset({"attached", "added", "removed", "weight"})
+PLACEMENT_EVENTS = frozenset({"attached", "added", "removed", "weight", "models"})
 
 
 @attrs.define

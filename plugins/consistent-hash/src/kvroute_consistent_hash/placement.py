@@ -125,15 +125,15 @@ class Rendezvous:
         self._cache_size = cache_size
         self._by_object: dict[int, int] = {id(s): i for i, s in enumerate(self.states)}
         self._by_backend_id: dict[str, int] = {s.backend.id: i for i, s in enumerate(self.states)}
-        self._all_serve_all = all(not s.backend.models for s in self.states)
+        self._all_serve_all = all(not s.models for s in self.states)
         self._subsets: dict[str | None, _Subset] = {}
 
     def __len__(self) -> int:
         return len(self.states)
 
     def signature(self) -> tuple[tuple[str, float, frozenset[str]], ...]:
-        """What placement depends on: each member's id, weight and models, in fleet order."""
-        return tuple((s.backend.id, s.backend.weight, s.backend.models) for s in self.states)
+        """What placement depends on: each member's id, weight and models (declared or reported), in fleet order."""
+        return tuple((s.backend.id, s.backend.weight, s.models) for s in self.states)
 
     def subset(self, model: str | None) -> _Subset:
         """The members serving ``model`` (all of them when no member declares models)."""
@@ -141,7 +141,7 @@ class Rendezvous:
             model = None
         found = self._subsets.get(model)
         if found is None:
-            members = [i for i, s in enumerate(self.states) if s.backend.serves(model)]
+            members = [i for i, s in enumerate(self.states) if s.serves(model)]
             found = self._subsets[model] = _Subset(members, self.states, self._cache_size)
         return found
 
