@@ -13,8 +13,7 @@ from kvroute import ConfigError
 from kvroute.cli import main
 from kvroute.plugins import PluginManager
 from kvroute_simulator.driver import ScaleEvent, SimulationConfig, StrategyResult, compare, parse_scale, simulate
-from kvroute_simulator.engine import Engine, EngineConfig, EngineRequest
-from kvroute_simulator.engine import Sequence as EngineSeq
+from kvroute_simulator.engine import Engine, EngineConfig, EngineRequest, EngineSequence
 from kvroute_simulator.workloads import Arrival, LongPrefix, MultiTurn, make_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -118,10 +117,10 @@ class TestSimulate:
         )
         followers = [a for a in turns if a.follows is not None]
         assert len(followers) > 20
-        submitted: dict[str, tuple[float, EngineSeq]] = {}
+        submitted: dict[str, tuple[float, EngineSequence]] = {}
         original = Engine.submit
 
-        def recording_submit(engine: Engine, request: EngineRequest, now: float) -> EngineSeq:
+        def recording_submit(engine: Engine, request: EngineRequest, now: float) -> EngineSequence:
             seq = original(engine, request, now)
             submitted[request.request_id] = (now, seq)
             return seq

@@ -17,7 +17,7 @@ from kvroute_simulator.engine import (
     Engine,
     EngineConfig,
     EngineRequest,
-    Sequence,
+    EngineSequence,
     StepResult,
     ideal_hit_tokens,
     kv_capacity_blocks,
@@ -43,7 +43,7 @@ def drain(engine: Engine, until: float | None = None) -> list[StepResult]:
     return results
 
 
-def serve(engine: Engine, req: EngineRequest, now: float) -> Sequence:
+def serve(engine: Engine, req: EngineRequest, now: float) -> EngineSequence:
     """Submit ``req`` at ``now`` and run the engine until idle."""
     seq = engine.submit(req, now)
     drain(engine)
@@ -347,7 +347,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = Engine(EngineConfig(capacity_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seats))
         self.now = 0.0
         self.prefixes = [TokenSeq.of(tokens(900 + i, 80)) for i in range(3)]
-        self.seqs: list[Sequence] = []
+        self.seqs: list[EngineSequence] = []
         self.count = 0
 
     @rule(prefix=st.integers(0, 2), suffix=st.integers(0, 100), output=st.integers(1, 60), delay=st.floats(0, 0.2))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvroute_simulator.engine import Engine, EngineConfig, EngineRequest, Sequence
+from kvroute_simulator.engine import Engine, EngineConfig, EngineRequest, EngineSequence
 from kvroute_simulator.tokens import TokenSeq
 
 BS = 16
@@ -204,7 +204,7 @@ class TestAbortProperties:
         rng = random.Random(seed)
         engine = Engine(EngineConfig(capacity_blocks=60, max_num_seqs=3, max_num_batched_tokens=96), coalesce_decodes=rng.random() < 0.5)
         shared = tokens(seed, 48)
-        seqs: list[Sequence] = []
+        seqs: list[EngineSequence] = []
         now = 0.0
         for i in range(10):
             now += rng.uniform(0, 0.05)
@@ -230,7 +230,7 @@ class AbortMachine(RuleBasedStateMachine):
         self.blocks = blocks
         self.now = 0.0
         self.prefixes = [TokenSeq.of(tokens(700 + i, 48)) for i in range(2)]
-        self.seqs: list[Sequence] = []
+        self.seqs: list[EngineSequence] = []
 
     @rule(prefix=st.integers(0, 1), suffix=st.integers(0, 80), output=st.integers(1, 50), delay=st.floats(0, 0.1))
     def submit(self, prefix: int, suffix: int, output: int, delay: float) -> None:

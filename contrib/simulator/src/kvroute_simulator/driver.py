@@ -40,8 +40,8 @@ from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Status
-from kvroute_simulator.engine import CostModel, Engine, EngineConfig, EngineRequest, ideal_hit_tokens
-from kvroute_simulator.engine import Sequence as EngineSeq
+from kvroute_simulator._validators import positive_integer, positive_number
+from kvroute_simulator.engine import CostModel, Engine, EngineConfig, EngineRequest, EngineSequence, ideal_hit_tokens
 from kvroute_simulator.workloads import Arrival
 
 __all__ = [
@@ -86,16 +86,11 @@ def parse_scale(spec: str) -> tuple[ScaleEvent, ...]:
     return tuple(sorted(events, key=lambda e: e.time))
 
 
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not value > 0:
-        raise ConfigError(f"'{attr.name}' must be positive (got {value!r}).")
-
-
 @attrs.frozen(kw_only=True)
 class SimulationConfig:
     """The simulated fleet: how many instances, each engine's settings and costs, scale events."""
 
-    instances: int = attrs.field(default=7, validator=_positive)
+    instances: int = attrs.field(default=7, validator=positive_integer)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
     cost: CostModel = attrs.field(factory=CostModel)
     scale: tuple[ScaleEvent, ...] = ()
@@ -104,7 +99,7 @@ class SimulationConfig:
     #: Send a conversation's next turn ``think_time`` after the previous one finished.
     closed_loop: bool = True
     #: Width in seconds of the windows of the hit-rate and load time series.
-    sample_interval: float = attrs.field(default=10.0, validator=_positive)
+    sample_interval: float = attrs.field(default=10.0, validator=positive_number)
 
 
 @attrs.frozen
@@ -228,7 +223,7 @@ class _Flight:
     arrival: Arrival
     lease: Lease
     instance: _Instance
-    seq: EngineSeq
+    seq: EngineSequence
 
 
 class _Run:
@@ -259,7 +254,7 @@ class _Run:
         self.options = opts
         self.router = Router.create(self.fleet, strategy, opts, plugins=plugins)
         self.strategy = strategy
-        self.flights: dict[int, _Flight] = {}  # id(engine Sequence) -> flight
+        self.flights: dict[int, _Flight] = {}  # id(EngineSequence) -> flight
         self.finished_at: dict[str, float] = {}
         self.waiting_for: dict[str, list[Arrival]] = {}
         self.deferred: list[tuple[float, int, Arrival]] = []
@@ -346,7 +341,7 @@ class _Run:
         log.debug("request_rejected", request_id=arrival.request_id, reason=reason, at=now)
         self._done(arrival.request_id, now)
 
-    def _finish(self, seq: EngineSeq, now: float) -> None:
+    def _finish(self, seq: EngineSequence, now: float) -> None:
         flight = self.flights.pop(id(seq))
         self.router.release(flight.lease)
         self.completed += 1

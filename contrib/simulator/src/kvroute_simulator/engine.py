@@ -37,11 +37,12 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import structlog
 
+from kvroute_simulator._validators import flag, non_negative_number, positive_integer, positive_share
 from kvroute_simulator.tokens import TokenSeq, root_hash
 
 __all__ = [
@@ -52,12 +53,12 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineRequest",
+    "EngineSequence",
     "EngineStats",
     "HardwareSpec",
     "KvEventListener",
     "ModelSpec",
     "Rejection",
-    "Sequence",
     "StepResult",
     "final_computed_tokens",
     "ideal_hit_tokens",
@@ -69,40 +70,16 @@ log = structlog.get_logger(__name__)
 GB = 10**9
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not (_is_number(value) and value > 0):
-        raise ValueError(f"'{attr.name}' must be positive (got {value!r}).")
-
-
-def _count(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"'{attr.name}' must be a positive integer (got {value!r}).")
-
-
-def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not (_is_number(value) and value >= 0):
-        raise ValueError(f"'{attr.name}' must be zero or positive (got {value!r}).")
-
-
-def _flag(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"'{attr.name}' must be true or false (got {value!r}).")
-
-
 @attrs.frozen
 class ModelSpec:
     """The model dimensions that size the KV cache."""
 
     name: str
-    num_layers: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
-    weight_bytes: int = attrs.field(validator=_positive)
-    dtype_bytes: int = attrs.field(default=2, validator=_positive)
+    num_layers: int = attrs.field(validator=positive_integer)
+    num_kv_heads: int = attrs.field(validator=positive_integer)
+    head_dim: int = attrs.field(validator=positive_integer)
+    weight_bytes: int = attrs.field(validator=positive_integer)
+    dtype_bytes: int = attrs.field(default=2, validator=positive_integer)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -114,9 +91,10 @@ class ModelSpec:
 class HardwareSpec:
     """The accelerators of one instance and the share of their memory the engine may use."""
 
-    num_gpus: int = attrs.field(default=8, validator=_positive)
-    gpu_memory_bytes: int = attrs.field(default=80 * GB, validator=_positive)
-    memory_utilization: float = attrs.field(default=0.9, validator=_positive)
+    num_gpus: int = attrs.field(default=8, validator=positive_integer)
+    gpu_memory_bytes: int = attrs.field(default=80 * GB, validator=positive_integer)
+    #: The share of GPU memory the engine may use, as vLLM's ``gpu_memory_utilization``: in (0, 1].
+    memory_utilization: float = attrs.field(default=0.9, validator=positive_share)
 
 
 #: Llama-3.1-70B: 80 layers, 8 KV heads (GQA) of dim 128; ~70.6 B parameters = ~141 GB in fp16/bf16.
@@ -143,12 +121,12 @@ DEFAULT_CAPACITY_BLOCKS = kv_capacity_blocks()
 class EngineConfig:
     """Scheduler and cache settings of one engine (vLLM's names and defaults)."""
 
-    block_size: int = attrs.field(default=16, validator=_count)
-    capacity_blocks: int = attrs.field(default=DEFAULT_CAPACITY_BLOCKS, validator=_count)
-    max_num_batched_tokens: int = attrs.field(default=8192, validator=_count)
-    max_num_seqs: int = attrs.field(default=256, validator=_count)
-    max_model_len: int = attrs.field(default=131_072, validator=_count)
-    enable_prefix_caching: bool = attrs.field(default=True, validator=_flag)
+    block_size: int = attrs.field(default=16, validator=positive_integer)
+    capacity_blocks: int = attrs.field(default=DEFAULT_CAPACITY_BLOCKS, validator=positive_integer)
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=positive_integer)
+    max_num_seqs: int = attrs.field(default=256, validator=positive_integer)
+    max_model_len: int = attrs.field(default=131_072, validator=positive_integer)
+    enable_prefix_caching: bool = attrs.field(default=True, validator=flag)
 
     @property
     def capacity_tokens(self) -> int:
@@ -209,12 +187,12 @@ class CostModel:
     ``decode_base_ms`` when the step decodes anything, ``prefill_base_ms`` otherwise.
     """
 
-    prefill_base_ms: float = attrs.field(default=9.8, validator=_non_negative)
-    prefill_per_token_ms: float = attrs.field(default=0.040, validator=_non_negative)
-    attention_ms: float = attrs.field(default=1.12e-6, validator=_non_negative)
-    decode_base_ms: float = attrs.field(default=15.0, validator=_non_negative)
-    decode_per_seq_ms: float = attrs.field(default=0.040, validator=_non_negative)
-    kv_read_ms_per_token: float = attrs.field(default=2.0e-5, validator=_non_negative)
+    prefill_base_ms: float = attrs.field(default=9.8, validator=non_negative_number)
+    prefill_per_token_ms: float = attrs.field(default=0.040, validator=non_negative_number)
+    attention_ms: float = attrs.field(default=1.12e-6, validator=non_negative_number)
+    decode_base_ms: float = attrs.field(default=15.0, validator=non_negative_number)
+    decode_per_seq_ms: float = attrs.field(default=0.040, validator=non_negative_number)
+    kv_read_ms_per_token: float = attrs.field(default=2.0e-5, validator=non_negative_number)
 
     def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Return the cost of one prefill chunk, without the step base."""
@@ -241,7 +219,7 @@ class EngineRequest:
 
     request_id: str
     prompt: TokenSeq
-    output_len: int = attrs.field(validator=_positive)
+    output_len: int = attrs.field(validator=positive_integer)
     output_tokens: tuple[int, ...] | None = attrs.field(default=None, kw_only=True)
     extra_key: str | None = attrs.field(default=None, kw_only=True)
 
@@ -261,7 +239,7 @@ class EngineRequest:
 
 
 @attrs.define(eq=False)
-class Sequence:
+class EngineSequence:
     """One request inside an engine, with its progress and its timings (seconds, virtual time)."""
 
     request: EngineRequest
@@ -313,8 +291,8 @@ class StepResult:
     steps: int
     prefill_tokens: int
     decode_tokens: int
-    first_tokens: tuple[Sequence, ...]
-    finished: tuple[Sequence, ...]
+    first_tokens: tuple[EngineSequence, ...]
+    finished: tuple[EngineSequence, ...]
     preempted: int = 0
 
     @property
@@ -363,7 +341,7 @@ class _Batch:
     start: float
     end: float
     steps: int
-    scheduled: list[tuple[Sequence, int]]
+    scheduled: list[tuple[EngineSequence, int]]
     prefill_tokens: int
     decodes: int
     preempted: int
@@ -411,8 +389,8 @@ class Engine:
         self._block_hash: list[int | None] = [None] * self._capacity
         self._ref: list[int] = [0] * self._capacity
         self._cached: dict[int, int] = {}
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []
+        self._waiting: collections.deque[EngineSequence] = collections.deque()
+        self._running: list[EngineSequence] = []
         self._batch: _Batch | None = None
 
     # -- observation ---------------------------------------------------------------------
@@ -496,7 +474,7 @@ class Engine:
 
     # -- driving -------------------------------------------------------------------------
 
-    def submit(self, request: EngineRequest, now: float) -> Sequence:
+    def submit(self, request: EngineRequest, now: float) -> EngineSequence:
         """Queue ``request`` arriving at ``now``; start a step if the engine is idle."""
         refused = self.config.rejection(request)
         if refused is not None:
@@ -507,7 +485,7 @@ class Engine:
                 "call step() first."
             )
         hashes = self.config.block_hashes(request)
-        seq = Sequence(request, now, hashes, num_tokens=len(request.prompt))
+        seq = EngineSequence(request, now, hashes, num_tokens=len(request.prompt))
         self._waiting.append(seq)
         self.stats.submitted += 1
         batch = self._batch
@@ -518,7 +496,7 @@ class Engine:
             self._cut_run(batch, now)
         return seq
 
-    def abort(self, seq: Sequence | str, now: float) -> bool:
+    def abort(self, seq: EngineSequence | str, now: float) -> bool:
         """Remove a waiting or running sequence (or the one with this request id) at ``now``.
 
         Its blocks are released last-to-first, like a finished sequence's: blocks nothing else
@@ -551,8 +529,8 @@ class Engine:
         self.stats.aborted += 1
         return True
 
-    def _find(self, seq: Sequence | str) -> Sequence | None:
-        if isinstance(seq, Sequence):
+    def _find(self, seq: EngineSequence | str) -> EngineSequence | None:
+        if isinstance(seq, EngineSequence):
             if seq.finished or seq.aborted:
                 return None
             return next((s for s in (*self._running, *self._waiting) if s is seq), None)
@@ -612,7 +590,7 @@ class Engine:
                 free[b] = None
         blocks.clear()
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: EngineSequence) -> None:
         self._release(seq.blocks)
         seq.num_computed = 0
         seq.registered = 0
@@ -628,7 +606,7 @@ class Engine:
             return
         bs = self._bs
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        scheduled: list[tuple[EngineSequence, int]] = []
         taken: set[int] = set()  # id() of sequences scheduled in this step
         gone: set[int] = set()  # id() of sequences preempted in this step
         cost = self.cost
@@ -637,7 +615,7 @@ class Engine:
         prefill_tokens = 0
         kv_context = 0
 
-        def make_room(seq: Sequence, need: int) -> bool:
+        def make_room(seq: EngineSequence, need: int) -> bool:
             """Preempt the latest unscheduled running sequences until ``need`` blocks are free."""
             while self.num_free_blocks < need:
                 victim = next((s for s in reversed(self._running) if id(s) not in taken and s is not seq), None)
@@ -769,7 +747,7 @@ class Engine:
         batch.steps = m
         batch.end = batch.end_after(m)
 
-    def _lookup(self, seq: Sequence) -> list[int]:
+    def _lookup(self, seq: EngineSequence) -> list[int]:
         """Return the cached blocks holding the longest prefix of ``seq`` (leaving >= 1 token to compute)."""
         if not seq.hashes:
             return []
@@ -797,8 +775,8 @@ class Engine:
         steps = batch.steps
         stats = self.stats
         bs = self._bs
-        first: list[Sequence] = []
-        done: list[Sequence] = []
+        first: list[EngineSequence] = []
+        done: list[EngineSequence] = []
         stored: list[int] = []
         sampled = 0
         if steps > 1:
@@ -852,7 +830,7 @@ class Engine:
             batch.preempted,
         )
 
-    def _register(self, seq: Sequence, stored: list[int]) -> None:
+    def _register(self, seq: EngineSequence, stored: list[int]) -> None:
         """Make the newly completed full blocks of ``seq`` findable by hash (first writer wins)."""
         upto = self.config.stored_blocks(len(seq.hashes), seq.num_computed)
         if upto <= seq.registered:

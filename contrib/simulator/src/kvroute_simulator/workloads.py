@@ -46,6 +46,15 @@ from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 import attrs
 
 from kvroute.errors import ConfigError, KvrouteError
+from kvroute_simulator._validators import (
+    expect,
+    integer,
+    non_negative_number,
+    optional,
+    positive_integer,
+    positive_number,
+    share,
+)
 from kvroute_simulator.engine import EngineRequest
 from kvroute_simulator.tokens import ASSISTANT, END, SYSTEM, USER, TokenSeq, Vocabulary, vocabulary
 
@@ -123,31 +132,6 @@ def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not (_is_number(value) and value > 0):
-        raise ConfigError(f"'{attr.name}' must be a positive number (got {value!r}).")
-
-
-def _count(_inst: object, attr: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None and not (_is_int(value) and value > 0):
-        raise ConfigError(f"'{attr.name}' must be a positive integer (got {value!r}).")
-
-
-def _integer(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
-    if not _is_int(value):
-        raise ConfigError(f"'{attr.name}' must be an integer (got {value!r}).")
-
-
-def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not (_is_number(value) and value >= 0):
-        raise ConfigError(f"'{attr.name}' must be a number >= 0 (got {value!r}).")
-
-
-def _share(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not (_is_number(value) and 0 <= value <= 1):
-        raise ConfigError(f"'{attr.name}' must be a number between 0 and 1 (got {value!r}).")
-
-
 def _length(_inst: object, attr: attrs.Attribute[Any], value: Length) -> None:
     if not (isinstance(value, tuple) and len(value) == 2 and all(map(_is_int, value)) and 1 <= value[0] <= value[1]):
         raise ConfigError(
@@ -181,10 +165,10 @@ def _uniform(rng: random.Random, length: Length) -> int:
 class _Open:
     """Parameters shared by the generated workloads."""
 
-    rate: float = attrs.field(default=4.0, validator=_positive)
-    requests: int | None = attrs.field(default=1000, validator=_count)
-    duration: float | None = attrs.field(default=None, validator=_positive)
-    seed: int = attrs.field(default=0, validator=_integer)
+    rate: float = attrs.field(default=4.0, validator=positive_number)
+    requests: int | None = attrs.field(default=1000, validator=optional(positive_integer))
+    duration: float | None = attrs.field(default=None, validator=optional(positive_number))
+    seed: int = attrs.field(default=0, validator=integer)
     model: str = DEFAULT_MODEL
 
     def __attrs_post_init__(self) -> None:
@@ -227,13 +211,13 @@ class LongPrefix(_Open):
 
     name: ClassVar[str] = "long-prefix"
 
-    groups: int = attrs.field(default=360, validator=_count)
-    prefix_tokens: int = attrs.field(default=8000, validator=_count)
+    groups: int = attrs.field(default=360, validator=positive_integer)
+    prefix_tokens: int = attrs.field(default=8000, validator=positive_integer)
     question_tokens: Length = attrs.field(default=(50, 350), converter=_to_length, validator=_length)
     output_tokens: Length = attrs.field(default=(100, 300), converter=_to_length, validator=_length)
-    rate: float = attrs.field(default=7.0, validator=_positive)
-    requests: int | None = attrs.field(default=2000, validator=_count)
-    concurrency: int | None = attrs.field(default=None, validator=_count)
+    rate: float = attrs.field(default=7.0, validator=positive_number)
+    requests: int | None = attrs.field(default=2000, validator=optional(positive_integer))
+    concurrency: int | None = attrs.field(default=None, validator=optional(positive_integer))
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -290,9 +274,9 @@ class HotPrefix(LongPrefix):
 
     name: ClassVar[str] = "hot-prefix"
 
-    groups: int = attrs.field(default=16, validator=_count)
-    prefix_tokens: int = attrs.field(default=4000, validator=_count)
-    hot_share: float = attrs.field(default=0.5, validator=_share)
+    groups: int = attrs.field(default=16, validator=positive_integer)
+    prefix_tokens: int = attrs.field(default=4000, validator=positive_integer)
+    hot_share: float = attrs.field(default=0.5, validator=share)
 
     def _pick(self, rng: random.Random) -> int:
         if self.groups == 1 or rng.random() < self.hot_share:
@@ -325,13 +309,13 @@ class MultiTurn(_Open):
 
     name: ClassVar[str] = "multi-turn"
 
-    rate: float = attrs.field(default=1.0, validator=_positive)
-    mean_turns: float = attrs.field(default=4.0, validator=_positive)
-    max_turns: int = attrs.field(default=16, validator=_count)
-    system_tokens: int = attrs.field(default=500, validator=_count)
+    rate: float = attrs.field(default=1.0, validator=positive_number)
+    mean_turns: float = attrs.field(default=4.0, validator=positive_number)
+    max_turns: int = attrs.field(default=16, validator=positive_integer)
+    system_tokens: int = attrs.field(default=500, validator=positive_integer)
     user_tokens: Length = attrs.field(default=(20, 300), converter=_to_length, validator=_length)
     answer_tokens: Length = attrs.field(default=(50, 500), converter=_to_length, validator=_length)
-    think_time: float = attrs.field(default=15.0, validator=_non_negative)
+    think_time: float = attrs.field(default=15.0, validator=non_negative_number)
 
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the turns, in order of ``time`` (see the module docstring)."""
@@ -405,14 +389,14 @@ class Rag(_Open):
 
     name: ClassVar[str] = "rag"
 
-    documents: int = attrs.field(default=500, validator=_count)
+    documents: int = attrs.field(default=500, validator=positive_integer)
     doc_tokens: Length = attrs.field(default=(300, 1200), converter=_to_length, validator=_length)
-    docs_per_request: int = attrs.field(default=4, validator=_count)
-    zipf_s: float = attrs.field(default=1.0, validator=_non_negative)
-    system_tokens: int = attrs.field(default=300, validator=_count)
+    docs_per_request: int = attrs.field(default=4, validator=positive_integer)
+    zipf_s: float = attrs.field(default=1.0, validator=non_negative_number)
+    system_tokens: int = attrs.field(default=300, validator=positive_integer)
     question_tokens: Length = attrs.field(default=(10, 60), converter=_to_length, validator=_length)
     output_tokens: Length = attrs.field(default=(50, 300), converter=_to_length, validator=_length)
-    rate: float = attrs.field(default=5.0, validator=_positive)
+    rate: float = attrs.field(default=5.0, validator=positive_number)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -478,6 +462,8 @@ class Rag(_Open):
 
 
 TraceFormat = Literal["auto", "mooncake", "simple"]
+#: The values of Trace.format.
+_FORMATS: tuple[TraceFormat, ...] = ("auto", "mooncake", "simple")
 
 
 def _shown(value: object) -> str:
@@ -505,14 +491,14 @@ class Trace:
     name: ClassVar[str] = "trace"
 
     path: Path = attrs.field(converter=Path)
-    format: TraceFormat = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "mooncake", "simple")))
-    block_tokens: int = attrs.field(default=512, validator=_count)
-    time_scale: float = attrs.field(default=1.0, validator=_positive)
-    requests: int | None = attrs.field(default=None, validator=_count)
-    duration: float | None = attrs.field(default=None, validator=_positive)
-    seed: int = attrs.field(default=0, validator=_integer)
+    format: TraceFormat = attrs.field(default="auto", validator=expect("auto, mooncake or simple", attrs.validators.in_(_FORMATS)))
+    block_tokens: int = attrs.field(default=512, validator=positive_integer)
+    time_scale: float = attrs.field(default=1.0, validator=positive_number)
+    requests: int | None = attrs.field(default=None, validator=optional(positive_integer))
+    duration: float | None = attrs.field(default=None, validator=optional(positive_number))
+    seed: int = attrs.field(default=0, validator=integer)
     model: str = DEFAULT_MODEL
-    cache_blocks: int = attrs.field(default=65_536, validator=_count)
+    cache_blocks: int = attrs.field(default=65_536, validator=positive_integer)
 
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the trace's requests; raises :class:`TraceFormatError` on a bad line."""

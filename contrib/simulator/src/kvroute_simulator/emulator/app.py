@@ -36,7 +36,7 @@ from kvroute_server._asgi import (
     send_error,
     send_json,
 )
-from kvroute_simulator.emulator.metrics import CONTENT_TYPE, VllmMetrics
+from kvroute_simulator.emulator.metrics import CONTENT_TYPE, EmulatedMetrics
 from kvroute_simulator.emulator.realtime import RealTimeEngine, Stream
 from kvroute_simulator.engine import CostModel, Engine, EngineConfig, EngineRequest
 from kvroute_simulator.tokens import TokenSeq, Vocabulary, vocabulary
@@ -166,7 +166,7 @@ class EmulatorApp:
         self.stats = EmulatorStats()
         self.vocab = vocabulary()
         self.engine = self.config.engine()
-        self.metrics = VllmMetrics(self.config.model, self.engine, engine_index=self.config.engine_index)
+        self.metrics = EmulatedMetrics(self.config.model, self.engine, engine_index=self.config.engine_index)
         self.runner: RealTimeEngine | None = None
         self._created = int(time.time())
         self._routes = {

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvroute_simulator.engine import Engine
 
-__all__ = ["CONTENT_TYPE", "VllmMetrics"]
+__all__ = ["CONTENT_TYPE", "EmulatedMetrics"]
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,8 +25,11 @@ _LATENCY_BUCKETS = (
 )
 
 
-class VllmMetrics:
-    """The metric families a router reads from vLLM, fed by the emulator."""
+class EmulatedMetrics:
+    """The metric families a router reads from vLLM, fed by the emulator's engine model and rendered for ``/metrics``.
+
+    Not to be confused with what kvroute-vllm parses these back into on the router side.
+    """
 
     def __init__(self, model: str, engine: Engine, *, engine_index: str = "0") -> None:
         self.engine = engine

@@ -13,7 +13,7 @@ import time
 
 import attrs
 
-from kvroute_simulator.engine import Engine, EngineRequest, Sequence
+from kvroute_simulator.engine import Engine, EngineRequest, EngineSequence
 
 __all__ = ["RealTimeEngine", "Stream"]
 
@@ -22,7 +22,7 @@ __all__ = ["RealTimeEngine", "Stream"]
 class Stream:
     """Tokens of one request as the engine produces them."""
 
-    seq: Sequence
+    seq: EngineSequence
     submitted_at: float
     emitted: int = 0
     ready: int = 0

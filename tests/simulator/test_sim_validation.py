@@ -1,0 +1,131 @@
+"""Validation of the simulator's settings: attrs validators with messages saying what was expected and what was got."""
+
+from __future__ import annotations
+
+import builtins
+import collections.abc
+import importlib
+import math
+import pkgutil
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+import kvroute_simulator
+from kvroute import ConfigError
+from kvroute.cli import main
+from kvroute_simulator import _validators
+from kvroute_simulator.driver import SimulationConfig
+from kvroute_simulator.engine import CostModel, EngineConfig, EngineRequest, HardwareSpec, ModelSpec
+from kvroute_simulator.tokens import TokenSeq
+from kvroute_simulator.workloads import LongPrefix, Rag, Trace
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@attrs.frozen
+class _Probe:
+    value: Any
+
+
+def _check(validator: Any, value: Any) -> None:
+    validator(_Probe(1), attrs.fields(_Probe).value, value)
+
+
+class TestValidators:
+    @pytest.mark.parametrize(
+        ("validator", "good", "bad", "expected"),
+        [
+            (_validators.positive_number, [1, 0.5, 1e300], [0, -1, True, math.nan, math.inf, "1", None], "a positive number"),
+            (_validators.non_negative_number, [0, 0.0, 2.5], [-0.1, False, -math.inf, math.nan, "0"], "a number >= 0"),
+            (_validators.share, [0, 0.5, 1], [1.01, -0.01, math.nan, True], "a number between 0 and 1"),
+            (_validators.positive_share, [0.9, 1], [0, 1.5, math.nan, True], "a number above 0 and at most 1"),
+            (_validators.positive_integer, [1, 10**12], [0, -3, 2.0, 1.5, True, "3", None], "a positive integer"),
+            (_validators.integer, [0, -5, 7], [1.0, False, "x", None], "an integer"),
+            (_validators.flag, [True, False], [1, 0, "yes", None], "true or false"),
+        ],
+    )
+    def test_accepts_and_refuses(self, validator: Any, good: list[Any], bad: list[Any], expected: str) -> None:
+        """Each validator lets its good values through and refuses the others with a ConfigError saying what was expected and got (bools are not numbers, NaN and infinities are refused)."""
+        for value in good:
+            _check(validator, value)
+        for value in bad:
+            with pytest.raises(ConfigError) as info:
+                _check(validator, value)
+            assert str(info.value) == f"'value' must be {expected} (got {value!r}).", value
+
+    def test_optional_lets_none_through(self) -> None:
+        """optional(v) accepts None and otherwise checks like v."""
+        _check(_validators.optional(_validators.positive_integer), None)
+        with pytest.raises(ConfigError, match=r"^'value' must be a positive integer \(got 0\)\.$"):
+            _check(_validators.optional(_validators.positive_integer), 0)
+
+
+class TestSettings:
+    """What the attrs classes of the engine model, the workloads and the driver refuse, and how they say it."""
+
+    @pytest.mark.parametrize(
+        ("build", "message"),
+        [
+            (lambda: EngineConfig(max_num_seqs=0), "'max_num_seqs' must be a positive integer (got 0)."),
+            (lambda: EngineConfig(block_size=True), "'block_size' must be a positive integer (got True)."),
+            (lambda: EngineConfig(enable_prefix_caching="no"), "'enable_prefix_caching' must be true or false (got 'no')."),
+            (lambda: CostModel(prefill_base_ms=-1), "'prefill_base_ms' must be a number >= 0 (got -1)."),
+            (lambda: CostModel(decode_base_ms=math.inf), "'decode_base_ms' must be a number >= 0 (got inf)."),
+            (lambda: HardwareSpec(memory_utilization=1.5), "'memory_utilization' must be a number above 0 and at most 1 (got 1.5)."),
+            (lambda: HardwareSpec(num_gpus=0), "'num_gpus' must be a positive integer (got 0)."),
+            (lambda: ModelSpec("m", num_layers=2.5, num_kv_heads=8, head_dim=128, weight_bytes=1), "'num_layers' must be a positive integer (got 2.5)."),
+            (lambda: EngineRequest("r", TokenSeq.of((1, 2)), 0), "'output_len' must be a positive integer (got 0)."),
+            (lambda: SimulationConfig(instances=0), "'instances' must be a positive integer (got 0)."),
+            (lambda: SimulationConfig(instances="3"), "'instances' must be a positive integer (got '3')."),
+            (lambda: SimulationConfig(sample_interval=math.nan), "'sample_interval' must be a positive number (got nan)."),
+            (lambda: LongPrefix(rate=-2.0), "'rate' must be a positive number (got -2.0)."),
+            (lambda: LongPrefix(concurrency=0), "'concurrency' must be a positive integer (got 0)."),
+            (lambda: LongPrefix(groups=None), "'groups' must be a positive integer (got None)."),
+            (lambda: Rag(zipf_s=-0.5), "'zipf_s' must be a number >= 0 (got -0.5)."),
+            (lambda: Trace(path=FIXTURES / "simple.jsonl", format="xml"), "'format' must be auto, mooncake or simple (got 'xml')."),
+        ],
+    )
+    def test_refused_with_a_config_error(self, build: Any, message: str) -> None:
+        """A setting out of its range or of the wrong type is a ConfigError (a ValueError) naming the field, what it must be and the value."""
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert str(info.value) == message
+
+    def test_optional_settings_take_none(self) -> None:
+        """Cut-offs that may be absent accept None."""
+        assert LongPrefix(requests=None, duration=10.0).requests is None
+        assert LongPrefix(concurrency=None).concurrency is None
+
+    def test_wrong_trace_format_is_an_error_line(self) -> None:
+        """`kvroute simulate --trace F -W format=xml` exits 1 with the message, not a traceback."""
+        args = ["simulate", "--trace", str(FIXTURES / "simple.jsonl"), "-s", "random", "-W", "format=xml"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and type(result.exception) is SystemExit, result.exception
+        assert "Error: 'format' must be auto, mooncake or simple (got 'xml')." in result.output
+
+
+def _public_names() -> dict[str, set[str]]:
+    found = {"kvroute_simulator": set(kvroute_simulator.__all__)}
+    for info in pkgutil.walk_packages(kvroute_simulator.__path__, "kvroute_simulator."):
+        module = importlib.import_module(info.name)
+        found[info.name] = set(getattr(module, "__all__", ()))
+    return found
+
+
+class TestNames:
+    def test_no_public_name_shadows_a_standard_one(self) -> None:
+        """No public name of kvroute_simulator reuses a name of collections.abc, typing or builtins (the engine's sequence is EngineSequence)."""
+        standard = set(collections.abc.__all__) | set(typing.__all__) | set(dir(builtins))
+        clashes = {module: sorted(names & standard) for module, names in _public_names().items() if names & standard}
+        assert clashes == {}
+        assert "EngineSequence" in kvroute_simulator.__all__
+
+    def test_emulator_metrics_are_named_for_the_emulator(self) -> None:
+        """The emulator's metrics renderer is EmulatedMetrics, not a second VllmMetrics beside kvroute-vllm's parser."""
+        names = set().union(*_public_names().values())
+        assert "EmulatedMetrics" in names and "VllmMetrics" not in names
