@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -15,18 +14,13 @@ import pytest
 
 from kvroute import Backend, Fleet, Router, RouteRequest
 from tests.examples.openai_fake import FakeBackend, eventually, fake_backends
+from tests.helpers import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 GATEWAYS = ["fastapi_gateway.py", "aiohttp_gateway.py"]
 #: Longer than the 1,024 characters consistent-hash keys on, so a suffix does not change the key.
 DOCUMENT = "".join(f"Section {i}: routers that remember prefixes save prefill. " for i in range(24))
 OPTIONS = ["--strategy", "consistent-hash", "--option", "prefix_length=1024"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat(system: str, user: str, **extra: object) -> dict[str, object]:

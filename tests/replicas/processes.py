@@ -7,7 +7,6 @@ bounded deadline, and is terminated (then killed if it lingers) when the test is
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import anyio
 import httpx
 
 from kvroute import Backend, Fleet, Router, RouteRequest
+from tests.helpers import free_port
 
 __all__ = [
     "ENGINES",
@@ -54,12 +54,6 @@ def home(request_body: dict[str, Any], exclude: Collection[str] = frozenset()) -
     """Where a consistent-hash router in this process sends the body: the replicas must agree with it."""
     router = Router.create(Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "consistent-hash", {"prefix_length": 1024})
     return router.decide(RouteRequest.from_openai(request_body), exclude=exclude)[0].backend.id
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Process:

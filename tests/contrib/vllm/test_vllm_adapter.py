@@ -21,6 +21,7 @@ from tests.contrib.vllm.vllm_fakes import (
     model_router_hashes,
     wait_for,
 )
+from tests.helpers import free_port as _free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -39,13 +40,6 @@ def _sources(endpoint: str, replay: str | None, topic: str = "kv") -> dict[str, 
             "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": topic,
         }
     }
-
-
-def _free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _metrics_http() -> FakeHttp:

@@ -44,6 +44,7 @@ from tests.contrib.vllm.vllm_fakes import (
     publisher_capture,
     wait_for,
 )
+from tests.helpers import free_port as unused_port
 
 BS = 16
 RELEASES = ["0.23.0", "0.25.0", "0.31.0", "0.32.0", "0.33.0"]
@@ -355,12 +356,10 @@ def listening_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def free_port() -> int:
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> int:
     """A loopback port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return unused_port()
 
 
 def _reported(endpoint: str, replay: str | None, form: str) -> object:

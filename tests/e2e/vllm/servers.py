@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.helpers import free_ports
 
 HERE = Path(__file__).resolve().parent
 BUILD_TINY_MODEL = HERE / "build_tiny_model.py"
@@ -86,20 +87,6 @@ class VllmServer:
     def kv_replay_endpoint(self) -> str:
         """Address a ZMQ DEALER/REQ socket connects to for replaying buffered event batches."""
         return f"tcp://{self.host}:{self.kv_replay_port}"
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Return ``count`` distinct ports that were free on ``host`` a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def ensure_tiny_model(python: str | os.PathLike[str], out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
