@@ -51,7 +51,10 @@ def main() -> None:
     args = parser.parse_args()
 
     metrics = (VLLM / "metrics_busy.txt").read_text()
-    messages = [[base64.b64decode(f) for f in m["frames_b64"]] for m in json.loads((VLLM / "kv_events.json").read_text())["messages"]]
+    messages = [
+        [base64.b64decode(f) for f in m["frames_b64"]]
+        for m in json.loads((VLLM / "kv_events.json").read_text())["messages"]
+    ]
     trt_metrics = json.loads((TRT / "metrics_sequence.json").read_text())
     trt_events = json.loads((TRT / "kv_cache_events_sequence.json").read_text())
 

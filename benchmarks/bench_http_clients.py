@@ -51,8 +51,16 @@ def aiohttp_app(upstream: str) -> Any:
             if not message.get("more_body"):
                 break
         assert session is not None
-        async with session.post(upstream + scope["path"], data=b"".join(chunks), headers={"content-type": "application/json"}) as response:
-            await send({"type": "http.response.start", "status": response.status, "headers": [(b"content-type", response.headers["content-type"].encode())]})
+        async with session.post(
+            upstream + scope["path"], data=b"".join(chunks), headers={"content-type": "application/json"}
+        ) as response:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": [(b"content-type", response.headers["content-type"].encode())],
+                }
+            )
             async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -69,7 +77,9 @@ def httpx_app(upstream: str) -> Any:
         nonlocal client
         if scope["type"] == "lifespan":
             await receive()
-            client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000), timeout=None)
+            client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000), timeout=None
+            )
             await send({"type": "lifespan.startup.complete"})
             await receive()
             await client.aclose()
@@ -86,10 +96,18 @@ def httpx_app(upstream: str) -> Any:
             if not message.get("more_body"):
                 break
         assert client is not None
-        request = client.build_request("POST", upstream + scope["path"], content=b"".join(chunks), headers={"content-type": "application/json"})
+        request = client.build_request(
+            "POST", upstream + scope["path"], content=b"".join(chunks), headers={"content-type": "application/json"}
+        )
         response = await client.send(request, stream=True)
         try:
-            await send({"type": "http.response.start", "status": response.status_code, "headers": [(b"content-type", response.headers["content-type"].encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [(b"content-type", response.headers["content-type"].encode())],
+                }
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
@@ -111,7 +129,17 @@ def candidate(kind: str, upstream: str) -> Iterator[tuple[str, int]]:
     port = bp.free_port()
     url = f"http://127.0.0.1:{port}"
     if kind == "kvroute":
-        args = [bp.PYTHON, "-m", "kvroute", "serve", "--port", str(port), "--backend", f"e0={upstream}", "--no-access-log"]
+        args = [
+            bp.PYTHON,
+            "-m",
+            "kvroute",
+            "serve",
+            "--port",
+            str(port),
+            "--backend",
+            f"e0={upstream}",
+            "--no-access-log",
+        ]
     else:
         args = [bp.PYTHON, __file__, "--serve", kind, "--port", str(port), "--upstream", upstream]
     with bp.process(args, url + "/health") as proc:
@@ -136,8 +164,23 @@ def main() -> None:
     count = 200 if args.quick else args.requests
     e_port = bp.free_port()
     direct = f"http://127.0.0.1:{e_port}"
-    emulator = [bp.PYTHON, "-m", "kvroute", "emulate", "--port", str(e_port), "--model", "m", "--time-scale", "0.0001", "--num-gpu-blocks", "4096"]
-    print(f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'via rps':>8} {'CPU/req':>9}")
+    emulator = [
+        bp.PYTHON,
+        "-m",
+        "kvroute",
+        "emulate",
+        "--port",
+        str(e_port),
+        "--model",
+        "m",
+        "--time-scale",
+        "0.0001",
+        "--num-gpu-blocks",
+        "4096",
+    ]
+    print(
+        f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'via rps':>8} {'CPU/req':>9}"
+    )
     with bp.process(emulator, direct + "/health"):
         for kind in ("aiohttp", "httpx", "kvroute"):
             with candidate(kind, direct) as (via, pid):

@@ -43,7 +43,9 @@ def chat_body(size: int, seed: int = 0) -> bytes:
         turn = {"role": "user" if len(messages) % 2 else "assistant", "content": " ".join(rng.choices(_WORDS, k=60))}
         messages.append(turn)
         length += len(json.dumps(turn, ensure_ascii=False).encode())
-    return json.dumps({"model": "m", "messages": messages, "max_tokens": 64, "stream": True}, ensure_ascii=False).encode()
+    return json.dumps(
+        {"model": "m", "messages": messages, "max_tokens": 64, "stream": True}, ensure_ascii=False
+    ).encode()
 
 
 def best_us(function: Callable[[], Any]) -> float:
@@ -95,8 +97,10 @@ def stall(threaded: bool) -> tuple[float, float, float]:
     app_module._THREAD_PARSE_BYTES = saved if threaded else 1 << 62
     backend = ServerThread(_StubBackend()).start()
     config = ServerConfig(
-        backends=(BackendConfig(id="b", url=backend.url, models=("m",)),), health=HealthConfig(interval=0),
-        access_log=False, max_body_bytes=64 * 1024 * 1024,
+        backends=(BackendConfig(id="b", url=backend.url, models=("m",)),),
+        health=HealthConfig(interval=0),
+        access_log=False,
+        max_body_bytes=64 * 1024 * 1024,
     )
     proxy = ServerThread(ProxyApp(config)).start()
     try:

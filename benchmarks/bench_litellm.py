@@ -75,7 +75,11 @@ async def drain(routings: list[kvroute_litellm.KvrouteRouting]) -> None:
 
 def summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
-    return {"p50_us": statistics.median(ordered), "p99_us": ordered[int(0.99 * (len(ordered) - 1))], "mean_us": statistics.fmean(ordered)}
+    return {
+        "p50_us": statistics.median(ordered),
+        "p99_us": ordered[int(0.99 * (len(ordered) - 1))],
+        "mean_us": statistics.fmean(ordered),
+    }
 
 
 async def run(calls: int, deployments: int, block: int = 50) -> dict[str, dict[str, float]]:
@@ -88,7 +92,9 @@ async def run(calls: int, deployments: int, block: int = 50) -> dict[str, dict[s
         router = litellm.Router(model_list=model_list(deployments))
         routing = kvroute_litellm.install(router, strategy, {"prefix_length": 2048})
         routings.append(routing)
-        rows[f"kvroute {strategy}"] = lambda i, r=router: r.acompletion(model="m", messages=messages(i), mock_response="ok")
+        rows[f"kvroute {strategy}"] = lambda i, r=router: r.acompletion(
+            model="m", messages=messages(i), mock_response="ok"
+        )
 
         async def pick_only(i: int, routing: kvroute_litellm.KvrouteRouting = routing) -> None:
             kwargs: dict[str, Any] = {"metadata": {}}
@@ -107,7 +113,9 @@ async def run(calls: int, deployments: int, block: int = 50) -> dict[str, dict[s
         rows[f"pick only ({strategy})"] = pick_only
         rows[f"kvroute's own part ({strategy})"] = own_work
     healthy_only = litellm.Router(model_list=model_list(deployments))
-    rows["select(kind='healthy') alone"] = lambda i: healthy_only.select("m", {"metadata": {}}, kind="healthy", messages=messages(i))
+    rows["select(kind='healthy') alone"] = lambda i: healthy_only.select(
+        "m", {"metadata": {}}, kind="healthy", messages=messages(i)
+    )
 
     for one in rows.values():  # warm caches and LiteLLM's lazy imports
         for i in range(50):
@@ -137,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     base = results["litellm simple-shuffle"]["p50_us"]
     from importlib.metadata import version
 
-    print(f"litellm {version('litellm')}, {args.deployments} deployments, {args.calls} calls per row, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"litellm {version('litellm')}, {args.deployments} deployments, {args.calls} calls per row, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'row':36} {'p50 µs':>10} {'p99 µs':>10} {'p50 - baseline':>15}")
     for name, row in results.items():
         delta = f"{row['p50_us'] - base:+.0f}" if name.startswith("kvroute ") else ""

@@ -109,7 +109,20 @@ def emulator_and_proxy(extra_proxy_args: Sequence[str] = ()) -> Iterator[tuple[s
     e_port, p_port = free_port(), free_port()
     direct = f"http://127.0.0.1:{e_port}"
     via = f"http://127.0.0.1:{p_port}"
-    emulator = [PYTHON, "-m", "kvroute", "emulate", "--port", str(e_port), "--model", "m", "--time-scale", "0.0001", "--num-gpu-blocks", "4096"]
+    emulator = [
+        PYTHON,
+        "-m",
+        "kvroute",
+        "emulate",
+        "--port",
+        str(e_port),
+        "--model",
+        "m",
+        "--time-scale",
+        "0.0001",
+        "--num-gpu-blocks",
+        "4096",
+    ]
     proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--backend", f"e0={direct}", *extra_proxy_args]
     with process(emulator, direct + "/health"), process(proxy, via + "/health") as proxy_process:
         yield direct, via, proxy_process.pid
@@ -283,9 +296,33 @@ def routing_quality(count: int, concurrency: int = 8, groups: int = 8) -> dict[s
         via = f"http://127.0.0.1:{p_port}"
         with contextlib.ExitStack() as stack:
             for i, port in enumerate(ports):
-                args = [PYTHON, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.5", "--num-gpu-blocks", "512"]
+                args = [
+                    PYTHON,
+                    "-m",
+                    "kvroute",
+                    "emulate",
+                    "--port",
+                    str(port),
+                    "--model",
+                    "m",
+                    "--time-scale",
+                    "0.5",
+                    "--num-gpu-blocks",
+                    "512",
+                ]
                 stack.enter_context(process(args, urls[i] + "/health"))
-            proxy = [PYTHON, "-m", "kvroute", "serve", "--port", str(p_port), "--strategy", strategy, *options, "--no-access-log"]
+            proxy = [
+                PYTHON,
+                "-m",
+                "kvroute",
+                "serve",
+                "--port",
+                str(p_port),
+                "--strategy",
+                strategy,
+                *options,
+                "--no-access-log",
+            ]
             for i, url in enumerate(urls):
                 proxy += ["--backend", f"e{i}={url}"]
             stack.enter_context(process(proxy, via + "/health"))
@@ -306,7 +343,9 @@ def routing_quality(count: int, concurrency: int = 8, groups: int = 8) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2000, help="requests per configuration at concurrency 1 (x2 at 32)")
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="requests per configuration at concurrency 1 (x2 at 32)"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="alternating direct/proxy rounds")
     parser.add_argument("--quick", action="store_true", help="a smoke run (200 requests)")
     parser.add_argument("--no-access-log", action="store_true", help="run the proxy with --no-access-log")
@@ -333,7 +372,9 @@ def main() -> None:
         print("routing quality through the proxy (4 emulators, 8 prefixes of 2,000 tokens, streamed, concurrency 8)")
         print(f"{'strategy':<18} {'TTFT p50':>9} {'TTFT p90':>9} {'TTFT p99':>9} {'hit rate':>9}")
         for strategy, r in routing.items():
-            print(f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms {r['hit_rate']:>8.1%}")
+            print(
+                f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms {r['hit_rate']:>8.1%}"
+            )
     if not results:
         return
     print(

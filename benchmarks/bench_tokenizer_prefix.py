@@ -58,9 +58,7 @@ from kvroute_tokenizer_prefix import BlockIndex, TokenizerPrefix, block_hashes
 
 import kvroute
 
-SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -95,16 +93,25 @@ def build_tokenizer(folder: Path) -> Path:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     specials = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=8000, min_frequency=2, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=8000,
+        min_frequency=2,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     make = text_source(99)
     tok.train_from_iterator((make(40) for _ in range(20000)), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE}
@@ -167,9 +174,12 @@ def simulate_costs(workloads: list[str], repeat: int) -> dict[str, Any]:
                 both = [p + s for p, s in zip(times["pick"], times["start"], strict=False)]
                 run = {
                     "hit_rate": round(result.hit_rate * 100, 1),
-                    "pick_p50_us": q(times["pick"], 0.5), "pick_p99_us": q(times["pick"], 0.99),
-                    "start_p50_us": q(times["start"], 0.5), "start_p99_us": q(times["start"], 0.99),
-                    "both_p50_us": q(both, 0.5), "both_p99_us": q(both, 0.99),
+                    "pick_p50_us": q(times["pick"], 0.5),
+                    "pick_p99_us": q(times["pick"], 0.99),
+                    "start_p50_us": q(times["start"], 0.5),
+                    "start_p99_us": q(times["start"], 0.99),
+                    "both_p50_us": q(both, 0.5),
+                    "both_p99_us": q(both, 0.99),
                     "lock_total_ms": round((sum(times["pick"]) + sum(times["start"])) * 1e3),
                 }
                 best = run if not best else {k: min(v, best[k]) for k, v in run.items()}
@@ -185,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="a model directory or tokenizer.json to use instead of the trained one")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--backends", type=int, default=8)
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a strategy option (repeatable)")
+    parser.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="a strategy option (repeatable)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
-        "--simulate", metavar="WORKLOADS", help="instead: time pick and on_request_start in these kvroute simulate workloads (comma-separated)"
+        "--simulate",
+        metavar="WORKLOADS",
+        help="instead: time pick and on_request_start in these kvroute simulate workloads (comma-separated)",
     )
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -221,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         system = make(150)
 
         def body(doc: str, question: str, sys_prompt: str = system) -> dict[str, Any]:
-            return {"model": "m", "messages": [{"role": "system", "content": sys_prompt}, {"role": "user", "content": doc + "\n\nQuestion: " + question}]}
+            return {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": sys_prompt},
+                    {"role": "user", "content": doc + "\n\nQuestion: " + question},
+                ],
+            }
 
         def request(doc: str, question: str | None = None, sys_prompt: str = system) -> kvroute.RouteRequest:
             return kvroute.RouteRequest.from_openai(body(doc, make(12) if question is None else question, sys_prompt))
@@ -361,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         fresh_tok.warm(text)
-        results["id_cache_bytes_per_token"] = round((tracemalloc.get_traced_memory()[0] - before) / fresh_tok.cached_tokens, 1)
+        results["id_cache_bytes_per_token"] = round(
+            (tracemalloc.get_traced_memory()[0] - before) / fresh_tok.cached_tokens, 1
+        )
         tracemalloc.stop()
         results["piece_cache_tokens"] = getattr(tok, "cached_tokens", None)
         results["setup_s"] = round(setup_s, 1)
@@ -369,12 +391,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, r in results.items():
         if isinstance(r, dict) and "p50_us" in r:
-            print(f"{name:30s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})")
+            print(
+                f"{name:30s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})"
+            )
     print(
         f"prompt tokens {results['prompt_tokens']}, backends {args.backends}, options {options}, tokenizer {results['tokenizer']}, "
         f"cpus {results['cpus']}, load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
     )
-    print(f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second")
+    print(
+        f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second"
+    )
     print(
         f"piece memo: {results['memo_bytes_per_block']} bytes per block hash ({results['memo_blocks_per_piece']} blocks per piece); "
         f"id cache: {results['id_cache_bytes_per_token']} bytes per token id"

@@ -31,8 +31,27 @@ conversations = st.lists(chat_message, min_size=1, max_size=6)
 
 #: Pieces of the routing text's own markup (markers, escapes, separators) and plain words.
 _markup_pieces = st.sampled_from(
-    ["<|", "|>", "<", "|", ">", "\\", ":", "\n", "user", "image", "<|user|>", "\n<|assistant|>",
-     "<|image:", "<|audio:", "<|tools|>", "<|tool_calls|>", "<|part|>", "<\\|", "0123456789abcdef"]
+    [
+        "<|",
+        "|>",
+        "<",
+        "|",
+        ">",
+        "\\",
+        ":",
+        "\n",
+        "user",
+        "image",
+        "<|user|>",
+        "\n<|assistant|>",
+        "<|image:",
+        "<|audio:",
+        "<|tools|>",
+        "<|tool_calls|>",
+        "<|part|>",
+        "<\\|",
+        "0123456789abcdef",
+    ]
 )
 
 #: Text that often looks like routing-text markup, sometimes plain.
@@ -40,8 +59,20 @@ markup_text = st.lists(_markup_pieces | st.text(max_size=2), max_size=5).map("".
 
 #: Chat roles: the usual ones, ones spelled like markers, and ones full of markup characters.
 chat_roles = st.sampled_from(
-    ["system", "user", "assistant", "tool", "developer", "tools", "tool_calls", "part", "image", "audio",
-     "video", "file"]
+    [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "developer",
+        "tools",
+        "tool_calls",
+        "part",
+        "image",
+        "audio",
+        "video",
+        "file",
+    ]
 ) | markup_text.filter(bool)
 
 #: The value identifying a media clip (URL, base64 data or file id): few, so that clips repeat.
@@ -50,9 +81,17 @@ _clip = st.text(alphabet="ab:/=", max_size=3)
 #: Media content parts of every shape the router knows, identified by a URL, data or a file id.
 media_parts = st.one_of(
     st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, _clip),
-    st.builds(lambda u, d: {"type": "image_url", "image_url": {"url": u, "detail": d}}, _clip, st.sampled_from(["low", "high"])),
+    st.builds(
+        lambda u, d: {"type": "image_url", "image_url": {"url": u, "detail": d}},
+        _clip,
+        st.sampled_from(["low", "high"]),
+    ),
     st.builds(lambda u: {"type": "input_image", "image_url": u}, _clip),
-    st.builds(lambda d, f: {"type": "input_audio", "input_audio": {"data": d, "format": f}}, _clip, st.sampled_from(["wav", "mp3"])),
+    st.builds(
+        lambda d, f: {"type": "input_audio", "input_audio": {"data": d, "format": f}},
+        _clip,
+        st.sampled_from(["wav", "mp3"]),
+    ),
     st.builds(lambda u: {"type": "audio_url", "audio_url": {"url": u}}, _clip),
     st.builds(lambda u: {"type": "video_url", "video_url": {"url": u}}, _clip),
     st.builds(lambda i: {"type": "file", "file": {"file_id": i}}, _clip),
@@ -72,7 +111,9 @@ content_parts = st.lists(
 tool_calls = st.lists(
     st.builds(
         lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
-        markup_text, markup_text, markup_text,
+        markup_text,
+        markup_text,
+        markup_text,
     ),
     max_size=2,
 )

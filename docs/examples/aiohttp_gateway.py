@@ -53,7 +53,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
         try:
             async with router.route(route, exclude=failed) as lease:
                 try:
-                    upstream = await request.app[SESSION].post(lease.backend.url + request.path, data=raw, headers=headers)
+                    upstream = await request.app[SESSION].post(
+                        lease.backend.url + request.path, data=raw, headers=headers
+                    )
                 except aiohttp.ClientConnectionError as exc:
                     lease.fail(str(exc))  # counted as an error on this backend; try another one
                     failed.add(lease.backend.id)
@@ -63,8 +65,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
                         lease.fail(f"HTTP {upstream.status}")
                     response = web.StreamResponse(
                         status=upstream.status,
-                        headers={"content-type": upstream.headers.get("content-type", "application/json"),
-                                 "x-kvroute-backend": lease.backend.id},
+                        headers={
+                            "content-type": upstream.headers.get("content-type", "application/json"),
+                            "x-kvroute-backend": lease.backend.id,
+                        },
                     )
                     await response.prepare(request)
                     async for chunk in upstream.content.iter_any():
@@ -79,7 +83,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
 async def fleet(request: web.Request) -> web.Response:
     """The backends with the requests this gateway has in flight on each."""
     return web.json_response(
-        [{"id": s.id, "url": s.backend.url, "in_flight": s.in_flight, "healthy": s.healthy} for s in request.app[ROUTER].fleet]
+        [
+            {"id": s.id, "url": s.backend.url, "in_flight": s.in_flight, "healthy": s.healthy}
+            for s in request.app[ROUTER].fleet
+        ]
     )
 
 

@@ -60,7 +60,8 @@ def create_app(router: Router, *, timeout: float = 600.0) -> FastAPI:
         except httpx.HTTPError as exc:
             # The middleware counts a 5xx as a failure of this backend.
             return JSONResponse(
-                {"error": {"message": f"backend {lease.backend.id} failed: {exc}", "type": "server_error"}}, status_code=502
+                {"error": {"message": f"backend {lease.backend.id} failed: {exc}", "type": "server_error"}},
+                status_code=502,
             )
         passed = {k: v for k, v in reply.headers.items() if k.lower() in ("content-type", "x-request-id")}
         return StreamingResponse(

@@ -114,21 +114,27 @@ class ToyFeed(KvEventFeed[Item]):
     def _apply(self, item: Item) -> None:
         self.applied.append(item)
         if item.tokens:
-            self.stats.blocks_stored += len(self.sink.blocks_stored(self.backend, item.tokens, block_size=item.block_size))
+            self.stats.blocks_stored += len(
+                self.sink.blocks_stored(self.backend, item.tokens, block_size=item.block_size)
+            )
 
 
 @attrs.define
 class EngineAdapter(OpenAIAdapter):
     """An engine adapter as a third party writes one: the base plus an option of its own."""
 
-    metrics_path: str = attrs.field(default="/metrics", converter=lambda v: check_path(v, "metrics_path", allow_empty=True))
+    metrics_path: str = attrs.field(
+        default="/metrics", converter=lambda v: check_path(v, "metrics_path", allow_empty=True)
+    )
 
 
 class TestOpenAIAdapter:
     def test_create_checks_option_names(self) -> None:
         """create() accepts the adapter's options and names the unknown ones with the known ones (not a TypeError)."""
         assert OpenAIAdapter.create(BACKEND, health_path="/ready").health_path == "/ready"
-        with pytest.raises(ValueError, match=r"unknown option\(s\) 'health' \(expected some of: health_path, models_path\)"):
+        with pytest.raises(
+            ValueError, match=r"unknown option\(s\) 'health' \(expected some of: health_path, models_path\)"
+        ):
             OpenAIAdapter.create(BACKEND, health="/ready")
 
     def test_subclass_options_join_the_base_ones(self) -> None:
@@ -139,7 +145,10 @@ class TestOpenAIAdapter:
         with pytest.raises(ValueError, match="'metrics_path' must be a path starting with '/' or empty"):
             EngineAdapter.create(BACKEND, metrics_path="metrics")
 
-    @pytest.mark.parametrize(("value", "allow_empty", "message"), [("health", False, "starting with '/'"), ("", False, "'p'"), (3, True, "or empty")])
+    @pytest.mark.parametrize(
+        ("value", "allow_empty", "message"),
+        [("health", False, "starting with '/'"), ("", False, "'p'"), (3, True, "or empty")],
+    )
     def test_check_path_refuses(self, value: object, allow_empty: bool, message: str) -> None:
         """A path option that does not start with '/' (nor is empty where allowed) is refused, saying what it got."""
         with pytest.raises(ValueError, match=message):
@@ -195,11 +204,23 @@ class TestEngineMetrics:
     def test_to_load_carries_the_shared_fields(self) -> None:
         """to_load copies the six load fields and the stamp; an engine's own fields stay out."""
         metrics = _EngineSpecific(
-            running=1, waiting=2, kv_usage=0.5, prefix_cache_queries=30.0, prefix_cache_hits=10.0, block_size=16, capacity=99
+            running=1,
+            waiting=2,
+            kv_usage=0.5,
+            prefix_cache_queries=30.0,
+            prefix_cache_hits=10.0,
+            block_size=16,
+            capacity=99,
         )
         load = metrics.to_load(observed_at=7.0)
         assert load == EngineLoad(
-            running=1, waiting=2, kv_usage=0.5, prefix_cache_queries=30.0, prefix_cache_hits=10.0, block_size=16, observed_at=7.0
+            running=1,
+            waiting=2,
+            kv_usage=0.5,
+            prefix_cache_queries=30.0,
+            prefix_cache_hits=10.0,
+            block_size=16,
+            observed_at=7.0,
         )
 
     def test_to_load_is_stamped_now_by_default(self) -> None:
@@ -216,7 +237,7 @@ class TestPrometheusSubset:
     def test_keeps_only_the_named_families(self) -> None:
         """Samples and HELP/TYPE lines of the named families are kept; other families and comments are dropped."""
         text = (
-            "# HELP a_total A.\n# TYPE a counter\na_total{x=\"1\"} 3\n# HELP b B.\n# TYPE b gauge\nb 1\n"
+            '# HELP a_total A.\n# TYPE a counter\na_total{x="1"} 3\n# HELP b B.\n# TYPE b gauge\nb 1\n'
             "# random comment a\nc_a 2\n"
         )
         assert prometheus_subset(text, {"a", "a_total"}) == '# HELP a_total A.\n# TYPE a counter\na_total{x="1"} 3\n'
@@ -305,7 +326,16 @@ class TestKvEventFeed:
         assert feed.stats.inexact_reasons == {"gap": 2, "malformed": 1} and feed.stats.inexact == 1
         assert feed.lost_reason == "gap" and sink.exact == [(False, "gap")] and not feed.exact
         inexact = [e for e in logs if e["event"] == "kv_index_inexact"]
-        assert inexact == [{"event": "kv_index_inexact", "backend": "b0", "rank": 2, "reason": "gap", "count": 3, "log_level": "warning"}]
+        assert inexact == [
+            {
+                "event": "kv_index_inexact",
+                "backend": "b0",
+                "rank": 2,
+                "reason": "gap",
+                "count": 3,
+                "log_level": "warning",
+            }
+        ]
 
     def test_feed_without_rank_logs_no_rank(self) -> None:
         """A feed carrying every rank (rank None) names only the backend in its log lines."""
@@ -362,7 +392,9 @@ class TestKvEventFeed:
             for item in (first, second, third):
                 feed.receive(item)
         assert (feed.holding, feed.applied, feed.stats.held) == (3, [], 3)
-        assert [(e["event"], e["engine_block_size"], e["router_block_size"]) for e in logs] == [("kv_events_held", 8, 4)]
+        assert [(e["event"], e["engine_block_size"], e["router_block_size"]) for e in logs] == [
+            ("kv_events_held", 8, 4)
+        ]
         assert feed.resume() == 0
         sink.block_size = 8
         assert feed.resume() == 3 and feed.applied == [first, second, third] and feed.holding == 0
@@ -384,7 +416,12 @@ class TestKvEventFeed:
         feed = ToyFeed(Sink())
         feed.lose("gap")
         report = feed.report()
-        assert (report["holding"], report["exact"], report["lost_reason"], report["inexact_reasons"]) == (0, False, "gap", {"gap": 1})
+        assert (report["holding"], report["exact"], report["lost_reason"], report["inexact_reasons"]) == (
+            0,
+            False,
+            "gap",
+            {"gap": 1},
+        )
         assert set(attrs.asdict(feed.stats)) <= set(report)
 
 

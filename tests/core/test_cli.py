@@ -145,7 +145,9 @@ class TestKnownCommands:
         """`kvroute emulate` serves HTTP with kvroute-server: its extra pulls kvroute-simulator's emulator extra, which requires kvroute-server."""
         assert cli._KNOWN_COMMANDS["emulate"].extra == "emulator"
         requires = metadata.requires("kvroute") or []
-        assert any(re.match(r"kvroute-simulator\[emulator\]==", r) and "extra == 'emulator'" in r for r in requires), requires
+        assert any(re.match(r"kvroute-simulator\[emulator\]==", r) and "extra == 'emulator'" in r for r in requires), (
+            requires
+        )
         simulator = tomllib.loads((ROOT / "contrib/simulator/pyproject.toml").read_text())
         assert any(r.startswith("kvroute-server==") for r in simulator["project"]["optional-dependencies"]["emulator"])
 
@@ -169,7 +171,7 @@ class TestStandIns:
         assert listing.exit_code == 0, listing.output
         expected = {
             "serve": 'Run the OpenAI-compatible routing proxy. [needs: pip install "kvroute[server]"]',
-            "check-parity": 'Compare the router\'s tokenizer with an engine\'s. [needs: pip install "kvroute[server]"]',
+            "check-parity": "Compare the router's tokenizer with an engine's. [needs: pip install \"kvroute[server]\"]",
             "simulate": 'Simulate a fleet and compare strategies. [needs: pip install "kvroute[simulator]"]',
             "emulate": 'Run an engine emulator (a fake vLLM server). [needs: pip install "kvroute[emulator]"]',
         }
@@ -215,7 +217,14 @@ class TestStandIns:
 
     def test_help_imports_no_server_runtime(self) -> None:
         """`kvroute --help` lists the commands without importing uvicorn, aiohttp, matplotlib or the proxy's app, runner and upstream client."""
-        heavy = ("uvicorn", "aiohttp", "matplotlib", "kvroute_server.app", "kvroute_server.runner", "kvroute_server.upstream")
+        heavy = (
+            "uvicorn",
+            "aiohttp",
+            "matplotlib",
+            "kvroute_server.app",
+            "kvroute_server.runner",
+            "kvroute_server.upstream",
+        )
         code = (
             "import sys\n"
             "from kvroute.cli import main\n"
@@ -270,8 +279,22 @@ class TestPluginCommandErrors:
 
     def test_same_name_twice_names_both(self, tmp_path: Path) -> None:
         """Two distributions adding the same command make every invocation exit 1 with one line naming both; blocking one, as it says, fixes it."""
-        _fake_distribution(tmp_path, "kvroute-hello-a", "1.0", "hello-a", "kvroute_hello_a", COMMAND_PLUGIN.format(name="hello", greeting="a"))
-        _fake_distribution(tmp_path, "kvroute-hello-b", "2.0", "hello-b", "kvroute_hello_b", COMMAND_PLUGIN.format(name="hello", greeting="b"))
+        _fake_distribution(
+            tmp_path,
+            "kvroute-hello-a",
+            "1.0",
+            "hello-a",
+            "kvroute_hello_a",
+            COMMAND_PLUGIN.format(name="hello", greeting="a"),
+        )
+        _fake_distribution(
+            tmp_path,
+            "kvroute-hello-b",
+            "2.0",
+            "hello-b",
+            "kvroute_hello_b",
+            COMMAND_PLUGIN.format(name="hello", greeting="b"),
+        )
         named = r"plugin 'hello-a' \(distribution kvroute-hello-a 1\.0\)|plugin 'hello-b' \(distribution kvroute-hello-b 2\.0\)"
         for args in (["--help"], ["hello"]):
             result = _kvroute(tmp_path, *args)
@@ -286,7 +309,14 @@ class TestPluginCommandErrors:
 
     def test_command_of_kvroute_itself_is_not_taken(self, tmp_path: Path) -> None:
         """A plugin adding a command named like kvroute's own `plugins` is refused, naming kvroute and the plugin."""
-        _fake_distribution(tmp_path, "kvroute-squat", "1.0", "squat", "kvroute_squat", COMMAND_PLUGIN.format(name="plugins", greeting="mine"))
+        _fake_distribution(
+            tmp_path,
+            "kvroute-squat",
+            "1.0",
+            "squat",
+            "kvroute_squat",
+            COMMAND_PLUGIN.format(name="plugins", greeting="mine"),
+        )
         result = _kvroute(tmp_path, "plugins")
         assert result.returncode == 1 and result.stdout == ""
         assert result.stderr == (

@@ -45,7 +45,9 @@ sys.meta_path.insert(0, _NotInstalled())
 """
 
 
-def _run(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
@@ -183,7 +185,11 @@ class TestWithoutServer:
     def test_server_commands_say_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:
         """Without kvroute-server, its commands exit 1 with the server extra's pip command."""
         result = _kvroute(*args, env=without_server)
-        assert (result.returncode, result.stderr, result.stdout) == (1, f"Error: {_hint(args[0], 'kvroute-server', 'server')}\n", "")
+        assert (result.returncode, result.stderr, result.stdout) == (
+            1,
+            f"Error: {_hint(args[0], 'kvroute-server', 'server')}\n",
+            "",
+        )
 
     @pytest.mark.parametrize("args", [["emulate"], ["emulate", "--help"], ["emulate", "--port", "0"]])
     def test_emulate_says_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:

@@ -186,7 +186,11 @@ class TestInFlightAcrossMembership:
         fleet.add(Backend("b0", "http://elsewhere"))
         state = fleet.get("b0")
         assert (state.backend.url, state.weight, state.healthy, state.draining, state.load) == (
-            "http://elsewhere", 1.0, True, False, None
+            "http://elsewhere",
+            1.0,
+            True,
+            False,
+            None,
         )
         assert state.in_flight == 1 and lease.state is state
         router.release(lease)

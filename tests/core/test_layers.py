@@ -235,14 +235,21 @@ class TestLayers:
     def test_plugins_import_no_application(self) -> None:
         """No strategy plugin or engine adapter imports kvroute_server or kvroute_simulator."""
         roots = _plugin_roots()
-        assert {package for _, package in roots} >= {"kvroute_random", "kvroute_bounded_load", "kvroute_vllm", "kvroute_litellm"}
+        assert {package for _, package in roots} >= {
+            "kvroute_random",
+            "kvroute_bounded_load",
+            "kvroute_vllm",
+            "kvroute_litellm",
+        }
         assert violations(roots, lambda top: top in APPLICATIONS) == []
 
     def test_server_does_not_import_the_simulator(self) -> None:
         """The proxy does not depend on the simulator (the emulator depends on the proxy, not the reverse)."""
         assert violations([(SERVER, "kvroute_server")], lambda top: top == "kvroute_simulator") == []
 
-    @pytest.mark.parametrize(("src", "package"), [(LIBRARY, "kvroute"), (SERVER, "kvroute_server"), (SIMULATOR, "kvroute_simulator")])
+    @pytest.mark.parametrize(
+        ("src", "package"), [(LIBRARY, "kvroute"), (SERVER, "kvroute_server"), (SIMULATOR, "kvroute_simulator")]
+    )
     def test_no_import_cycle(self, src: Path, package: str) -> None:
         """Importing any module of the package never re-enters one of its own modules still being imported."""
         graph = import_graph(src, package)
@@ -306,7 +313,10 @@ class TestChecker:
 
     def test_clean_tree_has_no_violation(self, tmp_path: Path) -> None:
         """Imports of the standard library, third parties and the package itself are not violations."""
-        src = _tree(tmp_path, {"kvroute/__init__.py": "import os\nimport attrs\nfrom kvroute import fleet\n", "kvroute/fleet.py": ""})
+        src = _tree(
+            tmp_path,
+            {"kvroute/__init__.py": "import os\nimport attrs\nfrom kvroute import fleet\n", "kvroute/fleet.py": ""},
+        )
         assert violations([(src, "kvroute")], lambda top: top.startswith("kvroute_")) == []
 
     def test_finds_a_module_level_cycle(self, tmp_path: Path) -> None:
@@ -340,7 +350,10 @@ class TestChecker:
         """Imports inside functions or under ``if TYPE_CHECKING:``, and passing through an enclosing package, make no cycle; the same imports at module level do."""
         a_typed = "import typing\nif typing.TYPE_CHECKING:\n    from app.b import y\nimport app.b as later\nfrom app import b\nx = 1\n"
         b_deferred = "def f():\n    from app.a import x\n    return x\ny = 2\n"
-        src = _tree(tmp_path, {"app/__init__.py": "VERSION = 1\nfrom app.a import x\n", "app/a.py": a_typed, "app/b.py": b_deferred})
+        src = _tree(
+            tmp_path,
+            {"app/__init__.py": "VERSION = 1\nfrom app.a import x\n", "app/a.py": a_typed, "app/b.py": b_deferred},
+        )
         graph = import_graph(src, "app")
         assert graph == {"app": {"app.a"}, "app.a": {"app.b"}, "app.b": set()}
         assert cycles(graph) == []
@@ -349,7 +362,13 @@ class TestChecker:
 
     def test_name_read_from_an_enclosing_package_is_a_cycle(self, tmp_path: Path) -> None:
         """A module reading a name from the package whose __init__ imports it depends on that __init__'s order: a cycle."""
-        src = _tree(tmp_path, {"app/__init__.py": "from app.a import x\nVERSION = 1\n", "app/a.py": "from app import VERSION\nx = VERSION\n"})
+        src = _tree(
+            tmp_path,
+            {
+                "app/__init__.py": "from app.a import x\nVERSION = 1\n",
+                "app/a.py": "from app import VERSION\nx = VERSION\n",
+            },
+        )
         assert cycles(import_graph(src, "app")) == [["app", "app.a", "app"]]
         _tree(tmp_path, {"app/a.py": "from app import b\nimport app.b\nx = 1\n", "app/b.py": ""})
         assert cycles(import_graph(src, "app")) == []

@@ -44,7 +44,9 @@ def kvroute_register_strategies(register):
 class TestEntryPoints:
     def test_broken_plugin_is_named(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """A plugin that fails to import raises PluginLoadError naming plugin, distribution and version."""
-        fake_distribution(tmp_path, "kvroute-broken", "9.1", "broken", "kvroute_broken_mod", "raise ImportError('no numpy')")
+        fake_distribution(
+            tmp_path, "kvroute-broken", "9.1", "broken", "kvroute_broken_mod", "raise ImportError('no numpy')"
+        )
         monkeypatch.syspath_prepend(str(tmp_path))
         with pytest.raises(PluginLoadError) as info:
             PluginManager()
@@ -70,7 +72,9 @@ class TestEntryPoints:
 
     def test_entry_point_strategy_routes(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """A strategy found through an entry point routes requests through the Router."""
-        fake_distribution(tmp_path, "kvroute-only", "1.0", "only", "kvroute_only_mod2", GOOD.replace("only-first", "only-2"))
+        fake_distribution(
+            tmp_path, "kvroute-only", "1.0", "only", "kvroute_only_mod2", GOOD.replace("only-first", "only-2")
+        )
         monkeypatch.syspath_prepend(str(tmp_path))
         router = Router.create(Fleet([Backend("x"), Backend("y")]), "only-2")
         with router.route(RouteRequest.from_text("t")) as lease:
@@ -105,7 +109,9 @@ class TestRegistrationErrors:
 
         pm = PluginManager(autoload=False)
         pm.register(Bad(), name="bad")
-        with pytest.raises(PluginLoadError, match="plugin 'bad' failed in hook kvroute_register_backend_kinds: RuntimeError: boom"):
+        with pytest.raises(
+            PluginLoadError, match="plugin 'bad' failed in hook kvroute_register_backend_kinds: RuntimeError: boom"
+        ):
             _ = pm.backend_kinds
 
     def test_core_registers_openai_kind_and_no_strategy(self) -> None:
@@ -160,7 +166,9 @@ class TestRegisterCommands:
         group = click.Group("kvroute")
         own = click.Command("plugins")
         group.add_command(own)
-        with pytest.raises(PluginLoadError, match=r"^command 'plugins' is registered twice: by kvroute itself and by plugin 'squat'"):
+        with pytest.raises(
+            PluginLoadError, match=r"^command 'plugins' is registered twice: by kvroute itself and by plugin 'squat'"
+        ):
             pm.register_commands(group)
 
     def test_failing_command_hook_is_attributed(self) -> None:
@@ -219,7 +227,9 @@ class TestThirdPartyDistribution:
         """The third-party plugin's `kvroute p2c-info` is listed, attributed to its distribution, and runs from the real script."""
         added = PluginManager().register_commands(click.Group("kvroute"))
         assert (added["p2c-info"].distribution, added["p2c-info"].version) == ("kvroute-p2c", "0.1.0")
-        listing = subprocess.run([sys.executable, "-m", "kvroute", "--help"], check=True, capture_output=True, text=True).stdout
+        listing = subprocess.run(
+            [sys.executable, "-m", "kvroute", "--help"], check=True, capture_output=True, text=True
+        ).stdout
         assert re.search(r"^  p2c-info +Say what the p2c strategy does", listing, re.MULTILINE), listing
         run = subprocess.run([sys.executable, "-m", "kvroute", "p2c-info"], capture_output=True, text=True, check=False)
         assert (run.returncode, run.stderr) == (0, "")

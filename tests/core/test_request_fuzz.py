@@ -35,9 +35,15 @@ text = st.text(max_size=12)
 part = st.one_of(
     st.fixed_dictionaries({"type": either(st.just("text")), "text": either(text)}),
     st.fixed_dictionaries(
-        {"type": st.sampled_from(["image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file", "refusal"])},
+        {
+            "type": st.sampled_from(
+                ["image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file", "refusal"]
+            )
+        },
         optional={
-            "image_url": either(text | st.fixed_dictionaries({}, optional={"url": either(text), "detail": either(text)})),
+            "image_url": either(
+                text | st.fixed_dictionaries({}, optional={"url": either(text), "detail": either(text)})
+            ),
             "input_audio": either(st.fixed_dictionaries({}, optional={"data": either(text), "format": either(text)})),
             "audio_url": either(st.fixed_dictionaries({}, optional={"url": either(text)})),
             "video_url": either(st.fixed_dictionaries({}, optional={"url": either(text)})),
@@ -55,7 +61,9 @@ message = either(
             "role": either(st.sampled_from(["system", "user", "assistant", "tool", "image"])),
             "content": either(st.none() | text | st.lists(part, max_size=3)),
             "name": either(text),
-            "tool_calls": either(st.lists(st.fixed_dictionaries({"id": either(text), "function": json_values}), max_size=2)),
+            "tool_calls": either(
+                st.lists(st.fixed_dictionaries({"id": either(text), "function": json_values}), max_size=2)
+            ),
             "tool_call_id": json_values,
         },
     )
@@ -74,7 +82,9 @@ openai_bodies = st.fixed_dictionaries(
     optional={
         "model": either(st.just("m")),
         "messages": either(st.lists(message, max_size=3)),
-        "tools": either(st.lists(st.fixed_dictionaries({"type": either(st.just("function")), "function": json_values}), max_size=2)),
+        "tools": either(
+            st.lists(st.fixed_dictionaries({"type": either(st.just("function")), "function": json_values}), max_size=2)
+        ),
         "stream": either(st.booleans()),
         "max_tokens": either(awkward_ints),
         "max_completion_tokens": either(awkward_ints),
@@ -87,7 +97,9 @@ openai_bodies = st.fixed_dictionaries(
     },
 )
 
-headers = st.dictionaries(st.sampled_from([AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, "x-other"]), text, max_size=3)
+headers = st.dictionaries(
+    st.sampled_from([AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, "x-other"]), text, max_size=3
+)
 
 
 def parse_or_reject(body: object, request_headers: dict[str, str] | None = None) -> None:
@@ -108,7 +120,10 @@ def mutated_json(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(0, len(raw)))
         cut = draw(st.integers(0, 4))
-        raw[at : at + cut] = draw(st.binary(max_size=3) | st.sampled_from([b"[", b"]", b"{", b"}", b'"', b",", b":", b"null", b"1e999", b"\\u"]))
+        raw[at : at + cut] = draw(
+            st.binary(max_size=3)
+            | st.sampled_from([b"[", b"]", b"{", b"}", b'"', b",", b":", b"null", b"1e999", b"\\u"])
+        )
     return bytes(raw)
 
 
@@ -163,8 +178,16 @@ class TestFromOpenAIFuzz:
             ("chat", {"model": "m", "messages": [USER(deep_list(DEPTH))]}, "messages[0].content"),
             ("chat", {"model": "m", "messages": [USER([{"type": "x", "v": deep_list(DEPTH)}])]}, "messages[0].content"),
             ("chat", {"model": "m", "messages": [USER([{"type": "x", "v": deep_dict(DEPTH)}])]}, "messages[0].content"),
-            ("chat", {"model": "m", "messages": [USER([{"type": "image_url", "image_url": {"url": deep_list(DEPTH)}}])]}, "messages[0].content"),
-            ("chat", {"model": "m", "messages": [USER([{"type": "input_audio", "input_audio": deep_dict(DEPTH)}])]}, "messages[0].content"),
+            (
+                "chat",
+                {"model": "m", "messages": [USER([{"type": "image_url", "image_url": {"url": deep_list(DEPTH)}}])]},
+                "messages[0].content",
+            ),
+            (
+                "chat",
+                {"model": "m", "messages": [USER([{"type": "input_audio", "input_audio": deep_dict(DEPTH)}])]},
+                "messages[0].content",
+            ),
             ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": deep_list(DEPTH)}]}, "messages"),
             ("chat", {"model": "m", "messages": [{"role": deep_list(DEPTH), "content": "x"}]}, "messages"),
             ("chat", {"model": "m", "messages": [USER("x")], "tools": deep_list(DEPTH)}, "tools"),
@@ -192,17 +215,28 @@ class TestFromOpenAIFuzz:
 
     def test_deep_nesting_says_how_deep(self) -> None:
         """The error for a too-deep value says what was expected and how deep it was."""
-        with pytest.raises(InvalidRequest, match=r"'tools' must be JSON nested less deeply than .* \(got 100000 levels\)"):
+        with pytest.raises(
+            InvalidRequest, match=r"'tools' must be JSON nested less deeply than .* \(got 100000 levels\)"
+        ):
             RouteRequest.from_openai({"model": "m", "messages": [USER("x")], "tools": deep_list(DEPTH)})
 
     @pytest.mark.parametrize(
         ("body", "fragment"),
         [
-            ({"model": "m", "prompt": [10**5000]}, "token ids must be integers from 0 to 2**64 - 1 (got an integer of 16610 bits)"),
+            (
+                {"model": "m", "prompt": [10**5000]},
+                "token ids must be integers from 0 to 2**64 - 1 (got an integer of 16610 bits)",
+            ),
             ({"model": "m", "prompt": [[-1]]}, "(got -1)"),
             ({"model": "m", "prompt": [2**64]}, f"(got {2**64})"),
-            ({"model": "m", "prompt": "x", "max_tokens": -(10**5000)}, "'max_tokens' must be a non-negative integer (got an integer of 16610 bits)"),
-            ({"model": "m", "prompt": "x", "max_tokens": 1.5}, "'max_tokens' must be a non-negative integer (got float)"),
+            (
+                {"model": "m", "prompt": "x", "max_tokens": -(10**5000)},
+                "'max_tokens' must be a non-negative integer (got an integer of 16610 bits)",
+            ),
+            (
+                {"model": "m", "prompt": "x", "max_tokens": 1.5},
+                "'max_tokens' must be a non-negative integer (got float)",
+            ),
         ],
     )
     def test_awkward_integers(self, body: dict[str, Any], fragment: str) -> None:

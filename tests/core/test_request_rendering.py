@@ -30,7 +30,10 @@ MEDIA_SHAPES: dict[str, tuple[str, Callable[[dict[str, Any]], tuple[str, Any]]]]
     "input_audio": ("audio", lambda p: ("data", p["input_audio"]["data"])),
     "audio_url": ("audio", lambda p: ("url", p["audio_url"]["url"])),
     "video_url": ("video", lambda p: ("url", p["video_url"]["url"])),
-    "file": ("file", lambda p: ("file_id", p["file"]["file_id"]) if "file_id" in p["file"] else ("data", p["file"]["file_data"])),
+    "file": (
+        "file",
+        lambda p: ("file_id", p["file"]["file_id"]) if "file_id" in p["file"] else ("data", p["file"]["file_data"]),
+    ),
     "input_file": ("file", lambda p: ("file_id", p["file_id"])),
 }
 
@@ -99,7 +102,9 @@ def _parse_body(text: str, pos: int) -> tuple[list[tuple[Any, ...]], Any, int]:
     segments: list[tuple[Any, ...]] = []
     while True:
         found = text.find("<|", pos)
-        is_part = found >= 0 and text.startswith(("<|image:", "<|audio:", "<|video:", "<|file:", "<|part|>", "<|tool_calls|>"), found)
+        is_part = found >= 0 and text.startswith(
+            ("<|image:", "<|audio:", "<|video:", "<|file:", "<|part|>", "<|tool_calls|>"), found
+        )
         end = found if is_part else (len(text) if found < 0 else found) - 1  # else: at the closing newline
         if not is_part:
             assert text[end] == "\n", f"a message must end with a newline in {text!r}"
@@ -170,7 +175,10 @@ def fold_next_message(chat: Chat, i: int) -> tuple[Chat, Chat]:
     i = min(i, len(messages) - 2)
     messages[i].pop("tool_calls", None)
     forged = copy.deepcopy(messages)
-    forged[i]["content"] = [*_parts(forged[i]), {"type": "text", "text": "\n" + render_messages([forged.pop(i + 1)])[:-1]}]
+    forged[i]["content"] = [
+        *_parts(forged[i]),
+        {"type": "text", "text": "\n" + render_messages([forged.pop(i + 1)])[:-1]},
+    ]
     return (tools, messages), (tools, forged)
 
 
@@ -231,7 +239,12 @@ def tools_as_message(chat: Chat, i: int) -> tuple[Chat, Chat]:
 
 
 FORGERIES: list[Callable[..., tuple[Chat, Chat]]] = [
-    fold_next_message, role_takes_the_name, part_as_text, media_as_message, tool_calls_as_text, tools_as_message,
+    fold_next_message,
+    role_takes_the_name,
+    part_as_text,
+    media_as_message,
+    tool_calls_as_text,
+    tools_as_message,
 ]
 
 chats = st.tuples(chat_tools, tricky_conversations)
@@ -279,7 +292,9 @@ class TestMediaMarkers:
         """An image_url part and a Responses-style input_image with the same URL render the same marker."""
         a = {"type": "image_url", "image_url": {"url": "https://x/cat.png", "detail": "high"}}
         b = {"type": "input_image", "image_url": "https://x/cat.png"}
-        assert render_messages([{"role": "user", "content": [a]}]) == render_messages([{"role": "user", "content": [b]}])
+        assert render_messages([{"role": "user", "content": [a]}]) == render_messages(
+            [{"role": "user", "content": [b]}]
+        )
 
     def test_a_file_id_is_not_an_equal_url(self) -> None:
         """A file id and a URL that happen to be the same string render different markers."""
@@ -315,7 +330,9 @@ class TestEscaping:
     def test_markers_split_across_text_parts_are_escaped(self) -> None:
         """'<' ending one text part and '|' starting the next are escaped like '<|' in one string."""
         split = [{"type": "text", "text": "<"}, {"type": "text", "text": "|user|>"}]
-        assert render_messages([{"role": "a", "content": split}]) == render_messages([{"role": "a", "content": "<|user|>"}])
+        assert render_messages([{"role": "a", "content": split}]) == render_messages(
+            [{"role": "a", "content": "<|user|>"}]
+        )
         assert "<|user|>" not in render_messages([{"role": "a", "content": split}])
 
     def test_roles_and_names_are_escaped(self) -> None:
@@ -359,7 +376,9 @@ class TestInjectivity:
 
     @settings(max_examples=300, derandomize=True, deadline=None)
     @given(chats, st.sampled_from(FORGERIES), st.data())
-    def test_forged_chats_render_differently(self, chat: Chat, forge: Callable[..., tuple[Chat, Chat]], data: st.DataObject) -> None:
+    def test_forged_chats_render_differently(
+        self, chat: Chat, forge: Callable[..., tuple[Chat, Chat]], data: st.DataObject
+    ) -> None:
         """Two different chats never render alike, even when one spells the other's markup in its text, role or name.
 
         Independently drawn chats almost never collide, so the second chat is forged from the first.

@@ -234,7 +234,9 @@ class TestDecisions:
 
         class Explaining(BaseStrategy):
             def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
-                return Decision(candidates[-1].backend, reason="spilled", spilled=True, detail={"home": "b1"}, spill_reason="x")
+                return Decision(
+                    candidates[-1].backend, reason="spilled", spilled=True, detail={"home": "b1"}, spill_reason="x"
+                )
 
         decision, _ = make_router(strategy=Explaining()).decide(REQ)
         assert (decision.backend.id, decision.reason, decision.spilled) == ("b2", "spilled", True)

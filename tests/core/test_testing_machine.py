@@ -184,7 +184,11 @@ class TestScalingStateMachine:
 
     def test_bounded_strategy_passes_its_load_claim(self) -> None:
         """A rendezvous walk under a threshold of 2 satisfies the bounded-load invariant."""
-        _run(ScalingStateMachine.for_strategy(HrwWithThreshold, claims=Claims(concurrency_threshold=2), keys=200, max_examples=10))
+        _run(
+            ScalingStateMachine.for_strategy(
+                HrwWithThreshold, claims=Claims(concurrency_threshold=2), keys=200, max_examples=10
+            )
+        )
 
     def test_claims_none_only_needs_candidates(self) -> None:
         """A random strategy with no claims runs every rule without a failure."""
@@ -216,7 +220,9 @@ class TestScalingStateMachine:
 
     def test_ignoring_load_fails_bounded_load(self) -> None:
         """Pure hashing under a claimed threshold of 1 overloads a home: the machine says so."""
-        claims = Claims(deterministic=False, minimal_disruption=False, returns=False, balance=False, concurrency_threshold=1)
+        claims = Claims(
+            deterministic=False, minimal_disruption=False, returns=False, balance=False, concurrency_threshold=1
+        )
         with pytest.raises(AssertionError, match="bounded load"):
             _run(ScalingStateMachine.for_strategy(Hrw, claims=claims, keys=50), HUNT)
 
@@ -245,7 +251,9 @@ class TestLoadFactorClaim:
 
     def test_exact_cap_passes_and_reaches_the_cap(self) -> None:
         """A walk under the exact cap passes every claim, and the run met candidates exactly at their cap."""
-        machine = ScalingStateMachine.for_strategy(HrwWithCap, claims=Claims(load_factor=1.25), keys=300, max_examples=12)
+        machine = ScalingStateMachine.for_strategy(
+            HrwWithCap, claims=Claims(load_factor=1.25), keys=300, max_examples=12
+        )
         coverage = _run(machine)
         assert coverage.live["load_factor"] > 0 and coverage.at_cap > 0, coverage
 
@@ -268,9 +276,18 @@ class TestLoadFactorClaim:
             (CapFloorTooHigh, {"min_capacity": 2}, attrs.evolve(CLAIM, min_capacity=2)),
             (Hrw, {}, CLAIM),
         ],
-        ids=["floor-plus-one", "floor-plus-one-lf-1.5", "ignores-load-factor", "ignores-weights", "floor-too-high", "no-cap"],
+        ids=[
+            "floor-plus-one",
+            "floor-plus-one-lf-1.5",
+            "ignores-load-factor",
+            "ignores-weights",
+            "floor-too-high",
+            "no-cap",
+        ],
     )
-    def test_wrong_cap_fails(self, strategy: type[kvroute.BaseStrategy], options: dict[str, object], claims: Claims) -> None:
+    def test_wrong_cap_fails(
+        self, strategy: type[kvroute.BaseStrategy], options: dict[str, object], claims: Claims
+    ) -> None:
         """A cap that lets one request more through than the documented bound, in any state, is caught."""
         with pytest.raises(AssertionError, match=r"bounded load: placed on .* full under load_factor cap"):
             _run(ScalingStateMachine.for_strategy(strategy, options, claims=claims, keys=50), HUNT)

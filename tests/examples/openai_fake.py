@@ -77,7 +77,11 @@ class FakeBackend:
             await response.prepare(request)
             for piece, finish in ((text, None), ("", "stop")):
                 if chat:
-                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": finish}
+                    choice: dict[str, Any] = {
+                        "index": 0,
+                        "delta": {"content": piece} if piece else {},
+                        "finish_reason": finish,
+                    }
                     kind = "chat.completion.chunk"
                 else:
                     choice = {"index": 0, "text": piece, "finish_reason": finish}
@@ -90,11 +94,25 @@ class FakeBackend:
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
             return web.json_response(
-                {"id": "c-1", "object": "chat.completion", "created": 0, "model": model, "choices": [choice], "usage": usage}
+                {
+                    "id": "c-1",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
             )
         choice = {"index": 0, "text": text, "finish_reason": "stop"}
         return web.json_response(
-            {"id": "c-1", "object": "text_completion", "created": 0, "model": model, "choices": [choice], "usage": usage}
+            {
+                "id": "c-1",
+                "object": "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
         )
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -126,7 +126,9 @@ class TestRoutingMiddleware:
             (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply", None),
         ],
     )
-    async def test_bad_requests_never_reach_the_app(self, body: object, status: int, fragment: str, param: str | None) -> None:
+    async def test_bad_requests_never_reach_the_app(
+        self, body: object, status: int, fragment: str, param: str | None
+    ) -> None:
         """Unparseable, invalid and oversized bodies get OpenAI-shaped errors and no lease."""
         router, strategy = make_router()
         seen: list[dict[str, Any]] = []

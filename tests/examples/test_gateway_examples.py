@@ -24,7 +24,11 @@ OPTIONS = ["--strategy", "consistent-hash", "--option", "prefix_length=1024"]
 
 
 def chat(system: str, user: str, **extra: object) -> dict[str, object]:
-    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra,
+    }
 
 
 def home_of(body: dict[str, object], ids: list[str]) -> str:
@@ -50,7 +54,9 @@ class Gateway:
         with anyio.fail_after(30):
             while True:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"gateway exited early: {self.process.stderr.read().decode() if self.process.stderr else ''}")
+                    raise RuntimeError(
+                        f"gateway exited early: {self.process.stderr.read().decode() if self.process.stderr else ''}"
+                    )
                 try:
                     if (await client.get(f"{self.url}/kvroute/fleet")).status_code == 200:
                         return
@@ -93,7 +99,9 @@ async def start(script: str, backends: dict[str, str], client: httpx.AsyncClient
 @pytest.mark.parametrize("script", GATEWAYS)
 class TestGatewayExample:
     @pytest.mark.anyio
-    async def test_routes_by_prefix_and_streams(self, script: str, engines: list[FakeBackend], client: httpx.AsyncClient) -> None:
+    async def test_routes_by_prefix_and_streams(
+        self, script: str, engines: list[FakeBackend], client: httpx.AsyncClient
+    ) -> None:
         """Same prefix, same engine (where kvroute's own router would send it); SSE and errors pass through."""
         ids = {f"d{i}": b.url for i, b in enumerate(engines)}
         gateway = await start(script, ids, client)
@@ -103,7 +111,10 @@ class TestGatewayExample:
                 response = await client.post(f"{gateway.url}/v1/chat/completions", json=chat(DOCUMENT, f"question {q}"))
                 assert response.status_code == 200
                 chosen.add(response.headers["x-kvroute-backend"])
-                assert response.json()["choices"][0]["message"]["content"] == f"from b{response.headers['x-kvroute-backend'][1:]}"
+                assert (
+                    response.json()["choices"][0]["message"]["content"]
+                    == f"from b{response.headers['x-kvroute-backend'][1:]}"
+                )
             assert chosen == {home_of(chat(DOCUMENT, "q"), list(ids))}
             spread = set()
             for p in range(24):
@@ -111,7 +122,9 @@ class TestGatewayExample:
                 spread.add(response.headers["x-kvroute-backend"])
             assert spread == set(ids)
 
-            async with client.stream("POST", f"{gateway.url}/v1/completions", json={"model": "m", "prompt": DOCUMENT, "stream": True}) as stream:
+            async with client.stream(
+                "POST", f"{gateway.url}/v1/completions", json={"model": "m", "prompt": DOCUMENT, "stream": True}
+            ) as stream:
                 assert stream.headers["content-type"].startswith("text/event-stream")
                 lines = [line async for line in stream.aiter_lines() if line]
             assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["choices"][0]["text"].startswith("from b")
@@ -122,7 +135,9 @@ class TestGatewayExample:
             gateway.stop()
 
     @pytest.mark.anyio
-    async def test_in_flight_is_visible_while_held(self, script: str, engines: list[FakeBackend], client: httpx.AsyncClient) -> None:
+    async def test_in_flight_is_visible_while_held(
+        self, script: str, engines: list[FakeBackend], client: httpx.AsyncClient
+    ) -> None:
         """A request an engine is holding shows as in flight on that backend, and is gone once answered."""
         ids = {f"d{i}": b.url for i, b in enumerate(engines)}
         gateway = await start(script, ids, client)
@@ -145,7 +160,9 @@ class TestGatewayExample:
 
 class TestAiohttpRetry:
     @pytest.mark.anyio
-    async def test_dead_backend_is_retried_elsewhere(self, engines: list[FakeBackend], client: httpx.AsyncClient) -> None:
+    async def test_dead_backend_is_retried_elsewhere(
+        self, engines: list[FakeBackend], client: httpx.AsyncClient
+    ) -> None:
         """When the chosen backend refuses connections, the aiohttp gateway routes again without it."""
         dead = f"http://127.0.0.1:{free_port()}"
         ids = {"d0": engines[0].url, "d1": engines[1].url, "dead": dead}

@@ -33,7 +33,9 @@ APPLICATION_MODULES = (
 def _kvroute(*args: str) -> subprocess.CompletedProcess[str]:
     """Run the ``kvroute`` console script pip installed next to this interpreter (only where the applications are absent)."""
     if importlib.util.find_spec("kvroute_server") or importlib.util.find_spec("kvroute_simulator"):
-        pytest.fail("this environment has the applications (`kvroute serve` would start the proxy): run `tox -e packaging`")
+        pytest.fail(
+            "this environment has the applications (`kvroute serve` would start the proxy): run `tox -e packaging`"
+        )
     script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
     assert script is not None, f"no kvroute script next to {sys.executable}"
     return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, check=False)
@@ -57,7 +59,8 @@ class TestExtras:
         """The least-outstanding extra pulled in kvroute-least-outstanding at the core's pinned version."""
         requires = metadata.requires("kvroute") or []
         assert any(
-            r.replace(" ", "").startswith("kvroute-least-outstanding==0.1.0;") and "least-outstanding" in r.split(";")[1]
+            r.replace(" ", "").startswith("kvroute-least-outstanding==0.1.0;")
+            and "least-outstanding" in r.split(";")[1]
             for r in requires
         ), requires
         assert metadata.version("kvroute-least-outstanding") == "0.1.0"
@@ -98,7 +101,11 @@ class TestLibraryAlone:
         import kvroute
 
         assert "core/src" not in Path(kvroute.__file__).as_posix(), kvroute.__file__
-        assert not json.loads(metadata.distribution("kvroute").read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable")
+        assert (
+            not json.loads(metadata.distribution("kvroute").read_text("direct_url.json") or "{}")
+            .get("dir_info", {})
+            .get("editable")
+        )
 
     @pytest.mark.parametrize("module", APPLICATION_MODULES)
     def test_application_dependency_not_installed(self, module: str) -> None:
@@ -117,7 +124,12 @@ class TestLibraryAlone:
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)
         assert sorted(commands) == ["check-parity", "emulate", "plugins", "serve", "simulate"]
-        for name, extra in (("serve", "server"), ("check-parity", "server"), ("simulate", "simulator"), ("emulate", "emulator")):
+        for name, extra in (
+            ("serve", "server"),
+            ("check-parity", "server"),
+            ("simulate", "simulator"),
+            ("emulate", "emulator"),
+        ):
             assert commands[name].endswith(f'[needs: pip install "kvroute[{extra}]"]'), (name, commands[name])
         assert "needs:" not in commands["plugins"]
 

@@ -44,7 +44,10 @@ def body(prefix: int, question: str, **extra: Any) -> dict[str, Any]:
     """A chat request whose routing key is its document ``prefix``."""
     return {
         "model": "m",
-        "messages": [{"role": "system", "content": f"Document {prefix}. {FILLER}"}, {"role": "user", "content": question}],
+        "messages": [
+            {"role": "system", "content": f"Document {prefix}. {FILLER}"},
+            {"role": "user", "content": question},
+        ],
         "max_tokens": 1,
         **extra,
     }
@@ -52,7 +55,9 @@ def body(prefix: int, question: str, **extra: Any) -> dict[str, Any]:
 
 def home(request_body: dict[str, Any], exclude: Collection[str] = frozenset()) -> str:
     """Where a consistent-hash router in this process sends the body: the replicas must agree with it."""
-    router = Router.create(Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "consistent-hash", {"prefix_length": 1024})
+    router = Router.create(
+        Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "consistent-hash", {"prefix_length": 1024}
+    )
     return router.decide(RouteRequest.from_openai(request_body), exclude=exclude)[0].backend.id
 
 
@@ -163,7 +168,7 @@ async def start_replicas(client: httpx.AsyncClient, config: str, count: int, dir
     return replicas
 
 
-_SAMPLE = re.compile(r'^(vllm:num_requests_(?:running|waiting))\{[^}]*\}\s+([0-9.eE+-]+)$', re.M)
+_SAMPLE = re.compile(r"^(vllm:num_requests_(?:running|waiting))\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
 async def engine_load(client: httpx.AsyncClient, engine: Process) -> int:
@@ -188,7 +193,9 @@ async def samples(client: httpx.AsyncClient, url: str) -> list[Sample]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = (await client.get(url + "/metrics")).text
-    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+    return [
+        (s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples
+    ]
 
 
 def total(found: list[Sample], name: str, **labels: str) -> float:

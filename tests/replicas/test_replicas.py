@@ -50,7 +50,9 @@ async def replica_metrics(client: httpx.AsyncClient, replica: Process) -> dict[s
     return out
 
 
-async def total_load(client: httpx.AsyncClient, engines: list[Process], *, at_least: int = 0, at_most: int | None = None) -> bool:
+async def total_load(
+    client: httpx.AsyncClient, engines: list[Process], *, at_least: int = 0, at_most: int | None = None
+) -> bool:
     """Whether the engines' summed running + waiting is within [at_least, at_most]."""
     total = sum([await engine_load(client, e) for e in engines])
     return total >= at_least and (at_most is None or total <= at_most)
@@ -74,7 +76,13 @@ async def engines(client: httpx.AsyncClient) -> AsyncIterator[list[Process]]:
 
 @contextlib.asynccontextmanager
 async def replicas(
-    client: httpx.AsyncClient, engines: list[Process], tmp_path: Path, strategy: str, options: dict[str, Any], *, health_interval: float = 1.0
+    client: httpx.AsyncClient,
+    engines: list[Process],
+    tmp_path: Path,
+    strategy: str,
+    options: dict[str, Any],
+    *,
+    health_interval: float = 1.0,
 ) -> AsyncIterator[list[Process]]:
     config = serve_config(engines, strategy, options, admin_token=ADMIN, health_interval=health_interval)
     started = await start_replicas(client, config, 2, tmp_path)
@@ -121,8 +129,10 @@ class TestAgreement:
             at_home = sum(backend == homes[p] for p, _, backend in requests) / len(requests)
             same_engine = sum(len({backend for _, backend in chosen[p]}) == 1 for p in range(PREFIXES)) / PREFIXES
             spills = (await replica_metrics(client, a))["spills"] + (await replica_metrics(client, b))["spills"]
-            print(f"\n{strategy}: {len(requests)} requests, at the independently computed home {at_home:.1%}, "
-                  f"prefixes on one engine across both replicas {same_engine:.1%}, spills {spills:.0f}")
+            print(
+                f"\n{strategy}: {len(requests)} requests, at the independently computed home {at_home:.1%}, "
+                f"prefixes on one engine across both replicas {same_engine:.1%}, spills {spills:.0f}"
+            )
             assert len(requests) == PREFIXES * ROUNDS and {r for _, r, _ in requests} == {a.name, b.name}
             assert set(homes.values()) == {f"e{i}" for i in range(ENGINES)}
             away = sum(backend != homes[p] for p, _, backend in requests)
@@ -133,7 +143,9 @@ class TestAgreement:
                 assert away <= spills  # only a spilled request may leave its home
 
     @pytest.mark.anyio
-    async def test_agreement_survives_a_drain(self, client: httpx.AsyncClient, engines: list[Process], tmp_path: Path) -> None:
+    async def test_agreement_survives_a_drain(
+        self, client: httpx.AsyncClient, engines: list[Process], tmp_path: Path
+    ) -> None:
         """Draining e1 on both replicas moves only e1's prefixes, and both replicas move them to the same engine."""
         async with replicas(client, engines, tmp_path, "consistent-hash", {"prefix_length": 1024}) as (a, b):
             headers = {"authorization": f"Bearer {ADMIN}"}
@@ -158,7 +170,12 @@ class TestLoadBounds:
         """Threshold 2, one hot prefix, 6 long requests alternating replicas: the hot engine holds 2 x 2 with
         per-replica counting, and 2 when the replicas count the load the engines report."""
         threshold = 2
-        options = {"prefix_length": 1024, "load_factor": "off", "concurrency_threshold": threshold, "engine_load": count_engine_load}
+        options = {
+            "prefix_length": 1024,
+            "load_factor": "off",
+            "concurrency_threshold": threshold,
+            "engine_load": count_engine_load,
+        }
         # About 18 s of decoding on the emulator at time scale 0.1: long enough to overlap all six, bounded
         # however the emulator treats a closed stream.
         hot = body(7, "stream a long answer", stream=True, max_tokens=12000)
@@ -168,7 +185,9 @@ class TestLoadBounds:
             async with contextlib.AsyncExitStack() as stack:
                 for i in range(6):
                     replica = pair[i % 2]
-                    response = await stack.enter_async_context(client.stream("POST", replica.url + "/v1/chat/completions", json=hot))
+                    response = await stack.enter_async_context(
+                        client.stream("POST", replica.url + "/v1/chat/completions", json=hot)
+                    )
                     assert response.status_code == 200
                     streams.append(response)
                     await until(lambda n=i + 1: total_load(client, engines, at_least=n))
@@ -182,6 +201,7 @@ class TestLoadBounds:
                 assert sum(per_engine.values()) == 6
                 for view in views:
                     assert view[f"in_flight:{home(hot)}"] <= threshold  # each replica keeps its own bound
+
             async def idle() -> bool:
                 views = [await replica_metrics(client, r) for r in pair]
                 in_flight = sum(v for view in views for k, v in view.items() if k.startswith("in_flight:"))

@@ -78,9 +78,22 @@ def run_dir(server: Process) -> Path:
 async def supervisor(client: httpx.AsyncClient, engines: list[Process], tmp_path: Path) -> AsyncIterator[Process]:
     """`kvroute serve --workers 2` (consistent-hash) in front of the engines; stopped by its pid."""
     config = tmp_path / "kvroute.toml"
-    config.write_text(serve_config(engines, "consistent-hash", {"prefix_length": 1024}, admin_token=ADMIN, health_interval=1.0))
+    config.write_text(
+        serve_config(engines, "consistent-hash", {"prefix_length": 1024}, admin_token=ADMIN, health_interval=1.0)
+    )
     port = free_port()
-    args = [*KVROUTE, "serve", "--config", str(config), "--port", str(port), "--workers", str(WORKERS), "--log-level", "info"]
+    args = [
+        *KVROUTE,
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        "--workers",
+        str(WORKERS),
+        "--log-level",
+        "info",
+    ]
     server = Process("supervisor", args, port)
     pids: dict[str, int] = {}
     try:
@@ -135,7 +148,11 @@ class TestOneServer:
             print(f"\nrequests per worker: {served}")
             assert set(served) == {"0", "1"} and all(v > 0 for v in served.values())
             assert sum(served.values()) == len(bodies)
-            assert total(found, "kvroute_requests_total") == total(found, "kvroute_requests_total", outcome="ok") == len(bodies)
+            assert (
+                total(found, "kvroute_requests_total")
+                == total(found, "kvroute_requests_total", outcome="ok")
+                == len(bodies)
+            )
             by_backend = Counter(chosen)
             for backend, count in by_backend.items():
                 assert total(found, "kvroute_requests_total", backend=backend) == count
@@ -198,7 +215,9 @@ class TestOneServer:
         async with supervisor(client, engines, tmp_path) as server:
             first = [body(p, "before") for p in range(20)]
             await send_all(client, server, first)
-            assert (await client.post(server.url + "/admin/backends/e2/drain", headers=AUTH, json={})).status_code == 202
+            assert (
+                await client.post(server.url + "/admin/backends/e2/drain", headers=AUTH, json={})
+            ).status_code == 202
             old = worker_pids(await samples(client, server.url))
             assert parent_pid(old["0"]) == server.popen.pid
             os.kill(old["0"], signal.SIGKILL)

@@ -62,11 +62,19 @@ def in_loop(server: ServerThread, function: Any, *args: Any) -> Any:
 
 
 def http(
-    method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 30.0
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 30.0,
 ) -> tuple[int, dict[str, str], bytes]:
     """A small blocking HTTP call: returns (status, lower-case headers, body)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()

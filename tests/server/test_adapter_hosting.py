@@ -112,7 +112,12 @@ class TestKvEventFeeds:
             in_loop(proxy, app.backends.remove, "a")
             assert _wait(lambda: RUNNING.get("a") == "cancelled")
             assert sink.exact["a"] is False and sink.exact["b"] is True
-            assert http("POST", proxy.url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1})[1]["x-kvroute-backend"] == "b"
+            assert (
+                http("POST", proxy.url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1})[1][
+                    "x-kvroute-backend"
+                ]
+                == "b"
+            )
         assert RUNNING["b"] == "cancelled"
 
     def test_no_sink_no_feed(self, servers: Servers) -> None:
@@ -123,8 +128,11 @@ class TestKvEventFeeds:
         plugins.register(_Plugin(), name="test-plugin")
         plugins.load_entrypoints(only={"least-outstanding"})
         config = ServerConfig(
-            backends=(BackendConfig(id="a", url=a.url, kind="events-test"),), strategy="least-outstanding",
-            options={"seed": 0}, health=HealthConfig(interval=0.1), access_log=False,
+            backends=(BackendConfig(id="a", url=a.url, kind="events-test"),),
+            strategy="least-outstanding",
+            options={"seed": 0},
+            health=HealthConfig(interval=0.1),
+            access_log=False,
         )
         from kvroute_server import ServerThread
 
@@ -163,7 +171,15 @@ class TestParityCheck:
                 register("tokenized-test", Tokenized)
 
         plugins.register(_Tok(), name="tok-plugin")
-        app = ProxyApp(ServerConfig(backends=(BackendConfig(id="a", url=a.url),), strategy="tokenized-test", health=HealthConfig(interval=0.1), access_log=False), plugins=plugins)
+        app = ProxyApp(
+            ServerConfig(
+                backends=(BackendConfig(id="a", url=a.url),),
+                strategy="tokenized-test",
+                health=HealthConfig(interval=0.1),
+                access_log=False,
+            ),
+            plugins=plugins,
+        )
         from kvroute_server import ServerThread
 
         with ServerThread(app):

@@ -89,13 +89,17 @@ class TestAdminChanges:
         result: list[bytes] = []
 
         def long_stream() -> None:
-            _, headers, body = http("POST", proxy.url + "/v1/chat/completions", chat_body("long", max_tokens=400, stream=True))
+            _, headers, body = http(
+                "POST", proxy.url + "/v1/chat/completions", chat_body("long", max_tokens=400, stream=True)
+            )
             result.append(headers["x-kvroute-backend"].encode() + b" " + body[-14:])
 
         thread = threading.Thread(target=long_stream)
         thread.start()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(x["in_flight"] for x in _admin("GET", proxy.url + "/admin/backends")[1]["backends"]):  # type: ignore[index]
+        while time.monotonic() < deadline and not any(
+            x["in_flight"] for x in _admin("GET", proxy.url + "/admin/backends")[1]["backends"]
+        ):  # type: ignore[index]
             time.sleep(0.01)
         busy = next(x["id"] for x in _admin("GET", proxy.url + "/admin/backends")[1]["backends"] if x["in_flight"])  # type: ignore[index]
         status, drained = _admin("POST", proxy.url + f"/admin/backends/{busy}/drain", {"remove": True})
@@ -117,7 +121,11 @@ class TestAdminChanges:
         lock = threading.Lock()
 
         def one(i: int) -> None:
-            status, _, body = http("POST", proxy.url + "/v1/chat/completions", chat_body(f"prefix {i % 7} " * 30, max_tokens=8, stream=i % 3 == 0))
+            status, _, body = http(
+                "POST",
+                proxy.url + "/v1/chat/completions",
+                chat_body(f"prefix {i % 7} " * 30, max_tokens=8, stream=i % 3 == 0),
+            )
             ok = status == 200 and (body.endswith(b"[DONE]\n\n") or bool(json.loads(body)["choices"]))
             with lock:
                 statuses.append(status if ok else -status)

@@ -121,7 +121,10 @@ class TestServedModels:
         fleet = proxy.app.fleet
         assert _wait(lambda: fleet.get("e1").served_models is not None)
         assert fleet.get("e0").served_models == {"alpha"} and fleet.get("e1").served_models == {"beta"}
-        assert http("POST", proxy.url + "/v1/chat/completions", chat_body("hi", model="beta"))[1]["x-kvroute-backend"] == "e1"
+        assert (
+            http("POST", proxy.url + "/v1/chat/completions", chat_body("hi", model="beta"))[1]["x-kvroute-backend"]
+            == "e1"
+        )
 
     def test_declared_models_are_not_replaced_by_discovery(self, servers: Servers) -> None:
         """A backend that declares its models is not asked for them: the declared ones route, the engine's do not."""
@@ -136,7 +139,9 @@ class TestServedModels:
     def test_no_backend_message_counts_only_backends_serving_the_model(self, servers: Servers) -> None:
         """With the only backend serving a model ejected, the 503 says 1 serves it and none already failed."""
         a, b = servers.emulator(model="alpha"), servers.emulator(model="beta")
-        proxy = servers.proxy([a, b], health=HealthConfig(interval=0.05, timeout=1.0, unhealthy_threshold=1, healthy_threshold=1))
+        proxy = servers.proxy(
+            [a, b], health=HealthConfig(interval=0.05, timeout=1.0, unhealthy_threshold=1, healthy_threshold=1)
+        )
         fleet = proxy.app.fleet
         assert _wait(lambda: fleet.get("e0").served_models is not None and fleet.get("e1").served_models is not None)
         assert http("POST", a.url + "/emulator/faults", {"health_status": 503})[0] == 200
@@ -155,7 +160,9 @@ class TestAdapterLifetime:
         """Removing a backend ends its KV event feed and then awaits its adapter's aclose; stopping the proxy closes the others."""
         EVENTS.clear()
         a, b = servers.emulators(2)
-        app = _app(BackendConfig(id="a", url=a.url, kind="closing-test"), BackendConfig(id="b", url=b.url, kind="closing-test"))
+        app = _app(
+            BackendConfig(id="a", url=a.url, kind="closing-test"), BackendConfig(id="b", url=b.url, kind="closing-test")
+        )
         with ServerThread(app) as proxy:
             assert _wait(lambda: {("a", "feed"), ("b", "feed")} <= set(EVENTS))
             in_loop(proxy, app.backends.remove, "a")
@@ -174,7 +181,9 @@ class TestAdapterLifetime:
             assert _wait(lambda: ("late", "feed") in EVENTS)
         assert EVENTS[-1] == ("late", "closed")
 
-    def test_a_hanging_aclose_does_not_hold_the_shutdown(self, servers: Servers, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_a_hanging_aclose_does_not_hold_the_shutdown(
+        self, servers: Servers, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """An aclose that never returns is given up after CLOSE_TIMEOUT, with a warning naming the backend."""
         import kvroute_server.backends
 

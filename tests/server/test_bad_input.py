@@ -18,20 +18,78 @@ CASES = [
     ("malformed-json", "/v1/chat/completions", b'{"model": "m", "messages": [', 400, "invalid_json", None),
     ("not-utf8", "/v1/chat/completions", b'{"model": "m\xff\xfe"}', 400, "invalid_encoding", None),
     ("array-body", "/v1/chat/completions", b"[1, 2]", 400, "invalid_value", None),
-    ("missing-model", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "invalid_value", "model"),
-    ("missing-messages", "/v1/chat/completions", json.dumps({"model": MODEL}).encode(), 400, "invalid_value", "messages"),
-    ("messages-not-list", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "invalid_value", "messages"),
-    ("content-wrong-type", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(), 400, "invalid_value", "messages[0].content"),
-    ("stream-not-bool", "/v1/chat/completions", json.dumps({**chat_body("hi"), "stream": "yes"}).encode(), 400, "invalid_value", "stream"),
-    ("negative-max-tokens", "/v1/chat/completions", json.dumps({**chat_body("hi"), "max_tokens": -1}).encode(), 400, "invalid_value", "max_tokens"),
-    ("prompt-wrong-type", "/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(), 400, "invalid_value", "prompt"),
-    ("unknown-model", "/v1/chat/completions", json.dumps(chat_body("hi", model="nope")).encode(), 404, "model_not_found", "model"),
+    (
+        "missing-model",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
+        400,
+        "invalid_value",
+        "model",
+    ),
+    (
+        "missing-messages",
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL}).encode(),
+        400,
+        "invalid_value",
+        "messages",
+    ),
+    (
+        "messages-not-list",
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": "hi"}).encode(),
+        400,
+        "invalid_value",
+        "messages",
+    ),
+    (
+        "content-wrong-type",
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(),
+        400,
+        "invalid_value",
+        "messages[0].content",
+    ),
+    (
+        "stream-not-bool",
+        "/v1/chat/completions",
+        json.dumps({**chat_body("hi"), "stream": "yes"}).encode(),
+        400,
+        "invalid_value",
+        "stream",
+    ),
+    (
+        "negative-max-tokens",
+        "/v1/chat/completions",
+        json.dumps({**chat_body("hi"), "max_tokens": -1}).encode(),
+        400,
+        "invalid_value",
+        "max_tokens",
+    ),
+    (
+        "prompt-wrong-type",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(),
+        400,
+        "invalid_value",
+        "prompt",
+    ),
+    (
+        "unknown-model",
+        "/v1/chat/completions",
+        json.dumps(chat_body("hi", model="nope")).encode(),
+        404,
+        "model_not_found",
+        "model",
+    ),
     ("oversized", "/v1/chat/completions", json.dumps(chat_body(_LONG)).encode(), 413, "request_too_large", None),
 ]
 
 
 class TestBadInput:
-    @pytest.mark.parametrize(("path", "raw", "status", "code", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+    @pytest.mark.parametrize(
+        ("path", "raw", "status", "code", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    )
     def test_rejected_with_openai_error(
         self, servers: Servers, path: str, raw: bytes, status: int, code: str, param: str | None
     ) -> None:
@@ -73,7 +131,9 @@ class TestBadInput:
         status, _, body = http("GET", proxy.url + "/v1/nothing-here")
         assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
         status, headers, body = http("GET", proxy.url + "/v1/chat/completions")
-        assert status == 405 and headers["allow"] == "POST" and json.loads(body)["error"]["code"] == "method_not_allowed"
+        assert (
+            status == 405 and headers["allow"] == "POST" and json.loads(body)["error"]["code"] == "method_not_allowed"
+        )
 
     def test_no_backend_is_503_with_retry_after(self, servers: Servers) -> None:
         """A fleet with no routable backend answers 503 with Retry-After."""
@@ -89,7 +149,9 @@ class TestBadInput:
         results: list[bytes] = []
 
         def stream(i: int) -> None:
-            status, _, body = http("POST", proxy.url + "/v1/chat/completions", chat_body(f"long story {i}", max_tokens=300, stream=True))
+            status, _, body = http(
+                "POST", proxy.url + "/v1/chat/completions", chat_body(f"long story {i}", max_tokens=300, stream=True)
+            )
             assert status == 200
             results.append(body)
 

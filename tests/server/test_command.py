@@ -62,7 +62,20 @@ def _kvroute(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _emulate(port: int) -> list[str]:
-    return [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--model", "m", "--time-scale", "0.02", "--num-gpu-blocks", "2048"]
+    return [
+        sys.executable,
+        "-m",
+        "kvroute",
+        "emulate",
+        "--port",
+        str(port),
+        "--model",
+        "m",
+        "--time-scale",
+        "0.02",
+        "--num-gpu-blocks",
+        "2048",
+    ]
 
 
 class TestCommands:
@@ -80,10 +93,18 @@ class TestCommands:
                 stack.enter_context(_process(_emulate(port), f"http://127.0.0.1:{port}/health", tmp_path / f"e{i}.log"))
             proxy_log = tmp_path / "proxy.log"
             stack.enter_context(
-                _process([sys.executable, "-m", "kvroute", "serve", "--config", str(config)], f"http://127.0.0.1:{p_port}/health", proxy_log)
+                _process(
+                    [sys.executable, "-m", "kvroute", "serve", "--config", str(config)],
+                    f"http://127.0.0.1:{p_port}/health",
+                    proxy_log,
+                )
             )
-            client = stack.enter_context(openai.OpenAI(base_url=f"http://127.0.0.1:{p_port}/v1", api_key="k", max_retries=0, timeout=30))
-            reply = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hello " * 300}], max_tokens=3)
+            client = stack.enter_context(
+                openai.OpenAI(base_url=f"http://127.0.0.1:{p_port}/v1", api_key="k", max_retries=0, timeout=30)
+            )
+            reply = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "hello " * 300}], max_tokens=3
+            )
             assert reply.headers["x-kvroute-backend"] in ("e0", "e1")
             assert reply.parse().usage.completion_tokens == 3
         lines = [json.loads(line) for line in proxy_log.read_text().splitlines() if line.startswith("{")]
@@ -99,19 +120,46 @@ class TestCommands:
         p_port = _free_port()
         proxy_url = f"http://127.0.0.1:{p_port}"
         with contextlib.ExitStack() as stack:
-            victim = stack.enter_context(_process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0.log"))
-            stack.enter_context(_process(_emulate(e_ports[1]), f"http://127.0.0.1:{e_ports[1]}/health", tmp_path / "e1.log"))
+            victim = stack.enter_context(
+                _process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0.log")
+            )
+            stack.enter_context(
+                _process(_emulate(e_ports[1]), f"http://127.0.0.1:{e_ports[1]}/health", tmp_path / "e1.log")
+            )
             stack.enter_context(
                 _process(
-                    [sys.executable, "-m", "kvroute", "serve", "--port", str(p_port), "--strategy", "least-outstanding", "--option", "seed=1",
-                     "--backend", f"e0=http://127.0.0.1:{e_ports[0]}", "--backend", f"e1=http://127.0.0.1:{e_ports[1]}",
-                     "--health-interval", "0.1", "--unhealthy-threshold", "1", "--healthy-threshold", "2", "--no-access-log"],
-                    proxy_url + "/health", tmp_path / "proxy.log",
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvroute",
+                        "serve",
+                        "--port",
+                        str(p_port),
+                        "--strategy",
+                        "least-outstanding",
+                        "--option",
+                        "seed=1",
+                        "--backend",
+                        f"e0=http://127.0.0.1:{e_ports[0]}",
+                        "--backend",
+                        f"e1=http://127.0.0.1:{e_ports[1]}",
+                        "--health-interval",
+                        "0.1",
+                        "--unhealthy-threshold",
+                        "1",
+                        "--healthy-threshold",
+                        "2",
+                        "--no-access-log",
+                    ],
+                    proxy_url + "/health",
+                    tmp_path / "proxy.log",
                 )
             )
 
             def one(i: int) -> int:
-                status, _, body = http("POST", proxy_url + "/v1/chat/completions", chat_body(f"kill test {i}", max_tokens=30))
+                status, _, body = http(
+                    "POST", proxy_url + "/v1/chat/completions", chat_body(f"kill test {i}", max_tokens=30)
+                )
                 return status if status != 200 or json.loads(body)["choices"] else -1
 
             with ThreadPoolExecutor(max_workers=8) as pool:
@@ -132,12 +180,17 @@ class TestCommands:
             while time.monotonic() < deadline and e0_healthy() != "0":
                 time.sleep(0.05)
             assert e0_healthy() == "0"
-            stack.enter_context(_process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0-again.log"))
+            stack.enter_context(
+                _process(_emulate(e_ports[0]), f"http://127.0.0.1:{e_ports[0]}/health", tmp_path / "e0-again.log")
+            )
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and e0_healthy() != "1":
                 time.sleep(0.05)
             assert e0_healthy() == "1"
-            backends = {http("POST", proxy_url + "/v1/chat/completions", chat_body(f"back {i}"))[1]["x-kvroute-backend"] for i in range(12)}
+            backends = {
+                http("POST", proxy_url + "/v1/chat/completions", chat_body(f"back {i}"))[1]["x-kvroute-backend"]
+                for i in range(12)
+            }
             assert "e0" in backends
 
 
@@ -146,7 +199,9 @@ class TestFirstContact:
         """`kvroute serve --help` exits 0 and documents --strategy with its default, bounded-load."""
         result = _kvroute("serve", "--help")
         assert result.returncode == 0 and result.stderr == ""
-        assert "--strategy TEXT Routing strategy plugin name [default: bounded-load]." in " ".join(result.stdout.split())
+        assert "--strategy TEXT Routing strategy plugin name [default: bounded-load]." in " ".join(
+            result.stdout.split()
+        )
 
     @pytest.mark.parametrize(
         ("args", "message"),
@@ -173,11 +228,22 @@ class TestFirstContact:
 
     def test_serve_logs_fleet_changes_on_stderr(self) -> None:
         """`kvroute serve --log-level info --check` prints the configuration on stdout and one fleet_changed JSON line per backend on stderr."""
-        result = _kvroute("serve", "--backend", "a=http://127.0.0.1:9", "--backend", "b=http://127.0.0.1:10", "--log-level", "info", "--check")
+        result = _kvroute(
+            "serve",
+            "--backend",
+            "a=http://127.0.0.1:9",
+            "--backend",
+            "b=http://127.0.0.1:10",
+            "--log-level",
+            "info",
+            "--check",
+        )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["strategy"] == "bounded-load"
         lines = [json.loads(line) for line in result.stderr.splitlines()]
-        changes = [(line["backend"], line["change"], line["level"]) for line in lines if line["event"] == "fleet_changed"]
+        changes = [
+            (line["backend"], line["change"], line["level"]) for line in lines if line["event"] == "fleet_changed"
+        ]
         assert changes == [("a", "added", "info"), ("b", "added", "info")]
 
     def test_serve_log_level_filters(self) -> None:

@@ -81,7 +81,9 @@ class TestToml:
         assert (health.interval, health.timeout, health.unhealthy_threshold, health.healthy_threshold) == (2, 0.5, 4, 3)
         assert health.passive_ejection is False and health.discover_models is False
         a, b = config.backends
-        assert a == BackendConfig(id="a", url="http://10.0.0.1:8000", models=("llama",), weight=2.0, labels={"zone": "z1"}, api_key="secret")
+        assert a == BackendConfig(
+            id="a", url="http://10.0.0.1:8000", models=("llama",), weight=2.0, labels={"zone": "z1"}, api_key="secret"
+        )
         assert b.id == "10.0.0.2:8000" and b.adapter_options == {"health_path": "/ping"}
 
     @pytest.mark.parametrize(
@@ -118,7 +120,10 @@ class TestFlags:
         [
             ("http://h:1", BackendConfig(id="h:1", url="http://h:1")),
             ("b1=http://h:1/", BackendConfig(id="b1", url="http://h:1")),
-            ("id=b2,url=http://h:2,weight=3,models=x;y,kind=openai", BackendConfig(id="b2", url="http://h:2", weight=3.0, models=("x", "y"))),
+            (
+                "id=b2,url=http://h:2,weight=3,models=x;y,kind=openai",
+                BackendConfig(id="b2", url="http://h:2", weight=3.0, models=("x", "y")),
+            ),
             ("https://secure.example", BackendConfig(id="secure.example:443", url="https://secure.example")),
         ],
     )
@@ -143,8 +148,14 @@ class TestFlags:
         path = tmp_path / "kvroute.toml"
         path.write_text(FULL_TOML)
         config = build_config(
-            config_file=str(path), backends=("c=http://h:3",), strategy="random", options=("seed=5",), port=7000,
-            idle_timeout=5.0, health_interval=0.0, backend_header="x-chosen",
+            config_file=str(path),
+            backends=("c=http://h:3",),
+            strategy="random",
+            options=("seed=5",),
+            port=7000,
+            idle_timeout=5.0,
+            health_interval=0.0,
+            backend_header="x-chosen",
         )
         assert config.port == 7000 and config.strategy == "random" and config.options == {"seed": "5"}
         assert [b.id for b in config.backends] == ["a", "10.0.0.2:8000", "c"]
@@ -174,7 +185,9 @@ class TestSageMaker:
         """PREFIX_AWARE maps to bounded-load with prefix_length and concurrency_threshold."""
         assert import_sagemaker(SAGEMAKER) == ("bounded-load", {"prefix_length": 8000, "concurrency_threshold": 16})
 
-    @pytest.mark.parametrize(("name", "strategy"), [("RANDOM", "random"), ("LEAST_OUTSTANDING_REQUESTS", "least-outstanding")])
+    @pytest.mark.parametrize(
+        ("name", "strategy"), [("RANDOM", "random"), ("LEAST_OUTSTANDING_REQUESTS", "least-outstanding")]
+    )
     def test_other_strategies(self, name: str, strategy: str) -> None:
         """RANDOM and LEAST_OUTSTANDING_REQUESTS map to the plugins of the same meaning."""
         assert import_sagemaker({"RoutingConfig": {"RoutingStrategy": name}}) == (strategy, {})
@@ -183,9 +196,31 @@ class TestSageMaker:
         ("doc", "variant", "message"),
         [
             ({"RoutingConfig": {"RoutingStrategy": "SMART"}}, None, "must be one of"),
-            ({"RoutingConfig": {"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {"PrefixLength": 10}}}, None, "between 1024 and 65536"),
-            ({"RoutingConfig": {"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 0}}}, None, "between 1 and 1024"),
-            ({"RoutingConfig": {"RoutingStrategy": "RANDOM", "PrefixAwareRoutingConfig": {"PrefixLength": 2048}}}, None, "only valid with PREFIX_AWARE"),
+            (
+                {
+                    "RoutingConfig": {
+                        "RoutingStrategy": "PREFIX_AWARE",
+                        "PrefixAwareRoutingConfig": {"PrefixLength": 10},
+                    }
+                },
+                None,
+                "between 1024 and 65536",
+            ),
+            (
+                {
+                    "RoutingConfig": {
+                        "RoutingStrategy": "PREFIX_AWARE",
+                        "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 0},
+                    }
+                },
+                None,
+                "between 1 and 1024",
+            ),
+            (
+                {"RoutingConfig": {"RoutingStrategy": "RANDOM", "PrefixAwareRoutingConfig": {"PrefixLength": 2048}}},
+                None,
+                "only valid with PREFIX_AWARE",
+            ),
             ({"ProductionVariants": [{"VariantName": "a"}, {"VariantName": "b"}]}, None, "--sagemaker-variant"),
             (SAGEMAKER, "Other", "no production variant named 'Other'"),
             ({"ModelName": "x"}, None, "no 'RoutingConfig'"),
@@ -202,7 +237,9 @@ class TestSageMaker:
         path = tmp_path / "endpoint-config.json"
         path.write_text(json.dumps(SAGEMAKER))
         assert load_sagemaker(path)[0] == "bounded-load"
-        result = CliRunner().invoke(serve, ["--sagemaker-config", str(path), "--backend", "http://127.0.0.1:9", "--check"])
+        result = CliRunner().invoke(
+            serve, ["--sagemaker-config", str(path), "--backend", "http://127.0.0.1:9", "--check"]
+        )
         assert result.exit_code == 0, result.output
         printed = json.loads(result.stdout)
         assert printed["strategy"] == "bounded-load"
@@ -259,6 +296,8 @@ class TestServeCommand:
     def test_other_strategy_without_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Without bounded-load installed, an explicitly chosen installed strategy still works."""
         monkeypatch.setenv("KVROUTE_BLOCK_PLUGINS", "bounded-load")
-        result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", "--strategy", "least-outstanding", "--check"])
+        result = CliRunner().invoke(
+            serve, ["--backend", "http://127.0.0.1:9", "--strategy", "least-outstanding", "--check"]
+        )
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["strategy"] == "least-outstanding"

@@ -94,7 +94,9 @@ class TestRetries:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
         received: list[str] = []
         with pytest.raises(openai.APIError) as raised:
-            for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=50, stream=True):
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=50, stream=True
+            ):
                 received.append(chunk.choices[0].delta.content or "")
         assert received  # the stream had started
         assert "stream failed" in str(raised.value.message)
@@ -118,14 +120,21 @@ class TestKillAndRestart:
     def test_killed_backend_is_ejected_retried_and_restored(self, servers: Servers) -> None:
         """Killing a backend under load loses no request that had not started streaming; it returns after restart."""
         a, b = servers.emulators(2)
-        proxy = servers.proxy([a, b], strategy="least-outstanding", options={"seed": 1}, health=HealthConfig(interval=0.1, timeout=0.5, unhealthy_threshold=1, healthy_threshold=2))
+        proxy = servers.proxy(
+            [a, b],
+            strategy="least-outstanding",
+            options={"seed": 1},
+            health=HealthConfig(interval=0.1, timeout=0.5, unhealthy_threshold=1, healthy_threshold=2),
+        )
         a_port = a.port
         outcomes: list[tuple[str, int, bytes]] = []
         lock = threading.Lock()
 
         def one(i: int) -> None:
             stream = i % 2 == 0
-            status, _, body = http("POST", proxy.url + "/v1/chat/completions", chat_body(f"load {i}", max_tokens=40, stream=stream))
+            status, _, body = http(
+                "POST", proxy.url + "/v1/chat/completions", chat_body(f"load {i}", max_tokens=40, stream=stream)
+            )
             with lock:
                 outcomes.append(("stream" if stream else "whole", status, body))
 
@@ -150,20 +159,28 @@ class TestKillAndRestart:
         # The kill did hit requests on e0: retried (not yet streaming) or ended with an SSE error.
         metrics = http("GET", proxy.url + "/metrics")[2].decode()
         hit = [
-            line for line in metrics.splitlines()
-            if line.startswith(('kvroute_retries_total{backend="e0"', 'kvroute_requests_total{backend="e0",outcome="stream_error"'))
+            line
+            for line in metrics.splitlines()
+            if line.startswith(
+                ('kvroute_retries_total{backend="e0"', 'kvroute_requests_total{backend="e0",outcome="stream_error"')
+            )
         ]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in hit) > 0
         restarted = ServerThread(a.app.__class__(a.app.config), port=a_port).start()
         servers.started.append(restarted)
         assert _wait_for(lambda: _backend_state(proxy, "e0"))
-        backends = {http("POST", proxy.url + "/v1/chat/completions", chat_body(f"after {i}"))[1]["x-kvroute-backend"] for i in range(10)}
+        backends = {
+            http("POST", proxy.url + "/v1/chat/completions", chat_body(f"after {i}"))[1]["x-kvroute-backend"]
+            for i in range(10)
+        }
         assert "e0" in backends
 
     def test_failed_probes_eject_and_passing_probes_restore(self, servers: Servers) -> None:
         """A backend whose /health fails is ejected (no traffic) and comes back when it passes again."""
         a, b = servers.emulators(2)
-        proxy = servers.proxy([a, b], health=HealthConfig(interval=0.05, timeout=0.5, unhealthy_threshold=2, healthy_threshold=2))
+        proxy = servers.proxy(
+            [a, b], health=HealthConfig(interval=0.05, timeout=0.5, unhealthy_threshold=2, healthy_threshold=2)
+        )
         _faults(a, health_status=503)
         assert _wait_for(lambda: not _backend_state(proxy, "e0"))
         for i in range(10):
@@ -181,7 +198,12 @@ class TestClientSide:
         emulator = servers.emulator(time_scale=0.2)  # 5,000 steps of 3 ms: far longer than the test
         proxy = servers.proxy([emulator])
         conn = hc.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(chat_body("endless", max_tokens=5000, stream=True)), {"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(chat_body("endless", max_tokens=5000, stream=True)),
+            {"content-type": "application/json"},
+        )
         response = conn.getresponse()
         assert response.status == 200
         assert response.read1(1024).startswith(b"data: ")

@@ -57,19 +57,96 @@ CORPUS: list[tuple[str, str, bytes, str, int, str | None]] = [
     ("deep-1015-in-a-part", CHAT, _part(_nested(1015)), "application/json", 400, None),
     ("million-element-body", CHAT, _MILLION_ZEROS, "application/json", 400, "invalid_value"),
     ("million-element-messages", CHAT, _chat_with(_MILLION_ZEROS), "application/json", 400, "invalid_value"),
-    ("million-element-content", CHAT, _chat_with(b'[{"role": "user", "content": ' + _MILLION_ZEROS + b"}]"), "application/json", 400, "invalid_value"),
-    ("million-element-prompt", "/v1/completions", b'{"model": "m", "prompt": [' + b'"a",' * 999_999 + b"1]}", "application/json", 400, "invalid_value"),
+    (
+        "million-element-content",
+        CHAT,
+        _chat_with(b'[{"role": "user", "content": ' + _MILLION_ZEROS + b"}]"),
+        "application/json",
+        400,
+        "invalid_value",
+    ),
+    (
+        "million-element-prompt",
+        "/v1/completions",
+        b'{"model": "m", "prompt": [' + b'"a",' * 999_999 + b"1]}",
+        "application/json",
+        400,
+        "invalid_value",
+    ),
     ("invalid-utf8", CHAT, b'{"model": "m\xff\xfe", "messages": []}', "application/json", 400, "invalid_encoding"),
-    ("utf8-encoded-surrogate", CHAT, _chat_with(b'[{"role": "user", "content": "\xed\xa0\x80"}]'), "application/json", 400, "invalid_encoding"),
-    ("overlong-utf8", CHAT, _chat_with(b'[{"role": "user", "content": "\xc0\xaf"}]'), "application/json", 400, "invalid_encoding"),
+    (
+        "utf8-encoded-surrogate",
+        CHAT,
+        _chat_with(b'[{"role": "user", "content": "\xed\xa0\x80"}]'),
+        "application/json",
+        400,
+        "invalid_encoding",
+    ),
+    (
+        "overlong-utf8",
+        CHAT,
+        _chat_with(b'[{"role": "user", "content": "\xc0\xaf"}]'),
+        "application/json",
+        400,
+        "invalid_encoding",
+    ),
     ("utf16-body", CHAT, json.dumps(chat_body("hi")).encode("utf-16"), "application/json", 400, None),
-    ("nan", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "application/json", 400, "invalid_json"),
-    ("infinity", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "application/json", 400, "invalid_json"),
-    ("minus-infinity", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}', "application/json", 400, "invalid_json"),
-    ("5000-digit-integer", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400, "invalid_json"),
-    ("float-overflow", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [1e400]}', "application/json", 400, "invalid_json"),
-    ("duplicate-key-last-invalid", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "model": 7}', "application/json", 400, "invalid_value"),
-    ("duplicate-messages-last-empty", CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "messages": []}', "application/json", 400, "invalid_value"),
+    (
+        "nan",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "infinity",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "minus-infinity",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}',
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "5000-digit-integer",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "float-overflow",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [1e400]}',
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "duplicate-key-last-invalid",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "model": 7}',
+        "application/json",
+        400,
+        "invalid_value",
+    ),
+    (
+        "duplicate-messages-last-empty",
+        CHAT,
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "messages": []}',
+        "application/json",
+        400,
+        "invalid_value",
+    ),
     ("top-level-array", CHAT, b"[1, 2]", "application/json", 400, "invalid_value"),
     ("top-level-string", CHAT, b'"hello"', "application/json", 400, "invalid_value"),
     ("top-level-number", CHAT, b"42", "application/json", 400, "invalid_value"),
@@ -78,21 +155,58 @@ CORPUS: list[tuple[str, str, bytes, str, int, str | None]] = [
     ("empty-body", CHAT, b"", "application/json", 400, "invalid_json"),
     ("whitespace-body", CHAT, b" \r\n\t ", "application/json", 400, "invalid_json"),
     ("nul-bytes", CHAT, b"\x00" * 64, "application/json", 400, "invalid_json"),
-    ("byte-order-mark", CHAT, b"\xef\xbb\xbf" + json.dumps(chat_body("hi")).encode(), "application/json", 400, "invalid_json"),
+    (
+        "byte-order-mark",
+        CHAT,
+        b"\xef\xbb\xbf" + json.dumps(chat_body("hi")).encode(),
+        "application/json",
+        400,
+        "invalid_json",
+    ),
     ("truncated", CHAT, json.dumps(chat_body("hi")).encode()[:-7], "application/json", 400, "invalid_json"),
     ("trailing-garbage", CHAT, json.dumps(chat_body("hi")).encode() + b" }{", "application/json", 400, "invalid_json"),
     ("two-documents", CHAT, json.dumps(chat_body("hi")).encode() * 2, "application/json", 400, "invalid_json"),
     ("form-encoded", CHAT, b"model=m&messages=hi", "application/x-www-form-urlencoded", 400, "invalid_json"),
-    ("multipart", CHAT, b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--b--\r\n', "multipart/form-data; boundary=b", 400, "invalid_json"),
+    (
+        "multipart",
+        CHAT,
+        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--b--\r\n',
+        "multipart/form-data; boundary=b",
+        400,
+        "invalid_json",
+    ),
     ("plain-text", CHAT, b"hello, model", "text/plain", 400, "invalid_json"),
-    ("lone-high-surrogate", CHAT, _chat_with(b'[{"role": "user", "content": "a\\ud800b"}]'), "application/json", 400 if _ORJSON else 200, "invalid_json" if _ORJSON else None),
-    ("lone-low-surrogate-model", CHAT, b'{"model": "\\udc00", "messages": [{"role": "user", "content": "hi"}]}', "application/json", 400 if _ORJSON else 404, None),
-    ("deep-passthrough", "/v1/embeddings", b'{"model": "m", "input": ' + _nested(100_000) + b"}", "application/json", 400, "invalid_json"),
+    (
+        "lone-high-surrogate",
+        CHAT,
+        _chat_with(b'[{"role": "user", "content": "a\\ud800b"}]'),
+        "application/json",
+        400 if _ORJSON else 200,
+        "invalid_json" if _ORJSON else None,
+    ),
+    (
+        "lone-low-surrogate-model",
+        CHAT,
+        b'{"model": "\\udc00", "messages": [{"role": "user", "content": "hi"}]}',
+        "application/json",
+        400 if _ORJSON else 404,
+        None,
+    ),
+    (
+        "deep-passthrough",
+        "/v1/embeddings",
+        b'{"model": "m", "input": ' + _nested(100_000) + b"}",
+        "application/json",
+        400,
+        "invalid_json",
+    ),
     ("top-level-array-passthrough", "/v1/embeddings", b"[" * 10 + b"]" * 10, "application/json", 400, "invalid_value"),
 ]
 
 
-def _post(url: str, raw: bytes, content_type: str = "application/json", timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+def _post(
+    url: str, raw: bytes, content_type: str = "application/json", timeout: float = 30.0
+) -> tuple[int, dict[str, str], bytes]:
     return http("POST", url, raw=raw, headers={"content-type": content_type}, timeout=timeout)
 
 
@@ -138,7 +252,18 @@ class TestLoadsBody:
             (b"", "invalid_json"),
             (b"{} {}", "invalid_json"),
         ],
-        ids=["deep-arrays", "deep-objects", "nan", "infinity", "5000-digits", "float-overflow", "invalid-utf8", "encoded-surrogate", "empty", "two-documents"],
+        ids=[
+            "deep-arrays",
+            "deep-objects",
+            "nan",
+            "infinity",
+            "5000-digits",
+            "float-overflow",
+            "invalid-utf8",
+            "encoded-surrogate",
+            "empty",
+            "two-documents",
+        ],
     )
     def test_hostile_documents(self, parser: Callable[[bytes], Any], raw: bytes, code: str) -> None:
         """Each hostile document is an `InvalidBody` with its code and a message saying what is wrong."""
@@ -157,7 +282,9 @@ class TestLoadsBody:
         raw = json.dumps({"a": ["\U0001f600", 2**62, -1.5, None, True], "b": json.loads(_nested(500))}).encode()
         assert parser(raw) == json.loads(raw)
 
-    @settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
     @given(raw=st.binary(max_size=300) | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
     def test_any_bytes(self, parser: Callable[[bytes], Any], raw: bytes) -> None:
         """Any bytes either parse or raise `InvalidBody`, never another exception."""
@@ -282,7 +409,9 @@ class TestOversizedBodies:
 
     def test_client_that_stops_sending(self, proxy: ServerThread) -> None:
         """A client that declares 80 MB, sends 1 MB and waits gets the 413, then the connection closes."""
-        head = f"POST {CHAT} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {80 * _MIB}\r\n\r\n"
+        head = (
+            f"POST {CHAT} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {80 * _MIB}\r\n\r\n"
+        )
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as sock:
             sock.sendall(head.encode() + b"x" * _MIB)
             reply = b""

@@ -117,20 +117,31 @@ json_values = st.recursive(
 )
 
 #: A content part: text, an image, or anything.
-_parts = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio", "x"]) | json_values}, optional={
-    "text": _any_text | json_values, "image_url": json_values, "input_audio": json_values,
-})
+_parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_audio", "x"]) | json_values},
+    optional={
+        "text": _any_text | json_values,
+        "image_url": json_values,
+        "input_audio": json_values,
+    },
+)
 _messages = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", ""]) | json_values},
-    optional={"content": _any_text | st.lists(_parts | json_values, max_size=3) | json_values, "name": json_values,
-              "tool_calls": json_values},
+    optional={
+        "content": _any_text | st.lists(_parts | json_values, max_size=3) | json_values,
+        "name": json_values,
+        "tool_calls": json_values,
+    },
 )
 #: Bodies shaped like generation requests with fields of any type: they reach deep into `RouteRequest`.
 request_shaped = st.fixed_dictionaries(
     {"model": st.sampled_from([MODEL, "other", ""]) | json_values},
     optional={
         "messages": st.lists(_messages | json_values, max_size=4) | conversations | json_values,
-        "prompt": _any_text | st.lists(st.integers(-5, 2**64), max_size=4) | st.lists(_any_text, max_size=3) | json_values,
+        "prompt": _any_text
+        | st.lists(st.integers(-5, 2**64), max_size=4)
+        | st.lists(_any_text, max_size=3)
+        | json_values,
         "input": json_values,
         "stream": st.booleans() | json_values,
         "max_tokens": st.integers(-3, 2**65) | json_values,
@@ -158,7 +169,7 @@ def mangled(draw: st.DrawFn) -> bytes:
     if how == "cut":
         return raw[:at]
     junk = draw(st.binary(min_size=1, max_size=4))
-    return raw[:at] + junk + raw[at + (1 if how == "replace" else 0):]
+    return raw[:at] + junk + raw[at + (1 if how == "replace" else 0) :]
 
 
 #: Raw JSON text that ``json.dumps`` cannot produce: deep nesting, 6,000-digit numbers, non-finite

@@ -49,7 +49,9 @@ async def _run(url: str, start: int, count: int) -> tuple[int, list[str]]:
                 async with session.post(url + "/v1/chat/completions", json=body) as response:
                     raw = await response.read()
                 good = response.status == 200 and (
-                    raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw if stream else bool(json.loads(raw)["choices"])
+                    raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+                    if stream
+                    else bool(json.loads(raw)["choices"])
                 )
                 if good:
                     ok += 1

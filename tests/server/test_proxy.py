@@ -48,7 +48,10 @@ class TestOpenAISdk:
         """A streamed chat arrives chunk by chunk, ends cleanly, and carries usage when asked."""
         proxy = servers.proxy(servers.emulators(2))
         stream = _client(proxy.url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "stream please " * 10}], max_tokens=6, stream=True,
+            model=MODEL,
+            messages=[{"role": "user", "content": "stream please " * 10}],
+            max_tokens=6,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
@@ -62,7 +65,12 @@ class TestOpenAISdk:
         proxy = servers.proxy([emulator])
         conn = httplib.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(chat_body("go", max_tokens=1000, stream=True)), {"content-type": "application/json"})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(chat_body("go", max_tokens=1000, stream=True)),
+                {"content-type": "application/json"},
+            )
             response = conn.getresponse()
             assert response.status == 200
             assert response.read1(65536).startswith(b"data: ")
@@ -119,7 +127,9 @@ class TestRouting:
         for group in range(6):
             prefix = f"document {group} " + "lorem ipsum dolor " * 80
             for i in range(5):
-                status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", chat_body(prefix + f" question {i}"))
+                status, headers, _ = http(
+                    "POST", proxy.url + "/v1/chat/completions", chat_body(prefix + f" question {i}")
+                )
                 assert status == 200
                 homes.setdefault(group, set()).add(headers["x-kvroute-backend"])
         assert all(len(b) == 1 for b in homes.values())
@@ -134,7 +144,14 @@ class TestRouting:
             for i in range(40):
                 group = i % 4
                 prefix = f"shared context {group} " + "alpha beta gamma delta " * 100
-                assert http("POST", proxy.url + "/v1/completions", {"model": MODEL, "prompt": prefix + f"q{i}", "max_tokens": 1})[0] == 200
+                assert (
+                    http(
+                        "POST",
+                        proxy.url + "/v1/completions",
+                        {"model": MODEL, "prompt": prefix + f"q{i}", "max_tokens": 1},
+                    )[0]
+                    == 200
+                )
             hits = queries = 0.0
             for emulator in fleet:
                 hits += sum(_metric(emulator.url, "vllm:prefix_cache_hits_total").values())
@@ -149,7 +166,9 @@ class TestRouting:
     def test_backend_header_and_request_id(self, servers: Servers) -> None:
         """The response names the backend and echoes the caller's x-request-id, which reaches the backend too."""
         proxy = servers.proxy(servers.emulators(1))
-        status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", chat_body("x"), headers={"x-request-id": "abc-123"})
+        status, headers, _ = http(
+            "POST", proxy.url + "/v1/chat/completions", chat_body("x"), headers={"x-request-id": "abc-123"}
+        )
         assert status == 200
         assert headers["x-kvroute-backend"] == "e0"
         assert headers["x-request-id"] == "abc-123"

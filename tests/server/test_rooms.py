@@ -81,6 +81,10 @@ class TestRooms:
         names = {"probe", "list_models", "poll_load", "run_events", "aclose", "prompt_tokenizer", "health_path"}
         for room in ROOMS:
             for node in ast.walk(ast.parse((PACKAGE / f"{room}.py").read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}:
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in {"getattr", "hasattr"}
+                ):
                     named = node.args[1] if len(node.args) > 1 else None
                     assert not (isinstance(named, ast.Constant) and named.value in names), f"{room}.py:{node.lineno}"

@@ -20,43 +20,73 @@ class TestRequestHeaders:
     def test_hop_by_hop_and_owned_headers_are_dropped(self) -> None:
         """Connection-level headers, those named in Connection, Host and Content-Length never go upstream."""
         out = filter_request_headers(
-            _raw({
-                "Host": "proxy", "Connection": "keep-alive, X-Secret", "Keep-Alive": "5", "TE": "trailers",
-                "Transfer-Encoding": "chunked", "Upgrade": "h2c", "Proxy-Authorization": "x", "X-Secret": "s",
-                "Content-Length": "10", "Accept-Encoding": "gzip", "Content-Type": "application/json", "X-Custom": "kept",
-            }),
-            forward_authorization=True, api_key=None, request_id="rid",
+            _raw(
+                {
+                    "Host": "proxy",
+                    "Connection": "keep-alive, X-Secret",
+                    "Keep-Alive": "5",
+                    "TE": "trailers",
+                    "Transfer-Encoding": "chunked",
+                    "Upgrade": "h2c",
+                    "Proxy-Authorization": "x",
+                    "X-Secret": "s",
+                    "Content-Length": "10",
+                    "Accept-Encoding": "gzip",
+                    "Content-Type": "application/json",
+                    "X-Custom": "kept",
+                }
+            ),
+            forward_authorization=True,
+            api_key=None,
+            request_id="rid",
         )
         assert out == {"content-type": "application/json", "x-custom": "kept", "x-request-id": "rid"}
 
     def test_authorization_forwarded_by_default(self) -> None:
         """The client's Authorization reaches the backend unless told otherwise."""
-        out = filter_request_headers(_raw({"Authorization": "Bearer client"}), forward_authorization=True, api_key=None, request_id="r")
+        out = filter_request_headers(
+            _raw({"Authorization": "Bearer client"}), forward_authorization=True, api_key=None, request_id="r"
+        )
         assert out["authorization"] == "Bearer client"
 
     def test_authorization_replaced_by_backend_key(self) -> None:
         """A backend api_key replaces the client's credentials."""
-        out = filter_request_headers(_raw({"Authorization": "Bearer client"}), forward_authorization=True, api_key="k", request_id="r")
+        out = filter_request_headers(
+            _raw({"Authorization": "Bearer client"}), forward_authorization=True, api_key="k", request_id="r"
+        )
         assert out["authorization"] == "Bearer k"
 
     def test_authorization_dropped_when_not_forwarded(self) -> None:
         """forward_authorization=False strips the client's credentials."""
-        out = filter_request_headers(_raw({"Authorization": "Bearer client"}), forward_authorization=False, api_key=None, request_id="r")
+        out = filter_request_headers(
+            _raw({"Authorization": "Bearer client"}), forward_authorization=False, api_key=None, request_id="r"
+        )
         assert "authorization" not in out
 
     def test_request_id_overrides_client_value(self) -> None:
         """The upstream x-request-id is the proxy's id for the request (the caller's when it sent one)."""
-        out = filter_request_headers(_raw({"X-Request-Id": "old"}), forward_authorization=True, api_key=None, request_id="new")
+        out = filter_request_headers(
+            _raw({"X-Request-Id": "old"}), forward_authorization=True, api_key=None, request_id="new"
+        )
         assert out["x-request-id"] == "new"
 
 
 class TestResponseHeaders:
     def test_response_headers_filtered(self) -> None:
         """Hop-by-hop, length, date and server headers are dropped on the way back; others pass."""
-        out = filter_response_headers(_raw({
-            "Content-Type": "text/event-stream", "Transfer-Encoding": "chunked", "Connection": "close",
-            "Content-Length": "5", "Date": "x", "Server": "uvicorn", "X-Engine": "vllm",
-        }))
+        out = filter_response_headers(
+            _raw(
+                {
+                    "Content-Type": "text/event-stream",
+                    "Transfer-Encoding": "chunked",
+                    "Connection": "close",
+                    "Content-Length": "5",
+                    "Date": "x",
+                    "Server": "uvicorn",
+                    "X-Engine": "vllm",
+                }
+            )
+        )
         assert out == [(b"content-type", b"text/event-stream"), (b"x-engine", b"vllm")]
 
 
@@ -83,7 +113,10 @@ class TestUsageSniffer:
 
 
 class TestSseBoundaries:
-    @given(st.lists(st.text(alphabet="ab: {}\"", max_size=20), min_size=1, max_size=5), st.text(alphabet="ab: ", max_size=10))
+    @given(
+        st.lists(st.text(alphabet='ab: {}"', max_size=20), min_size=1, max_size=5),
+        st.text(alphabet="ab: ", max_size=10),
+    )
     def test_event_end_cuts_after_last_complete_event(self, events: list[str], partial: str) -> None:
         """_event_end points just past the last blank line, so the partial tail is never sent early."""
         complete = "".join(f"data: {e}\n\n" for e in events).encode()
@@ -111,6 +144,9 @@ class TestBackendHttpTimeout:
         http = BackendHttp(session, "http://127.0.0.1:1", 2.0, {"authorization": "Bearer x"})  # type: ignore[arg-type]
         longer = http.with_timeout(120.0)
         assert (longer.session, longer.base_url, dict(longer.headers), longer.timeout) == (
-            session, "http://127.0.0.1:1", {"authorization": "Bearer x"}, 120.0,
+            session,
+            "http://127.0.0.1:1",
+            {"authorization": "Bearer x"},
+            120.0,
         )
         assert http.timeout == 2.0

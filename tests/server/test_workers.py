@@ -26,7 +26,9 @@ TOKEN = "journal-test-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
-def journal(run_dir: Path, index: int, applied: list[tuple[int, dict[str, Any]]] | None = None, **kw: Any) -> AdminJournal:
+def journal(
+    run_dir: Path, index: int, applied: list[tuple[int, dict[str, Any]]] | None = None, **kw: Any
+) -> AdminJournal:
     """A worker's journal handle whose replays are recorded as (worker index, entry)."""
     out = applied if applied is not None else []
     context = WorkerContext(index=index, count=2, run_dir=str(run_dir), shared_metrics=False)
@@ -54,7 +56,9 @@ class TestAdminJournal:
             b.append("undrain", "x", {})
         assert a.catch_up() == 1
         assert [(w, e["seq"], e["action"], e["backend"]) for w, e in seen] == [
-            (1, 1, "drain", "x"), (1, 2, "drain", "y"), (0, 3, "undrain", "x"),
+            (1, 1, "drain", "x"),
+            (1, 2, "drain", "y"),
+            (0, 3, "undrain", "x"),
         ]
         assert a.applied == b.applied == 3
 
@@ -152,13 +156,19 @@ class TestSharedAdmin:
         """Draining through worker 0 answers once worker 1 applied it; then neither routes to the drained backend."""
         engines = servers.emulators(3)
         w0, w1 = start_worker(servers, tmp_path, 0, engines), start_worker(servers, tmp_path, 1, engines)
-        homes = {http("POST", w1.url + "/v1/chat/completions", chat_body(f"doc {i} " * 300))[1]["x-kvroute-backend"] for i in range(12)}
+        homes = {
+            http("POST", w1.url + "/v1/chat/completions", chat_body(f"doc {i} " * 300))[1]["x-kvroute-backend"]
+            for i in range(12)
+        }
         assert "e1" in homes  # the drain below changes where some of these go
         status, answer = admin(w0, "POST", "/backends/e1/drain")
         assert status == 202 and answer["draining"] is True and answer["workers"] == {"applied": 2, "live": 2}
         assert admin(w1, "GET", "/backends/e1")[1]["draining"] is True
         for worker in (w0, w1):
-            chosen = {http("POST", worker.url + "/v1/chat/completions", chat_body(f"doc {i} " * 300))[1]["x-kvroute-backend"] for i in range(12)}
+            chosen = {
+                http("POST", worker.url + "/v1/chat/completions", chat_body(f"doc {i} " * 300))[1]["x-kvroute-backend"]
+                for i in range(12)
+            }
             assert "e1" not in chosen
 
     def test_add_weight_and_remove_reach_both(self, servers: Servers, tmp_path: Path) -> None:
@@ -189,7 +199,10 @@ class TestSharedAdmin:
         late = start_worker(servers, tmp_path, 1, engines)
         described = {b["id"]: b for b in admin(late, "GET", "/backends")[1]["backends"]}
         assert described["e0"]["draining"] is True and described["e1"]["weight"] == 2.5
-        assert http("POST", late.url + "/v1/chat/completions", chat_body("after the replay"))[1]["x-kvroute-backend"] == "e1"
+        assert (
+            http("POST", late.url + "/v1/chat/completions", chat_body("after the replay"))[1]["x-kvroute-backend"]
+            == "e1"
+        )
 
 
 class TestWorkersOption:
@@ -201,7 +214,9 @@ class TestWorkersOption:
         assert result.exit_code == 0, result.output
         shown = json.loads(result.stdout)
         assert shown["workers"] == 3 and shown["shutdown_timeout"] == 5.0
-        result = CliRunner().invoke(serve, ["--config", str(config), "--workers", "2", "--backend", "http://127.0.0.1:9", "--check"])
+        result = CliRunner().invoke(
+            serve, ["--config", str(config), "--workers", "2", "--backend", "http://127.0.0.1:9", "--check"]
+        )
         assert json.loads(result.stdout)["workers"] == 2
 
     @pytest.mark.parametrize("flag, value", [("--workers", "0"), ("--shutdown-timeout", "0")])
@@ -217,6 +232,7 @@ class TestWorkersOption:
             taken.listen()
             port = taken.getsockname()[1]
             result = CliRunner().invoke(
-                serve, ["--backend", "http://127.0.0.1:9", "--workers", "2", "--port", str(port), "--log-level", "error"]
+                serve,
+                ["--backend", "http://127.0.0.1:9", "--workers", "2", "--port", str(port), "--log-level", "error"],
             )
         assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output

@@ -84,7 +84,9 @@ class TestEmulateWithoutServer:
             "print(sorted(p.name for p in PluginManager().plugins()))\n"
             "try:\n    import kvroute_server\nexcept ModuleNotFoundError as exc:\n    print(exc.name)\n"
         )
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=without_server, timeout=120, check=False)
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=without_server, timeout=120, check=False
+        )
         assert result.returncode == 0, result.stderr
         plugins, missing = result.stdout.splitlines()
         assert "'simulator'" in plugins and "'server'" not in plugins
@@ -107,7 +109,9 @@ class TestEmulateWithoutServer:
 
     def test_simulate_still_runs(self, without_server: dict[str, str]) -> None:
         """The simulator itself does not need kvroute-server: `kvroute simulate` prints its table."""
-        result = _kvroute("simulate", "-s", "random", "-n", "2", "--requests", "20", "--no-progress", env=without_server)
+        result = _kvroute(
+            "simulate", "-s", "random", "-n", "2", "--requests", "20", "--no-progress", env=without_server
+        )
         assert result.returncode == 0, result.stderr
         assert "random" in result.stdout
 
@@ -139,7 +143,9 @@ class TestSimulateCommandLine:
 
     def test_simulate_logs_on_stderr(self) -> None:
         """`kvroute simulate --log-level info` keeps its table on stdout and the library's log lines on stderr."""
-        result = _kvroute("simulate", "-s", "least-outstanding", "--requests", "20", "--no-progress", "--log-level", "info")
+        result = _kvroute(
+            "simulate", "-s", "least-outstanding", "--requests", "20", "--no-progress", "--log-level", "info"
+        )
         assert result.returncode == 0, result.stderr
         assert "least-outstanding" in result.stdout and "fleet_changed" not in result.stdout
         assert "fleet_changed" in result.stderr

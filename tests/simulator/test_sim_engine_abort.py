@@ -60,6 +60,7 @@ class TestAbortWaiting:
 
     def test_aborting_a_queued_request_changes_nothing_for_the_others(self) -> None:
         """Submitting and at once aborting a request gives the other requests the timings they had without it."""
+
         def run(with_ghost: bool) -> list[tuple[float | None, float | None, int | None]]:
             engine = small(blocks=40, max_num_seqs=2, max_num_batched_tokens=64)
             seqs = []
@@ -159,6 +160,7 @@ class TestAbortRunning:
 
     def test_an_aborted_seat_goes_to_the_next_waiting_request(self) -> None:
         """With one seat, aborting the running request lets the queued one start at the next step, not after it."""
+
         def ttft_of_second(abort_first: bool) -> float:
             engine = small(blocks=64, max_num_seqs=1)
             first = engine.submit(request("a", tokens(11, 40), 300), 0.0)
@@ -202,7 +204,10 @@ class TestAbortProperties:
     def test_every_block_comes_back(self, seed: int, aborts: list[int]) -> None:
         """Whatever is aborted and when, the pool stays consistent and the engine ends with every block free."""
         rng = random.Random(seed)
-        engine = Engine(EngineConfig(capacity_blocks=60, max_num_seqs=3, max_num_batched_tokens=96), coalesce_decodes=rng.random() < 0.5)
+        engine = Engine(
+            EngineConfig(capacity_blocks=60, max_num_seqs=3, max_num_batched_tokens=96),
+            coalesce_decodes=rng.random() < 0.5,
+        )
         shared = tokens(seed, 48)
         seqs: list[EngineSequence] = []
         now = 0.0
@@ -223,7 +228,9 @@ class TestAbortProperties:
 class AbortMachine(RuleBasedStateMachine):
     """Random submits, steps and aborts on a small cache keep the block pool and the scheduler consistent."""
 
-    @initialize(blocks=st.integers(30, 120), budget=st.integers(16, 128), seats=st.integers(1, 4), coalesce=st.booleans())
+    @initialize(
+        blocks=st.integers(30, 120), budget=st.integers(16, 128), seats=st.integers(1, 4), coalesce=st.booleans()
+    )
     def setup(self, blocks: int, budget: int, seats: int, coalesce: bool) -> None:
         config = EngineConfig(capacity_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seats)
         self.engine = Engine(config, coalesce_decodes=coalesce)

@@ -40,7 +40,12 @@ class TestValidators:
     @pytest.mark.parametrize(
         ("validator", "good", "bad", "expected"),
         [
-            (_validators.positive_number, [1, 0.5, 1e300], [0, -1, True, math.nan, math.inf, "1", None], "a positive number"),
+            (
+                _validators.positive_number,
+                [1, 0.5, 1e300],
+                [0, -1, True, math.nan, math.inf, "1", None],
+                "a positive number",
+            ),
             (_validators.non_negative_number, [0, 0.0, 2.5], [-0.1, False, -math.inf, math.nan, "0"], "a number >= 0"),
             (_validators.share, [0, 0.5, 1], [1.01, -0.01, math.nan, True], "a number between 0 and 1"),
             (_validators.positive_share, [0.9, 1], [0, 1.5, math.nan, True], "a number above 0 and at most 1"),
@@ -73,21 +78,36 @@ class TestSettings:
         [
             (lambda: EngineConfig(max_num_seqs=0), "'max_num_seqs' must be a positive integer (got 0)."),
             (lambda: EngineConfig(block_size=True), "'block_size' must be a positive integer (got True)."),
-            (lambda: EngineConfig(enable_prefix_caching="no"), "'enable_prefix_caching' must be true or false (got 'no')."),
+            (
+                lambda: EngineConfig(enable_prefix_caching="no"),
+                "'enable_prefix_caching' must be true or false (got 'no').",
+            ),
             (lambda: CostModel(prefill_base_ms=-1), "'prefill_base_ms' must be a number >= 0 (got -1)."),
             (lambda: CostModel(decode_base_ms=math.inf), "'decode_base_ms' must be a number >= 0 (got inf)."),
-            (lambda: HardwareSpec(memory_utilization=1.5), "'memory_utilization' must be a number above 0 and at most 1 (got 1.5)."),
+            (
+                lambda: HardwareSpec(memory_utilization=1.5),
+                "'memory_utilization' must be a number above 0 and at most 1 (got 1.5).",
+            ),
             (lambda: HardwareSpec(num_gpus=0), "'num_gpus' must be a positive integer (got 0)."),
-            (lambda: ModelSpec("m", num_layers=2.5, num_kv_heads=8, head_dim=128, weight_bytes=1), "'num_layers' must be a positive integer (got 2.5)."),
+            (
+                lambda: ModelSpec("m", num_layers=2.5, num_kv_heads=8, head_dim=128, weight_bytes=1),
+                "'num_layers' must be a positive integer (got 2.5).",
+            ),
             (lambda: EngineRequest("r", TokenSeq.of((1, 2)), 0), "'output_len' must be a positive integer (got 0)."),
             (lambda: SimulationConfig(instances=0), "'instances' must be a positive integer (got 0)."),
             (lambda: SimulationConfig(instances="3"), "'instances' must be a positive integer (got '3')."),
-            (lambda: SimulationConfig(sample_interval=math.nan), "'sample_interval' must be a positive number (got nan)."),
+            (
+                lambda: SimulationConfig(sample_interval=math.nan),
+                "'sample_interval' must be a positive number (got nan).",
+            ),
             (lambda: LongPrefix(rate=-2.0), "'rate' must be a positive number (got -2.0)."),
             (lambda: LongPrefix(concurrency=0), "'concurrency' must be a positive integer (got 0)."),
             (lambda: LongPrefix(groups=None), "'groups' must be a positive integer (got None)."),
             (lambda: Rag(zipf_s=-0.5), "'zipf_s' must be a number >= 0 (got -0.5)."),
-            (lambda: Trace(path=FIXTURES / "simple.jsonl", format="xml"), "'format' must be auto, mooncake or simple (got 'xml')."),
+            (
+                lambda: Trace(path=FIXTURES / "simple.jsonl", format="xml"),
+                "'format' must be auto, mooncake or simple (got 'xml').",
+            ),
         ],
     )
     def test_refused_with_a_config_error(self, build: Any, message: str) -> None:

@@ -51,7 +51,9 @@ class TestRendezvous:
         counts = Counter(r.decide(req)[0].backend.id for req in sample_requests(4000, seed=5))
         assert 2.5 < counts["b1"] / counts["b0"] < 3.5
 
-    @pytest.mark.parametrize("value, message", [(12, "between 1024 and 65536 (got 12)"), ("lots", "expected an integer")])
+    @pytest.mark.parametrize(
+        "value, message", [(12, "between 1024 and 65536 (got 12)"), ("lots", "expected an integer")]
+    )
     def test_bad_prefix_length(self, value: object, message: str) -> None:
         """A bad prefix_length is a ConfigError saying what was expected and what was got."""
         with pytest.raises(kvroute.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -62,8 +62,12 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
     """Configure structlog for a command-line process (library code never does this)."""
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
-        raise click.BadParameter(f"expected one of debug, info, warning, error (got {level!r})", param_hint="--log-level")
-    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+        raise click.BadParameter(
+            f"expected one of debug, info, warning, error (got {level!r})", param_hint="--log-level"
+        )
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -140,7 +144,9 @@ class _PluginGroup(click.Group):
         known = _KNOWN_COMMANDS.get(cmd_name)
         return missing_command(cmd_name, known.install_hint(cmd_name)) if known else None
 
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
         name = args[0] if args else ""
         if name and not name.startswith("-") and self.get_command(ctx, name) is None:
             close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
@@ -188,19 +194,29 @@ def plugins(as_json: bool) -> None:
 
     try:
         pm = PluginManager()
-        rows = [("strategy", r) for r in pm.strategies.values()] + [("backend kind", r) for r in pm.backend_kinds.values()]
+        rows = [("strategy", r) for r in pm.strategies.values()] + [
+            ("backend kind", r) for r in pm.backend_kinds.values()
+        ]
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
     rows.sort(key=lambda row: (row[0], row[1].name))
     if as_json:
         data = [
-            {"type": kind, "name": r.name, "plugin": r.plugin.name, "distribution": r.plugin.distribution, "version": r.plugin.version}
+            {
+                "type": kind,
+                "name": r.name,
+                "plugin": r.plugin.name,
+                "distribution": r.plugin.distribution,
+                "version": r.plugin.version,
+            }
             for kind, r in rows
         ]
         click.echo(json.dumps(data, indent=2))
         return
     header = ("type", "name", "distribution", "version", "plugin")
-    table = [header] + [(kind, r.name, r.plugin.distribution or "-", r.plugin.version or "-", r.plugin.name) for kind, r in rows]
+    table = [header] + [
+        (kind, r.name, r.plugin.distribution or "-", r.plugin.version or "-", r.plugin.name) for kind, r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

@@ -10,6 +10,7 @@ import xxhash
 
 __all__ = ["hash64", "hash_parts"]
 
+
 def hash64(data: bytes | str, seed: int = 0) -> int:
     """Return the xxh3 64-bit hash of ``data`` (strings are UTF-8 encoded)."""
     if isinstance(data, str):

@@ -257,7 +257,7 @@ class PluginManager:
             known = ", ".join(sorted(self.strategies)) or "none installed"
             raise ConfigError(
                 f"unknown strategy {name!r} (installed: {known}). "
-                f"Strategies are plugins: pip install \"kvroute[{name}]\"."
+                f'Strategies are plugins: pip install "kvroute[{name}]".'
             )
         factory: StrategyFactory = registration.factory
         return build_strategy(name, factory, options)

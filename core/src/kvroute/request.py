@@ -258,8 +258,8 @@ def _describe_int(value: int) -> str:
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
 
 
@@ -341,16 +341,16 @@ class RouteRequest:
         headers = headers or {}
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise InvalidRequest(
-                f"'model' must be a non-empty string (got {_type_name(model)}).", param="model"
-            )
+            raise InvalidRequest(f"'model' must be a non-empty string (got {_type_name(model)}).", param="model")
         stream = body.get("stream", False)
         if stream is None:
             stream = False
         if not isinstance(stream, bool):
             raise InvalidRequest(f"'stream' must be a boolean (got {_type_name(stream)}).", param="stream")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0
+        ):
             got = _describe_int(max_tokens) if isinstance(max_tokens, int) else _type_name(max_tokens)
             raise InvalidRequest(f"'max_tokens' must be a non-negative integer (got {got}).", param="max_tokens")
         cache_salt = _optional_str(body, "cache_salt")

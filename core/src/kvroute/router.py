@@ -84,7 +84,9 @@ class _LeaseContext:
         self._lease = self._router.acquire(self._request, exclude=self._exclude)
         return self._lease
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         assert self._lease is not None
         self._router.release(self._lease, *status_for(exc))
 
@@ -181,7 +183,9 @@ class Router:
             f"{unhealthy} unhealthy, {draining} draining, {excluded} already failed this request."
         )
 
-    def _normalize(self, pick: Pick, candidates: Sequence[BackendState], elapsed: float) -> tuple[Decision, BackendState]:
+    def _normalize(
+        self, pick: Pick, candidates: Sequence[BackendState], elapsed: float
+    ) -> tuple[Decision, BackendState]:
         if isinstance(pick, Decision):
             decision = attrs.evolve(pick, strategy=self.strategy_name, duration_s=elapsed)
         elif isinstance(pick, BackendState):

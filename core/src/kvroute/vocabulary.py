@@ -52,6 +52,7 @@ _ROLE_IDS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOO
 _CONSONANTS = "bdfghjklmnprstvwz"
 _VOWELS = "aeiou"
 
+
 def _words() -> Iterator[str]:
     syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
     for length in itertools.count(2):

@@ -46,7 +46,9 @@ class TestAgainstEmulatedEngines:
                             {"role": "system", "content": f"Source {prefix}. {DOCUMENT}"},
                             {"role": "user", "content": f"Round {rnd}: summarize."},
                         ]
-                        response = await router.acompletion(model="m", messages=messages, max_tokens=2, metadata=metadata)
+                        response = await router.acompletion(
+                            model="m", messages=messages, max_tokens=2, metadata=metadata
+                        )
                         placed[prefix].add(metadata[DECISION_KEY].split(" -> ")[1].split(" ")[0])
                         if rnd:
                             details = response.usage.prompt_tokens_details

@@ -61,7 +61,9 @@ def installed() -> Callable[..., KvrouteRouting]:
     """Install kvroute on a LiteLLM Router; uninstall (callbacks removed) after the test."""
     made: list[KvrouteRouting] = []
 
-    def make(model_list: list[dict[str, Any]], strategy: str, options: dict[str, Any] | None = None, **router_kwargs: Any) -> KvrouteRouting:
+    def make(
+        model_list: list[dict[str, Any]], strategy: str, options: dict[str, Any] | None = None, **router_kwargs: Any
+    ) -> KvrouteRouting:
         router = litellm.Router(model_list=model_list, **router_kwargs)
         routing = kvroute_litellm.install(router, strategy, options)
         made.append(routing)
@@ -82,7 +84,10 @@ class TestRouteRequest:
 
     def test_affinity_salt_and_headers(self) -> None:
         """The affinity key comes from metadata or proxy headers; cache_salt from extra_body."""
-        kwargs = {"metadata": {"headers": {"X-Kvroute-Lora": "ad1"}, "kvroute_affinity_key": "s-1"}, "extra_body": {"cache_salt": "t1"}}
+        kwargs = {
+            "metadata": {"headers": {"X-Kvroute-Lora": "ad1"}, "kvroute_affinity_key": "s-1"},
+            "extra_body": {"cache_salt": "t1"},
+        }
         built = route_request(MODEL, [{"role": "user", "content": "x"}], None, kwargs)
         assert (built.affinity_key, built.lora, built.cache_salt) == ("s-1", "ad1", "t1")
 
@@ -109,15 +114,27 @@ class TestDeployments:
     def test_backend_from_deployment(self) -> None:
         """id, api_base and LiteLLM's weight map onto the kvroute backend."""
         backend = backend_from_deployment(
-            {"model_name": "m", "litellm_params": {"model": "openai/m", "api_base": "http://h:1/v1", "weight": 3}, "model_info": {"id": 7}}
+            {
+                "model_name": "m",
+                "litellm_params": {"model": "openai/m", "api_base": "http://h:1/v1", "weight": 3},
+                "model_info": {"id": 7},
+            }
         )
-        assert (backend.id, backend.url, backend.weight, backend.labels["litellm_model"]) == ("7", "http://h:1/v1", 3.0, "openai/m")
+        assert (backend.id, backend.url, backend.weight, backend.labels["litellm_model"]) == (
+            "7",
+            "http://h:1/v1",
+            3.0,
+            "openai/m",
+        )
 
     @pytest.mark.parametrize(
         "deployment, message",
         [
             ({"model_name": "m", "litellm_params": {}}, "must have a 'model_info.id' string (got None"),
-            ({"model_name": "m", "litellm_params": {"weight": 0}, "model_info": {"id": "a"}}, "'litellm_params.weight' must be a number > 0"),
+            (
+                {"model_name": "m", "litellm_params": {"weight": 0}, "model_info": {"id": "a"}},
+                "'litellm_params.weight' must be a number > 0",
+            ),
         ],
     )
     def test_bad_deployment(self, deployment: dict[str, Any], message: str) -> None:
@@ -156,7 +173,9 @@ class TestInstall:
 
 class TestRouting:
     @pytest.mark.anyio
-    async def test_same_prefix_same_deployment(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_same_prefix_same_deployment(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """With consistent-hash, calls sharing a 1,024-character prefix all reach one server; other prefixes spread."""
         routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024})
         router = routing.litellm_router
@@ -170,10 +189,14 @@ class TestRouting:
         await settle(routing)
 
     @pytest.mark.anyio
-    async def test_decisions_match_a_standalone_router(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_decisions_match_a_standalone_router(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """Each call lands where a kvroute Router over the same backend ids sends the same OpenAI body."""
         routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024})
-        standalone = Router.create(Fleet([Backend(f"d{i}") for i in range(3)]), "consistent-hash", {"prefix_length": 1024})
+        standalone = Router.create(
+            Fleet([Backend(f"d{i}") for i in range(3)]), "consistent-hash", {"prefix_length": 1024}
+        )
         for p in range(24):
             messages = chat(f"{p}-" + DOCUMENT, "q")
             response = await routing.litellm_router.acompletion(model=MODEL, messages=messages)
@@ -182,7 +205,9 @@ class TestRouting:
         await settle(routing)
 
     @pytest.mark.anyio
-    async def test_in_flight_counts_follow_the_calls(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_in_flight_counts_follow_the_calls(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """While servers hold calls, kvroute counts exactly the held calls per deployment; all end at zero."""
         routing = installed(deployments(fleet3), "least-outstanding", {"seed": 1})
         for b in fleet3:
@@ -192,14 +217,18 @@ class TestRouting:
                 tg.start_soon(lambda q=q: routing.litellm_router.acompletion(model=MODEL, messages=chat("p", f"{q}")))
             await eventually(lambda: sum(b.held for b in fleet3) == 7)
             assert routing.in_flight() == {f"d{i}": b.held for i, b in enumerate(fleet3)}
-            assert max(routing.in_flight().values()) - min(routing.in_flight().values()) <= 1  # least-outstanding spread
+            assert (
+                max(routing.in_flight().values()) - min(routing.in_flight().values()) <= 1
+            )  # least-outstanding spread
             for b in fleet3:
                 b.release()
         await settle(routing)
         assert set(routing.in_flight().values()) == {0}
 
     @pytest.mark.anyio
-    async def test_stream_counts_until_consumed(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_stream_counts_until_consumed(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """A streamed call stays in flight until the stream has been read to the end."""
         routing = installed(deployments(fleet3), "least-outstanding", {"seed": 2})
         stream = await routing.litellm_router.acompletion(model=MODEL, messages=chat("p", "s"), stream=True)
@@ -210,7 +239,9 @@ class TestRouting:
         assert sum(routing.in_flight().values()) == 0
 
     @pytest.mark.anyio
-    async def test_decision_is_stamped_in_metadata(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_decision_is_stamped_in_metadata(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """The call's metadata carries the lease id and the one-line decision."""
         routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024})
         metadata: dict[str, Any] = {}
@@ -220,12 +251,20 @@ class TestRouting:
         await settle(routing)
 
     @pytest.mark.anyio
-    async def test_retry_avoids_the_failed_deployment(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_retry_avoids_the_failed_deployment(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """When a deployment fails, LiteLLM's retry goes to another one and every lease ends."""
-        routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024}, num_retries=2, retry_after=0)
-        standalone = Router.create(Fleet([Backend(f"d{i}") for i in range(3)]), "consistent-hash", {"prefix_length": 1024})
+        routing = installed(
+            deployments(fleet3), "consistent-hash", {"prefix_length": 1024}, num_retries=2, retry_after=0
+        )
+        standalone = Router.create(
+            Fleet([Backend(f"d{i}") for i in range(3)]), "consistent-hash", {"prefix_length": 1024}
+        )
         messages = chat(DOCUMENT, "retry me")
-        home = int(standalone.decide(RouteRequest.from_openai({"model": MODEL, "messages": messages}))[0].backend.id[1:])
+        home = int(
+            standalone.decide(RouteRequest.from_openai({"model": MODEL, "messages": messages}))[0].backend.id[1:]
+        )
         fleet3[home].status = 500
         response = await routing.litellm_router.acompletion(model=MODEL, messages=messages)
         assert len(fleet3[home].received) == 1
@@ -234,7 +273,9 @@ class TestRouting:
         assert set(routing.in_flight().values()) == {0}
 
     @pytest.mark.anyio
-    async def test_cooldown_is_excluded(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_cooldown_is_excluded(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """A deployment LiteLLM put in cooldown gets no calls; its keys go elsewhere, async and sync alike."""
         routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024})
         router = routing.litellm_router
@@ -246,7 +287,9 @@ class TestRouting:
         await settle(routing)
 
     @pytest.mark.anyio
-    async def test_dry_run_select_holds_no_lease(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_dry_run_select_holds_no_lease(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """LiteLLM's Router.select() asks the strategy without counting a request in flight."""
         routing = installed(deployments(fleet3), "consistent-hash", {"prefix_length": 1024})
         picked = await routing.litellm_router.select(MODEL, {}, kind="pick", messages=chat(DOCUMENT, "x"))
@@ -254,12 +297,16 @@ class TestRouting:
         assert routing.open_leases() == 0 and set(routing.in_flight().values()) == {0}
 
     @pytest.mark.anyio
-    async def test_all_cooling_down_is_litellms_error(self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]) -> None:
+    async def test_all_cooling_down_is_litellms_error(
+        self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
+    ) -> None:
         """With every deployment in cooldown LiteLLM's own "all in cooldown" error reaches the caller, no lease taken."""
         routing = installed(deployments(fleet3), "least-outstanding")
         for i in range(3):
             routing.litellm_router.health().cooldowns.add_deployment_to_cooldown(f"d{i}", RuntimeError("x"), 500, 60)
-        with pytest.raises(litellm.types.router.RouterRateLimitError, match="All deployments for selected model are in cooldown"):
+        with pytest.raises(
+            litellm.types.router.RouterRateLimitError, match="All deployments for selected model are in cooldown"
+        ):
             await routing.litellm_router.acompletion(model=MODEL, messages=chat("p", "q"), num_retries=0)
         assert routing.open_leases() == 0 and all(b.received == [] for b in fleet3)
 
@@ -283,7 +330,10 @@ class TestRouting:
         router = litellm.Router(model_list=deployments([FakeBackend("x"), FakeBackend("y")]))
         routing = KvrouteRouting(router, "least-outstanding", lease_timeout=None)
         kwargs = {"metadata": {kvroute_litellm.FAILED_KEY: ["d0", "d1"]}}
-        assert routing.get_available_deployment(MODEL, chat("p", "q"), request_kwargs=kwargs)["model_info"]["id"] in {"d0", "d1"}
+        assert routing.get_available_deployment(MODEL, chat("p", "q"), request_kwargs=kwargs)["model_info"]["id"] in {
+            "d0",
+            "d1",
+        }
         routing.uninstall()
 
     def test_no_deployment_at_all(self) -> None:

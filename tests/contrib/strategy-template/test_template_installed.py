@@ -65,7 +65,9 @@ class TestCopyingTheTemplate:
         assert block is not None, "the README lost its rename commands"
         commands = block.group(1).replace("\\\n", " ").splitlines()
         script = "\n".join(line.removeprefix("$ ") for line in commands if line.startswith("$ "))
-        shutil.copytree(TEMPLATE, tmp_path / "strategy-template", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copytree(
+            TEMPLATE, tmp_path / "strategy-template", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+        )
         subprocess.run(["bash", "-euo", "pipefail", "-c", script], check=True, cwd=tmp_path, timeout=60)
         return tmp_path / "kvroute-sticky"
 
@@ -74,7 +76,9 @@ class TestCopyingTheTemplate:
         leftovers = [
             str(p.relative_to(renamed))
             for p in renamed.rglob("*")
-            if p.is_file() and p.name != "README.md" and re.search(r"strategy[-_]template|template-rendezvous", p.read_text(errors="replace"))
+            if p.is_file()
+            and p.name != "README.md"
+            and re.search(r"strategy[-_]template|template-rendezvous", p.read_text(errors="replace"))
         ]
         assert leftovers == []
         run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", str(renamed))

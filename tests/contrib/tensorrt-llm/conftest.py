@@ -113,7 +113,9 @@ class Client:
             return HttpReply(r.status, await r.read())
 
     async def post(self, path: str, body: object) -> HttpReply:
-        async with self.session.post(self.base + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+        async with self.session.post(
+            self.base + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout)
+        ) as r:
             return HttpReply(r.status, await r.read())
 
 

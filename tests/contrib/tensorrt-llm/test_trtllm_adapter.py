@@ -72,7 +72,9 @@ class TestTensorRTLLMAdapter:
     def test_registered_as_kind_tensorrt_llm(self) -> None:
         """The entry point registers kind 'tensorrt-llm' whose factory builds this adapter."""
         registration = PluginManager().backend_kinds["tensorrt-llm"]
-        assert isinstance(registration.factory(Backend(id="t", url="http://h:1", kind="tensorrt-llm")), TensorRTLLMAdapter)
+        assert isinstance(
+            registration.factory(Backend(id="t", url="http://h:1", kind="tensorrt-llm")), TensorRTLLMAdapter
+        )
 
     @pytest.mark.parametrize(
         ("options", "message"),
@@ -166,7 +168,9 @@ class TestTensorRTLLMAdapter:
         assert "metrics" not in server.calls
         assert adapter.stats()["load_polling"]["source"] == "prometheus"
 
-    async def test_json_until_prometheus_has_iteration_gauges(self, trtllm: Any, closing: list[TensorRTLLMAdapter]) -> None:
+    async def test_json_until_prometheus_has_iteration_gauges(
+        self, trtllm: Any, closing: list[TensorRTLLMAdapter]
+    ) -> None:
         """A Prometheus endpoint without iteration gauges yet leaves the load to JSON /metrics, then takes over."""
         server, http = trtllm
         text = (FIXTURES / "prometheus.txt").read_text()

@@ -45,14 +45,21 @@ def _block(h: int | str, tokens: list[int], **extra: Any) -> dict[str, Any]:
     }
 
 
-def _v1_stored(event_id: int, starts: list[int], parent: int | None = None, *, lora: int | None = None, **item: Any) -> dict[str, Any]:
+def _v1_stored(
+    event_id: int, starts: list[int], parent: int | None = None, *, lora: int | None = None, **item: Any
+) -> dict[str, Any]:
     """A V1 stored event as the engine writes it: hashes chained by the engine's block hash, no lora_id."""
     blocks = []
     h = parent or 0
     for s in starts:
         h = v1_block_hash(_ids(s), h, lora_task_id=lora)
         blocks.append(_block(h, _ids(s)))
-    return {"event_id": event_id, "data": {"type": "stored", "parent_hash": parent, "blocks": blocks}, "window_size": 4096, **item}
+    return {
+        "event_id": event_id,
+        "data": {"type": "stored", "parent_hash": parent, "blocks": blocks},
+        "window_size": 4096,
+        **item,
+    }
 
 
 def _v1_hash(*starts: int) -> int:
@@ -66,7 +73,9 @@ def _removed(event_id: int, hashes: list[int | str], **item: Any) -> dict[str, A
     return {"event_id": event_id, "data": {"type": "removed", "block_hashes": hashes}, "window_size": 4096, **item}
 
 
-def _fed(answers: list[list[dict[str, Any]]], *, start: bool = True, **options: Any) -> tuple[BlockIndex, TrtllmEventFeed]:
+def _fed(
+    answers: list[list[dict[str, Any]]], *, start: bool = True, **options: Any
+) -> tuple[BlockIndex, TrtllmEventFeed]:
     index = BlockIndex(BS)
     feed = TrtllmEventFeed("t", index, **options)
     if start:
@@ -137,7 +146,13 @@ class TestParseEvents:
     def test_unknown_types_and_missing_optionals(self) -> None:
         """An unknown event type is kept as UnknownEvent; window size, rank, layer group and hash algo are optional."""
         (item,) = parse_events([{"event_id": 9, "data": {"type": "pinned"}}])
-        assert (item.event, item.window_size, item.rank, item.layer_group, item.hash_algo) == (UnknownEvent("pinned"), None, 0, None, None)
+        assert (item.event, item.window_size, item.rank, item.layer_group, item.hash_algo) == (
+            UnknownEvent("pinned"),
+            None,
+            0,
+            None,
+            None,
+        )
 
     def test_not_a_list(self) -> None:
         """An answer that is not a list is unusable as a whole."""
@@ -149,11 +164,26 @@ class TestParseEvents:
         [
             ({"data": {"type": "created"}}, "event_id"),
             ({"event_id": 1, "data": {"type": "stored", "blocks": {}}}, "blocks"),
-            ({"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": [{"block_hash": 1, "tokens": "abc"}]}}, "tokens"),
+            (
+                {
+                    "event_id": 1,
+                    "data": {"type": "stored", "parent_hash": None, "blocks": [{"block_hash": 1, "tokens": "abc"}]},
+                },
+                "tokens",
+            ),
             ({"event_id": 1, "data": {"type": "stored", "parent_hash": 1.5, "blocks": []}}, "parent_hash"),
             ({"event_id": 1, "data": {"type": "removed", "block_hashes": ["xyz"]}}, "hex string"),
-            ({"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": [_block(1, [1], cache_salt=5)]}}, "cache_salt"),
-            ({"event_id": 1, "data": {"type": "removed", "block_hashes": []}, "attention_dp_rank": -1}, "attention_dp_rank"),
+            (
+                {
+                    "event_id": 1,
+                    "data": {"type": "stored", "parent_hash": None, "blocks": [_block(1, [1], cache_salt=5)]},
+                },
+                "cache_salt",
+            ),
+            (
+                {"event_id": 1, "data": {"type": "removed", "block_hashes": []}, "attention_dp_rank": -1},
+                "attention_dp_rank",
+            ),
             ({"event_id": 1, "data": {"type": 3}}, "string"),
             ({"event_id": 1, "data": []}, "'type'"),
             ("x", "object"),
@@ -176,7 +206,12 @@ class TestEventFeed:
         assert _matched(index, _ids(7000, 64)) == 0  # LoRA blocks: the V1 serializer sends no lora_id
         assert _matched(index, _ids(8000, 64)) == 0  # a salted chain (salt unknown to the event)
         assert index.blocks("t") == 2
-        assert (feed.stats.cleared, feed.stats.lost_events, feed.stats.blocks_removed, feed.stats.keyed_blocks) == (1, 0, 2, 2)
+        assert (feed.stats.cleared, feed.stats.lost_events, feed.stats.blocks_removed, feed.stats.keyed_blocks) == (
+            1,
+            0,
+            2,
+            2,
+        )
         assert feed.exact
 
     def test_lora_block_told_apart_by_its_hash(self) -> None:
@@ -190,7 +225,11 @@ class TestEventFeed:
         """A block carrying cache_salt is indexed under that salt: salted lookups match it, unsalted ones do not."""
         salted = {
             "event_id": 1,
-            "data": {"type": "stored", "parent_hash": None, "blocks": [_block(1234, _ids(0), cache_salt="tenant-a", mm_keys=[])]},
+            "data": {
+                "type": "stored",
+                "parent_hash": None,
+                "blocks": [_block(1234, _ids(0), cache_salt="tenant-a", mm_keys=[])],
+            },
             "window_size": 4096,
             "hash_algo": "v2_sha256_64",
             "layer_group_id": 0,
@@ -235,7 +274,15 @@ class TestEventFeed:
         assert not feed.exact and not index.is_exact("t")
         assert feed.stats.inexact_reasons == {"event_gap": 1}
         assert [log for log in logs if log["event"] == "kv_index_inexact"] == [
-            {"event": "kv_index_inexact", "backend": "t", "reason": "event_gap", "rank": 0, "after": 1, "count": 3, "log_level": "warning"}
+            {
+                "event": "kv_index_inexact",
+                "backend": "t",
+                "reason": "event_gap",
+                "rank": 0,
+                "after": 1,
+                "count": 3,
+                "log_level": "warning",
+            }
         ]
 
     def test_sink_is_told_the_reason(self) -> None:
@@ -248,7 +295,9 @@ class TestEventFeed:
     def test_losses_while_inexact_count_one_transition(self) -> None:
         """Every loss is counted by reason, but the backend stops being exact (logged, counted) once until it is exact again."""
         with capture_logs() as logs:
-            _, feed = _fed([[_v1_stored(1, [0])], [_v1_stored(5, [100])], [{"event_id": 6, "data": {"type": "pinned"}}]])
+            _, feed = _fed(
+                [[_v1_stored(1, [0])], [_v1_stored(5, [100])], [{"event_id": 6, "data": {"type": "pinned"}}]]
+            )
         assert feed.stats.inexact_reasons == {"event_gap": 1, "unknown_event": 1} and feed.stats.inexact == 1
         assert [log["reason"] for log in logs if log["event"] == "kv_index_inexact"] == ["event_gap"]
         assert feed.lost_reason == "event_gap" and feed.report()["lost_reason"] == "event_gap"
@@ -311,7 +360,14 @@ class TestEventFeed:
         index = BlockIndex(BS)
         feed = TrtllmEventFeed("t", index)
         feed.engine_block_size = BS
-        small = {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [_block(v1_block_hash(_ids(0, 16)), _ids(0, 16))]}}
+        small = {
+            "event_id": 2,
+            "data": {
+                "type": "stored",
+                "parent_hash": None,
+                "blocks": [_block(v1_block_hash(_ids(0, 16)), _ids(0, 16))],
+            },
+        }
         feed.receive(parse_events([_v1_stored(1, [0, 32]), small]))
         assert index.blocks("t") == 2 and feed.stats.skipped_events == 1
 
@@ -342,7 +398,11 @@ class TestEventFeed:
     def test_hash_check_turns_off_for_an_unknown_hash(self) -> None:
         """If no V1 hash ever matches its tokens (an engine hashing differently), the check stops and blocks are indexed."""
         wrong = [
-            {"event_id": i, "data": {"type": "stored", "parent_hash": None, "blocks": [_block(i + 1, _ids(1000 * i))]}, "window_size": 4096}
+            {
+                "event_id": i,
+                "data": {"type": "stored", "parent_hash": None, "blocks": [_block(i + 1, _ids(1000 * i))]},
+                "window_size": 4096,
+            }
             for i in range(33)
         ]
         with capture_logs() as logs:
@@ -353,7 +413,11 @@ class TestEventFeed:
     def test_one_matching_hash_keeps_the_check_on(self) -> None:
         """Once a V1 hash matched, mismatching blocks are skipped however many there are."""
         wrong = [
-            {"event_id": i, "data": {"type": "stored", "parent_hash": None, "blocks": [_block(i + 1, _ids(1000 * i))]}, "window_size": 4096}
+            {
+                "event_id": i,
+                "data": {"type": "stored", "parent_hash": None, "blocks": [_block(i + 1, _ids(1000 * i))]},
+                "window_size": 4096,
+            }
             for i in range(1, 40)
         ]
         index, feed = _fed([[_v1_stored(0, [0])], wrong])

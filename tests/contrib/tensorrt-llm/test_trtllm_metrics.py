@@ -102,14 +102,25 @@ class TestPrometheus:
         """trtllm-serve's collector gives running, waiting, utilization, blocks and the reuse counters in tokens."""
         metrics = parse_prometheus((FIXTURES / "prometheus.txt").read_text())
         assert metrics == TrtllmMetrics(
-            running=4, waiting=2, kv_usage=0.125, block_size=32, max_blocks=8192,
-            used_blocks=1024, prefix_cache_hits=128 * 32.0, prefix_cache_queries=(128 + 384) * 32.0,
+            running=4,
+            waiting=2,
+            kv_usage=0.125,
+            block_size=32,
+            max_blocks=8192,
+            used_blocks=1024,
+            prefix_cache_hits=128 * 32.0,
+            prefix_cache_queries=(128 + 384) * 32.0,
         )
-        assert all(type(getattr(metrics, count)) is int for count in ("running", "waiting", "block_size", "max_blocks", "used_blocks"))
+        assert all(
+            type(getattr(metrics, count)) is int
+            for count in ("running", "waiting", "block_size", "max_blocks", "used_blocks")
+        )
 
     def test_triton_backend_names(self) -> None:
         """Triton's TensorRT-LLM backend metrics are read by their type labels."""
-        assert parse_prometheus(TRITON) == TrtllmMetrics(running=5, waiting=3, kv_usage=0.75, block_size=64, max_blocks=8000)
+        assert parse_prometheus(TRITON) == TrtllmMetrics(
+            running=5, waiting=3, kv_usage=0.75, block_size=64, max_blocks=8000
+        )
 
     def test_no_known_gauges(self) -> None:
         """A body without any known gauge (a server that has not logged iteration stats yet) gives nothing."""

@@ -36,8 +36,14 @@ def _sources(endpoint: str, replay: str | None, topic: str = "kv") -> dict[str, 
     """vLLM 0.32's /kv_event_sources answer (seen on a live server, see docs/e2e-vllm.md)."""
     return {
         "0": {
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-            "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": topic,
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+            "buffer_steps": 10000,
+            "hwm": 100000,
+            "max_queue_size": 100000,
+            "topic": topic,
         }
     }
 
@@ -78,7 +84,10 @@ class TestVllmAdapter:
 
     async def test_models(self) -> None:
         """Served model ids come from /v1/models."""
-        body = {"object": "list", "data": [{"id": "tiny-llama", "object": "model", "owned_by": "vllm", "root": "/m", "max_model_len": 8192}]}
+        body = {
+            "object": "list",
+            "data": [{"id": "tiny-llama", "object": "model", "owned_by": "vllm", "root": "/m", "max_model_len": 8192}],
+        }
         http = FakeHttp({("GET", "/v1/models"): json_reply(body)})
         assert await _adapter().list_models(http) == ["tiny-llama"]
 
@@ -90,7 +99,9 @@ class TestVllmAdapter:
         assert (load.prefix_cache_queries, load.prefix_cache_hits) == (11955.0, 3200.0)
         assert load.age() < 60 and adapter.metrics is not None and adapter.metrics.num_gpu_blocks == 72
 
-    @pytest.mark.parametrize(("reply", "message"), [(HttpReply(500, b"boom"), "answered 500"), (HttpReply(200, b"\xff"), "UTF-8")])
+    @pytest.mark.parametrize(
+        ("reply", "message"), [(HttpReply(500, b"boom"), "answered 500"), (HttpReply(200, b"\xff"), "UTF-8")]
+    )
     async def test_poll_load_failures_raise_value_error(self, reply: HttpReply, message: str) -> None:
         """An unreadable /metrics raises ValueError (the health checker counts a skipped poll, the old load goes stale)."""
         with pytest.raises(ValueError, match=message):
@@ -103,7 +114,9 @@ class TestVllmAdapter:
         await adapter.poll_load(http)
         await adapter.poll_load(http)
         assert adapter._epoch == 0
-        text = fixture_text("metrics_busy.txt").replace("process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09")
+        text = fixture_text("metrics_busy.txt").replace(
+            "process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09"
+        )
         assert text != fixture_text("metrics_busy.txt")
         http.set("GET", "/metrics", HttpReply(200, text.encode()))
         await adapter.poll_load(http)
@@ -112,7 +125,9 @@ class TestVllmAdapter:
     async def test_sources_discovered_from_the_engine(self) -> None:
         """A bound wildcard endpoint is reached at the backend's host, with its replay endpoint and topic."""
         http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources("tcp://*:40161", "tcp://*:41237"))})
-        assert await _adapter().sources(http) == [ZmqSource("tcp://127.0.0.1:40161", "kv", "tcp://127.0.0.1:41237", bind=False)]
+        assert await _adapter().sources(http) == [
+            ZmqSource("tcp://127.0.0.1:40161", "kv", "tcp://127.0.0.1:41237", bind=False)
+        ]
 
     async def test_sources_of_an_engine_that_connects(self) -> None:
         """A reported address of this machine where nothing listens: the engine connects, kvroute binds it (or kv_bind)."""
@@ -140,7 +155,9 @@ class TestVllmAdapter:
 
     async def test_malformed_sources_are_errors(self) -> None:
         """An answer that is not vLLM's shape raises ValueError naming the problem."""
-        http = FakeHttp({("GET", "/kv_event_sources"): json_reply({"0": {"enable_kv_cache_events": True, "endpoint": 5}})})
+        http = FakeHttp(
+            {("GET", "/kv_event_sources"): json_reply({"0": {"enable_kv_cache_events": True, "endpoint": 5}})}
+        )
         with pytest.raises(ValueError, match="'endpoint' string"):
             await _adapter().sources(http)
 
@@ -186,7 +203,9 @@ class TestVllmAdapter:
                     await wait_for(lambda: bool(adapter.subscribers) and adapter.subscribers[0].connected)
                     await pub.send_until(pub.store(payloads[0]), lambda: adapter.feeds[0].expected == 1)
                     assert sink.index.blocks("b0") == 16
-                    text = fixture_text("metrics_busy.txt").replace("process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09")
+                    text = fixture_text("metrics_busy.txt").replace(
+                        "process_start_time_seconds 1.79599349961e+09", "process_start_time_seconds 1.8e+09"
+                    )
                     http.set("GET", "/metrics", HttpReply(200, text.encode()))
                     await adapter.poll_load(http)
                     await wait_for(lambda: sink.index.blocks("b0") == 0)

@@ -80,8 +80,15 @@ def _tokens(start: int, blocks: int) -> list[int]:
 def _store(hashes: list[int], tokens: list[int], parent: int | None = None, **fields: object) -> dict[str, object]:
     """A BlockStored as vLLM 0.25+ encodes it (a map tagged by type; fields equal to their default left out)."""
     return {
-        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-        "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, **fields,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **fields,
     }
 
 
@@ -101,7 +108,12 @@ class TestPublisherCaptures:
         assert [b.seq for b in batches] == [0, 1, 2]
         first = batches[0].events[0]
         assert isinstance(first, BlockStored)
-        assert (first.block_size, first.group_idx, first.kv_cache_spec_kind, first.parent_block_hash) == (BS, 0, "mla_attention", None)
+        assert (first.block_size, first.group_idx, first.kv_cache_spec_kind, first.parent_block_hash) == (
+            BS,
+            0,
+            "mla_attention",
+            None,
+        )
         assert list(first.token_ids) == _tokens(1000, 2) and first.block_hashes[0] > 2**63
 
     def test_map_shaped_batch_decodes_like_the_array_batch(self) -> None:
@@ -114,14 +126,18 @@ class TestPublisherCaptures:
                 (b.seq, b.events, b.data_parallel_rank) for b in _live("0.33.0", scenario)
             ]
 
-    @pytest.mark.parametrize(("release", "frames"), [("0.23.0", 3), ("0.25.0", 3), ("0.31.0", 4), ("0.32.0", 4), ("0.33.0", 4)])
+    @pytest.mark.parametrize(
+        ("release", "frames"), [("0.23.0", 3), ("0.25.0", 3), ("0.31.0", 4), ("0.32.0", 4), ("0.33.0", 4)]
+    )
     def test_replay_replies_of_each_release_decode(self, release: str, frames: int) -> None:
         """Replay replies without the topic frame (before 0.26) and with it decode to the live batches, then the end marker."""
         scenario = publisher_capture(release)["scenarios"]["mla"]
         assert {len(r) for r in scenario["replay_reply"]} == {frames}
         *replies, end = [decode_replay_reply(r, b"kv") for r in scenario["replay_reply"]]
         assert end is None
-        assert [(b.seq, b.events) for b in replies if b is not None] == [(b.seq, b.events) for b in _live(release, "mla")]
+        assert [(b.seq, b.events) for b in replies if b is not None] == [
+            (b.seq, b.events) for b in _live(release, "mla")
+        ]
 
     def test_replay_reply_on_another_topic_is_refused(self) -> None:
         """A four-frame reply naming another topic is an EventFormatError that says which topic it got."""
@@ -156,7 +172,11 @@ class TestCacheKinds:
         feed, sink = _feed()
         with capture_logs() as logs:
             feed.receive(_live("0.33.0", "sliding_window_only")[0])
-        assert (feed.stats.blocks_stored, sink.exact, sink.reasons) == (0, {"b0": False}, {"b0": "cache_kind_not_indexed"})
+        assert (feed.stats.blocks_stored, sink.exact, sink.reasons) == (
+            0,
+            {"b0": False},
+            {"b0": "cache_kind_not_indexed"},
+        )
         assert [(e["backend"], e["reason"]) for e in _inexact_logs(logs)] == [("b0", "cache_kind_not_indexed")]
 
     def test_unknown_kinds_warn_once_each_and_make_the_index_inexact(self) -> None:
@@ -169,8 +189,12 @@ class TestCacheKinds:
         warned = [e["kind"] for e in logs if e["event"] == "kv_events_unknown_cache_kind"]
         assert warned == ["unknown", "compressed_latent_attention"]
         assert feed.stats.inexact_reasons == {"unknown_cache_kind": 3} and feed.stats.inexact == 1
-        assert len(_inexact_logs(logs)) == 1 and sink.exact == {"b0": False} and sink.reasons["b0"] == "unknown_cache_kind"
-        assert sink.index.match(block_hashes(_tokens(1000, 1), BS), ["b0"]) == {"b0": 1}  # the full-attention store still counts
+        assert (
+            len(_inexact_logs(logs)) == 1 and sink.exact == {"b0": False} and sink.reasons["b0"] == "unknown_cache_kind"
+        )
+        assert sink.index.match(block_hashes(_tokens(1000, 1), BS), ["b0"]) == {
+            "b0": 1
+        }  # the full-attention store still counts
         feed.receive(batches[3])  # AllBlocksCleared: engine and index are empty alike
         assert sink.exact == {"b0": True} and feed.lost_reason is None
 
@@ -283,9 +307,19 @@ class TestExactness:
         """CPU-tier blocks, another group of an indexed kind and multimodal blocks (with their descendants) keep the index exact."""
         feed, sink = _feed()
         feed.receive(_batch(0, _store([1], _tokens(0, 1), group_idx=0, kv_cache_spec_kind="full_attention")))
-        feed.receive(_batch(1, _store([2], _tokens(0, 1), medium="CPU"), _store([3], _tokens(0, 1), group_idx=1, kv_cache_spec_kind="mla_attention")))
-        feed.receive(_batch(2, _store([4, 5], _tokens(50, 2), parent=1, group_idx=0, extra_keys=[None, [["img-hash", 0]]])))
-        feed.receive(_batch(3, _store([6], _tokens(500, 1), parent=5, group_idx=0)))  # continues after the image: not an orphan
+        feed.receive(
+            _batch(
+                1,
+                _store([2], _tokens(0, 1), medium="CPU"),
+                _store([3], _tokens(0, 1), group_idx=1, kv_cache_spec_kind="mla_attention"),
+            )
+        )
+        feed.receive(
+            _batch(2, _store([4, 5], _tokens(50, 2), parent=1, group_idx=0, extra_keys=[None, [["img-hash", 0]]]))
+        )
+        feed.receive(
+            _batch(3, _store([6], _tokens(500, 1), parent=5, group_idx=0))
+        )  # continues after the image: not an orphan
         assert (feed.lost_reason, feed.stats.orphan_events, "set_exact" in sink.names()) == (None, 0, False)
         assert sink.index.blocks("b0") == 2 and feed.stats.ignored_events == 3
 
@@ -320,7 +354,9 @@ class TestExactness:
                     sink.index.set_exact("b0", True)  # what a switch back to exact does: the index drops the backend
                     assert sink.index.blocks("b0") == 0
                     feed.needs_resync = True
-                    await wait_for(lambda: len(pub.replay_requests) == 2 and not feed.needs_resync and feed.expected == 3)
+                    await wait_for(
+                        lambda: len(pub.replay_requests) == 2 and not feed.needs_resync and feed.expected == 3
+                    )
                     tg.cancel_scope.cancel()
         assert pub.replay_requests == [0, 0] and feed.lost_reason is None
         assert set(sink.index.holders) == model_router_hashes(payloads)
@@ -380,8 +416,13 @@ class TestReportedEndpoints:
         for release in ("0.31.0", "0.32.0", "0.33.0"):
             scenario = publisher_capture(release)["scenarios"]["mla"]
             reported = scenario["kv_event_sources"]["0"]
-            assert scenario["configured_endpoint"] == "tcp://*:0" and reported["endpoint"].startswith("tcp://127.0.0.1:")
-            assert reported["replay_endpoint"].startswith("tcp://127.0.0.1:") and reported["enable_kv_cache_events"] is True
+            assert scenario["configured_endpoint"] == "tcp://*:0" and reported["endpoint"].startswith(
+                "tcp://127.0.0.1:"
+            )
+            assert (
+                reported["replay_endpoint"].startswith("tcp://127.0.0.1:")
+                and reported["enable_kv_cache_events"] is True
+            )
 
     @pytest.mark.anyio
     @pytest.mark.parametrize("form", ["dict", "list", "envelope"])
@@ -390,7 +431,9 @@ class TestReportedEndpoints:
         payloads = captured_payloads()[:3]
         sink = RecordingSink()
         async with FakeVllmPublisher(bind="tcp://127.0.0.1:0") as pub:
-            http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_reported(pub.endpoint, pub.replay_endpoint, form))})
+            http = FakeHttp(
+                {("GET", "/kv_event_sources"): json_reply(_reported(pub.endpoint, pub.replay_endpoint, form))}
+            )
             adapter = _adapter()
             assert await adapter.sources(http) == [ZmqSource(pub.endpoint, "kv", pub.replay_endpoint, bind=False)]
             pub.store(payloads[0])
@@ -436,7 +479,10 @@ class TestReportedEndpoints:
         """An address of this machine without a listener: the engine connects to the router, kvroute binds it (or kv_bind)."""
         reported = f"tcp://127.0.0.1:{free_port}"
         assert await locate_publisher(reported, "http://127.0.0.1:8000") == (reported, True)
-        assert await locate_publisher(reported, "http://127.0.0.1:8000", kv_bind="tcp://*:6000") == ("tcp://*:6000", True)
+        assert await locate_publisher(reported, "http://127.0.0.1:8000", kv_bind="tcp://*:6000") == (
+            "tcp://*:6000",
+            True,
+        )
 
     @pytest.mark.anyio
     async def test_unresolved_port_is_an_error(self) -> None:

@@ -39,7 +39,12 @@ class TestDecodeMessage:
         assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
         assert first.parent_block_hash is None and second.parent_block_hash == first.block_hashes[-1]
         assert list(first.token_ids + second.token_ids) == data["chat_prompt_token_ids"][:3200]
-        assert (first.block_size, first.medium, first.group_idx, first.kv_cache_spec_kind) == (128, "GPU", 0, "full_attention")
+        assert (first.block_size, first.medium, first.group_idx, first.kv_cache_spec_kind) == (
+            128,
+            "GPU",
+            0,
+            "full_attention",
+        )
         assert any(h >= 2**63 for b in (first, second) for h in b.block_hashes)
 
     def test_positional_layout_decodes_to_the_same_events(self) -> None:
@@ -54,7 +59,10 @@ class TestDecodeMessage:
                 if isinstance(a, BlockStored):
                     assert isinstance(b, BlockStored)
                     assert (a.block_hashes, a.parent_block_hash, a.token_ids, a.block_size) == (
-                        b.block_hashes, b.parent_block_hash, b.token_ids, b.block_size
+                        b.block_hashes,
+                        b.parent_block_hash,
+                        b.token_ids,
+                        b.block_size,
                     )
                 elif isinstance(a, BlockRemoved):
                     assert isinstance(b, BlockRemoved)
@@ -87,15 +95,26 @@ class TestDecodeMessage:
             ([b"kv", b"\0" * 8, _pack([7])], "'type' key"),
             ([b"kv", b"\0" * 8, _pack([{"type": "BlockStored", "block_hashes": [1]}])], "missing field"),
             (
-                [b"kv", b"\0" * 8, _pack([{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"], "block_size": 2}])],
+                [
+                    b"kv",
+                    b"\0" * 8,
+                    _pack([{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"], "block_size": 2}]),
+                ],
                 "list of integers",
             ),
             (
-                [b"kv", b"\0" * 8, _pack([{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 0}])],
+                [
+                    b"kv",
+                    b"\0" * 8,
+                    _pack([{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 0}]),
+                ],
                 "positive integer",
             ),
             ([b"kv", b"\0" * 8, _pack([{"type": "BlockRemoved", "block_hashes": [1.5]}])], "block hash"),
-            ([b"kv", b"\0" * 8, msgpack.packb([1.0, [], 70000])], r"data_parallel_rank: expected 0 to 65535, got 70000"),
+            (
+                [b"kv", b"\0" * 8, msgpack.packb([1.0, [], 70000])],
+                r"data_parallel_rank: expected 0 to 65535, got 70000",
+            ),
             ([b"kv", b"\0" * 8, msgpack.packb([1.0, [], -1])], r"data_parallel_rank: expected 0 to 65535, got -1"),
         ],
     )

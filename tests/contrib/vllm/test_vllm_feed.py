@@ -19,8 +19,15 @@ def _batches() -> list[EventBatch]:
 
 def _stored(hashes: list[int], tokens: list[int], parent: int | None = None, **extra: object) -> dict[str, object]:
     return {
-        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-        "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, **extra,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
     }
 
 
@@ -129,7 +136,13 @@ class TestKvEventFeed:
         sink = RecordingSink()
         feed = VllmEventFeed("a", sink)
         tokens = list(range(BS))
-        feed.receive(_batch(0, _stored([1], tokens, medium="CPU"), _stored([2], tokens, group_idx=1, kv_cache_spec_kind="sliding_window")))
+        feed.receive(
+            _batch(
+                0,
+                _stored([1], tokens, medium="CPU"),
+                _stored([2], tokens, group_idx=1, kv_cache_spec_kind="sliding_window"),
+            )
+        )
         feed.receive(_batch(1, {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}))
         assert "blocks_stored" not in sink.names() and "blocks_removed" not in sink.names()
         assert feed.stats.skipped_events == 3
@@ -139,7 +152,14 @@ class TestKvEventFeed:
         sink = RecordingSink()
         feed = VllmEventFeed("a", sink)
         tokens = list(range(2 * BS))
-        feed.receive(_batch(0, _stored([7, 8], tokens, lora_name="tenant-lora", extra_keys=[["tenant-lora", "salt-1"], ["tenant-lora"]])))
+        feed.receive(
+            _batch(
+                0,
+                _stored(
+                    [7, 8], tokens, lora_name="tenant-lora", extra_keys=[["tenant-lora", "salt-1"], ["tenant-lora"]]
+                ),
+            )
+        )
         expected = block_hashes(tokens, BS, parent=root_hash("tenant-lora", "salt-1"))
         assert sink.index.match(expected, ["a"]) == {"a": 2}
         assert sink.calls[-1][2]["cache_salt"] == "salt-1"

@@ -92,7 +92,12 @@ class TestParseMetrics:
         """Servers before 0.9.2 (gpu_ names, no engine label) are read the same way."""
         m = parse_prometheus(OLD)
         assert (m.running, m.waiting, m.kv_usage) == (7, 2, 0.25)
-        assert (m.prefix_cache_queries, m.prefix_cache_hits, m.block_size, m.num_gpu_blocks) == (4096.0, 1024.0, 32, 500)
+        assert (m.prefix_cache_queries, m.prefix_cache_hits, m.block_size, m.num_gpu_blocks) == (
+            4096.0,
+            1024.0,
+            32,
+            500,
+        )
 
     def test_current_names_win_over_old_ones(self) -> None:
         """A server exposing both generations is read from the current names."""

@@ -24,9 +24,18 @@ KINDS = {"vllm": VllmAdapter.create}
 PROMPTS = [("bakumi", "Hello world, bakumi tosa.")]
 CHATS = [
     ("hello", [{"role": "user", "content": "Hello world"}]),
-    ("system-parts", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hello world"}]}]),
+    (
+        "system-parts",
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello world"}]},
+        ],
+    ),
 ]
-MODELS = {"object": "list", "data": [{"id": "tiny-llama", "object": "model", "owned_by": "vllm", "root": "/m", "max_model_len": 8192}]}
+MODELS = {
+    "object": "list",
+    "data": [{"id": "tiny-llama", "object": "model", "owned_by": "vllm", "root": "/m", "max_model_len": 8192}],
+}
 
 
 def _captured() -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -74,12 +83,16 @@ class TestCheckBackend:
     async def test_long_captured_chat(self, tiny_tokenizer: str) -> None:
         """The 3,302-token chat prompt captured with the KV events tokenizes identically."""
         chats = [("long", [{"role": "user", "content": kv_events()["chat_prompt"]}])]
-        report = await check_backend(_engine(), load_tokenizer(tiny_tokenizer), backend="e", prompts=[], chats=chats, kinds=KINDS)
+        report = await check_backend(
+            _engine(), load_tokenizer(tiny_tokenizer), backend="e", prompts=[], chats=chats, kinds=KINDS
+        )
         assert report.ok and report.cases[0].router_count == 3302
 
     async def test_chat_template_mismatch_is_shown(self, tiny_tokenizer: str) -> None:
         """Another chat template makes the chats differ; the report names the first differing token."""
-        tokenizer = load_tokenizer(tiny_tokenizer, chat_template="{% for m in messages %}<|begin|>{{ m['content'] }}{% endfor %}")
+        tokenizer = load_tokenizer(
+            tiny_tokenizer, chat_template="{% for m in messages %}<|begin|>{{ m['content'] }}{% endfor %}"
+        )
         report = await check_backend(_engine(), tokenizer, backend="e", prompts=PROMPTS, chats=CHATS[:1], kinds=KINDS)
         assert not report.ok
         prompt, chat = report.cases
@@ -90,7 +103,13 @@ class TestCheckBackend:
     async def test_block_size_disagreement_fails(self, tiny_tokenizer: str) -> None:
         """A strategy hashing 16-token blocks in front of a 128-token engine fails the check."""
         report = await check_backend(
-            _engine(), load_tokenizer(tiny_tokenizer), backend="e", prompts=PROMPTS, chats=[], router_block_size=16, kinds=KINDS
+            _engine(),
+            load_tokenizer(tiny_tokenizer),
+            backend="e",
+            prompts=PROMPTS,
+            chats=[],
+            router_block_size=16,
+            kinds=KINDS,
         )
         assert not report.block_size_ok and not report.ok
         assert any("DIFFERS" in line for line in report.lines())
@@ -101,14 +120,25 @@ class TestCheckBackend:
         http.routes.pop(("POST", "/tokenize"))
         http.set("POST", "/v1/completions", json_reply({"usage": {"prompt_tokens": 15, "completion_tokens": 1}}))
         http.set("POST", "/v1/chat/completions", json_reply({"usage": {"prompt_tokens": 13, "completion_tokens": 1}}))
-        report = await check_backend(http, load_tokenizer(tiny_tokenizer), backend="e", prompts=PROMPTS, chats=CHATS[:1], kinds=KINDS)
+        report = await check_backend(
+            http, load_tokenizer(tiny_tokenizer), backend="e", prompts=PROMPTS, chats=CHATS[:1], kinds=KINDS
+        )
         assert [(c.method, c.status) for c in report.cases] == [("usage", "ok"), ("usage", "mismatch")]
-        assert ("POST", "/v1/completions", {"model": "tiny-llama", "prompt": PROMPTS[0][1], "max_tokens": 1, "stream": False}) in http.calls
+        assert (
+            "POST",
+            "/v1/completions",
+            {"model": "tiny-llama", "prompt": PROMPTS[0][1], "max_tokens": 1, "stream": False},
+        ) in http.calls
 
     async def test_refused_samples_are_skipped(self, tiny_tokenizer: str) -> None:
         """A sample the engine refuses is skipped; with nothing compared the check does not pass."""
         report = await check_backend(
-            _engine(), load_tokenizer(tiny_tokenizer), backend="e", prompts=[("other", "not captured")], chats=[], kinds=KINDS
+            _engine(),
+            load_tokenizer(tiny_tokenizer),
+            backend="e",
+            prompts=[("other", "not captured")],
+            chats=[],
+            kinds=KINDS,
         )
         assert report.cases[0].status == "skipped" and "not captured" in (report.cases[0].note or "")
         assert report.compared == 0 and not report.ok
@@ -151,7 +181,11 @@ class TestStartupCheck:
         """A backend whose tokens match logs tokenizer_parity_ok with the engine's block size, and no warning."""
         with capture_logs() as logs:
             reports = await startup_check(
-                _Strategy(load_tokenizer(tiny_tokenizer)), [("b0", "http://e", _engine())], kinds=KINDS, prompts=PROMPTS, chats=CHATS
+                _Strategy(load_tokenizer(tiny_tokenizer)),
+                [("b0", "http://e", _engine())],
+                kinds=KINDS,
+                prompts=PROMPTS,
+                chats=CHATS,
             )
         assert reports[0].ok
         (event,) = [e for e in logs if e["event"].startswith("tokenizer_parity")]
@@ -205,8 +239,15 @@ class TestCheckParityCommand:
     def test_pass_exits_zero(self, engine_url: str, tiny_tokenizer: str) -> None:
         """Matching samples print PASS and the engine's block size, and exit 0."""
         result = self._run(
-            "--backend", engine_url, "--tokenizer", tiny_tokenizer, "--no-samples", "--prompt", PROMPTS[0][1],
-            "--messages", json.dumps(CHATS[1][1]),
+            "--backend",
+            engine_url,
+            "--tokenizer",
+            tiny_tokenizer,
+            "--no-samples",
+            "--prompt",
+            PROMPTS[0][1],
+            "--messages",
+            json.dumps(CHATS[1][1]),
         )
         assert result.exit_code == 0, result.output
         assert "engine block size: 128 tokens (vllm adapter)" in result.output and "PASS: 2/2" in result.output
@@ -214,8 +255,16 @@ class TestCheckParityCommand:
     def test_mismatch_exits_one_with_json(self, engine_url: str, tiny_tokenizer: str) -> None:
         """A mismatching chat template exits 1; --json gives the per-sample details."""
         result = self._run(
-            "--backend", engine_url, "--tokenizer", tiny_tokenizer, "--chat-template", "{{ messages[0]['content'] }}",
-            "--no-samples", "--messages", json.dumps(CHATS[0][1]), "--json",
+            "--backend",
+            engine_url,
+            "--tokenizer",
+            tiny_tokenizer,
+            "--chat-template",
+            "{{ messages[0]['content'] }}",
+            "--no-samples",
+            "--messages",
+            json.dumps(CHATS[0][1]),
+            "--json",
         )
         assert result.exit_code == 1
         (report,) = json.loads(result.output)

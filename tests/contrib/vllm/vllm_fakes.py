@@ -66,7 +66,9 @@ def as_positional(payload: bytes) -> bytes:
 class FakeHttp:
     """An `HttpClient` answering from a table ``{(method, path): reply or callable}``; records every call."""
 
-    def __init__(self, routes: Mapping[tuple[str, str], HttpReply | Callable[[object], HttpReply]] | None = None) -> None:
+    def __init__(
+        self, routes: Mapping[tuple[str, str], HttpReply | Callable[[object], HttpReply]] | None = None
+    ) -> None:
         self.routes: dict[tuple[str, str], Any] = dict(routes or {})
         self.calls: list[tuple[str, str, object]] = []
 
@@ -244,7 +246,9 @@ class FakeVllmPublisher:
             for seq, payload in self.buffer:
                 if seq >= first:
                     await self.router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", b"", END_SEQ, b""] if self.replay_topic else [client, b"", END_SEQ, b""])
+            await self.router.send_multipart(
+                [client, b"", b"", END_SEQ, b""] if self.replay_topic else [client, b"", END_SEQ, b""]
+            )
 
 
 async def wait_for(condition: Callable[[], bool], limit_s: float = 10.0) -> None:

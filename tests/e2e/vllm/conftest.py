@@ -41,5 +41,7 @@ def vllm_servers(
     given = os.environ.get("KVROUTE_VLLM_LOG_DIR")
     logs = Path(given) if given else tmp_path_factory.mktemp("vllm-logs")
     # Dev mode adds POST /reset_prefix_cache, which the routing tests use between strategies.
-    with start_vllm_servers(vllm_python, tiny_model, 2, log_dir=logs, extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as servers:
+    with start_vllm_servers(
+        vllm_python, tiny_model, 2, log_dir=logs, extra_env={"VLLM_SERVER_DEV_MODE": "1"}
+    ) as servers:
         yield servers

@@ -101,7 +101,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, limit_s: f
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvroute serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"kvroute serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             body = json.loads(get_text(url + "/health", timeout_s=2))
             if body.get("routable") == body.get("backends") == 2:
@@ -134,10 +136,20 @@ def _start_proxy(
 ) -> Iterator[_Proxy]:
     (port,) = free_ports(1)
     lines = [
-        "[server]", 'host = "127.0.0.1"', f"port = {port}", "",
-        "[routing]", f'strategy = "{strategy}"', "", "[routing.options]",
-        *(f"{k} = {json.dumps(v)}" for k, v in options.items()), "",
-        "[health]", "interval = 0.5", "timeout = 5.0", "",
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "",
+        "[routing]",
+        f'strategy = "{strategy}"',
+        "",
+        "[routing.options]",
+        *(f"{k} = {json.dumps(v)}" for k, v in options.items()),
+        "",
+        "[health]",
+        "interval = 0.5",
+        "timeout = 5.0",
+        "",
     ]
     for i, server in enumerate(servers):
         lines += ["[[backends]]", f'id = "vllm-{i}"', f'url = "{server.base_url}"', 'kind = "vllm"', ""]
@@ -146,8 +158,22 @@ def _start_proxy(
     log = workdir / f"kvroute-{strategy}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute", "serve", "--config", str(config), "--log-format", "json", "--log-level", "info"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "kvroute",
+                "serve",
+                "--config",
+                str(config),
+                "--log-format",
+                "json",
+                "--log-level",
+                "info",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -204,7 +230,9 @@ def _ideal_hits(tokenizer_dir: Path) -> int:
     total = 0
     bodies = _workload(seed=3)
     for d in range(DOCUMENTS):
-        ids = [tok.encode_text(tok.render(RouteRequest.from_openai(bodies[q * DOCUMENTS + d]))) for q in range(QUESTIONS)]
+        ids = [
+            tok.encode_text(tok.render(RouteRequest.from_openai(bodies[q * DOCUMENTS + d]))) for q in range(QUESTIONS)
+        ]
         common = next((i for i, col in enumerate(zip(*ids, strict=False)) if len(set(col)) > 1), min(map(len, ids)))
         total += (QUESTIONS - 1) * (common // BLOCK * BLOCK)
     return total
@@ -257,10 +285,16 @@ class TestVllmAdapterLive:
         assert load.kv_usage == metric_value(text, "vllm:kv_cache_usage_perc", **labels)
         assert load.block_size == BLOCK and metric_value(text, "vllm:cache_config_info", block_size=str(BLOCK)) == 1.0
         assert adapter.metrics is not None and adapter.metrics.num_gpu_blocks == int(
-            next(p.split('"')[1] for p in text.split("vllm:cache_config_info{", 1)[1].split(",") if p.startswith("num_gpu_blocks="))
+            next(
+                p.split('"')[1]
+                for p in text.split("vllm:cache_config_info{", 1)[1].split(",")
+                if p.startswith("num_gpu_blocks=")
+            )
         )
 
-    async def test_kv_events_make_the_index_agree_with_the_engine(self, vllm_servers: list[VllmServer], tiny_model: Path) -> None:
+    async def test_kv_events_make_the_index_agree_with_the_engine(
+        self, vllm_servers: list[VllmServer], tiny_model: Path
+    ) -> None:
         """Events feed the exact index; for each prompt, the blocks it says the engine holds are what the engine then serves from cache."""
         import aiohttp
         import anyio
@@ -287,7 +321,9 @@ class TestVllmAdapterLive:
                 ids = tok.encode_text(prompt, add_special_tokens=True)
                 hashes = block_hashes(ids, BLOCK)
                 await anyio.to_thread.run_sync(
-                    lambda p=prompt: post_json(server.base_url + "/v1/completions", {"model": server.model, "prompt": p, "max_tokens": 1})
+                    lambda p=prompt: post_json(
+                        server.base_url + "/v1/completions", {"model": server.model, "prompt": p, "max_tokens": 1}
+                    )
                 )
                 with anyio.fail_after(30):  # events are published with the engine step; wait until the index has them
                     while index.match(hashes, ["s0"])["s0"] < len(hashes):  # noqa: ASYNC110 - index state
@@ -298,11 +334,15 @@ class TestVllmAdapterLive:
                 held = index.match(hashes, ["s0"])["s0"]
                 answer = json.loads(
                     await anyio.to_thread.run_sync(
-                        lambda p=prompt: post_json(server.base_url + "/v1/completions", {"model": server.model, "prompt": p, "max_tokens": 1})
+                        lambda p=prompt: post_json(
+                            server.base_url + "/v1/completions", {"model": server.model, "prompt": p, "max_tokens": 1}
+                        )
                     )
                 )
                 cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                assert cached == min(held, (len(ids) - 1) // BLOCK) * BLOCK, f"index says {held} blocks, engine served {cached} tokens"
+                assert cached == min(held, (len(ids) - 1) // BLOCK) * BLOCK, (
+                    f"index says {held} blocks, engine served {cached} tokens"
+                )
             stats = adapter.stats()["kv_events"][0]
             tg.cancel_scope.cancel()
         assert stats["decode_errors"] == 0 and stats["lost_batches"] == 0 and stats["rejected_events"] == 0
@@ -341,7 +381,9 @@ class TestRoutingThroughProxy:
         assert bounded["engine_hit_tokens"] > random_run["engine_hit_tokens"], summary
         assert prefix["engine_hit_tokens"] > random_run["engine_hit_tokens"], summary
         assert bounded["engine_hit_tokens"] == prefix["engine_hit_tokens"] == ideal, summary
-        assert set(prefix["requests_per_backend"]) == set(bounded["requests_per_backend"]) == {"vllm-0", "vllm-1"}, summary
+        assert set(prefix["requests_per_backend"]) == set(bounded["requests_per_backend"]) == {"vllm-0", "vllm-1"}, (
+            summary
+        )
 
 
 class TestProxyWiring:

@@ -31,7 +31,9 @@ class TestBoundedLoad:
         backends = [Backend(f"b{i}", weight=1 + i % 3) for i in range(9)]
         bl, ch = router(backends), router(backends, "consistent-hash")
         requests = sample_requests(3000, seed=5)
-        assert assign(bl.strategy, requests, bl.fleet.candidates()) == assign(ch.strategy, requests, ch.fleet.candidates())
+        assert assign(bl.strategy, requests, bl.fleet.candidates()) == assign(
+            ch.strategy, requests, ch.fleet.candidates()
+        )
 
     def test_hot_prefix_walks_its_own_order(self) -> None:
         """Concurrent requests for one prefix fill its home, then its second home, and so on, in the key's order."""
@@ -187,7 +189,10 @@ TestMinCapacityScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"min_capacity": 2}, claims=Claims(load_factor=1.25, min_capacity=2), max_examples=12
 ).TestCase
 TestThresholdOnlyScaling = ScalingStateMachine.for_strategy(
-    "bounded-load", {"load_factor": "off", "concurrency_threshold": 2}, claims=Claims(concurrency_threshold=2), max_examples=12
+    "bounded-load",
+    {"load_factor": "off", "concurrency_threshold": 2},
+    claims=Claims(concurrency_threshold=2),
+    max_examples=12,
 ).TestCase
 TestHotReplicasScaling = ScalingStateMachine.for_strategy(
     "bounded-load", {"hot_replicas": 3, "min_capacity": 0}, claims=Claims(load_factor=1.25), max_examples=12

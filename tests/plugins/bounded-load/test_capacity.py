@@ -16,7 +16,9 @@ from kvroute.testing import load_factor_cap
 
 def states(*loads: int, weights: tuple[float, ...] | None = None) -> list[BackendState]:
     ws = weights or (1.0,) * len(loads)
-    return [BackendState(Backend(f"b{i}", weight=w), in_flight=n) for i, (n, w) in enumerate(zip(loads, ws, strict=True))]
+    return [
+        BackendState(Backend(f"b{i}", weight=w), in_flight=n) for i, (n, w) in enumerate(zip(loads, ws, strict=True))
+    ]
 
 
 class TestCapacity:
@@ -109,7 +111,12 @@ class TestChoose:
         loads = LoadBound(load_factor=None, concurrency_threshold=2).measure(cands)
         assert choose(iter(cands[2:]), loads).reason == "first"
         choice = choose(iter(cands), loads)
-        assert (choice.state, choice.rank, choice.reason, choice.spill_reason) == (cands[2], 2, "spilled", "concurrency_threshold")
+        assert (choice.state, choice.rank, choice.reason, choice.spill_reason) == (
+            cands[2],
+            2,
+            "spilled",
+            "concurrency_threshold",
+        )
         assert choice.spilled
 
     def test_walk_is_lazy(self) -> None:
@@ -130,7 +137,12 @@ class TestChoose:
         cands = states(4, 2, 2, 3)
         loads = LoadBound(load_factor=None, concurrency_threshold=2).measure(cands)
         choice = choose(iter(cands), loads)
-        assert (choice.state, choice.rank, choice.reason, choice.spill_reason) == (cands[1], 1, "least_loaded", "concurrency_threshold")
+        assert (choice.state, choice.rank, choice.reason, choice.spill_reason) == (
+            cands[1],
+            1,
+            "least_loaded",
+            "concurrency_threshold",
+        )
 
     def test_candidates_left_out_of_the_order_count_when_all_are_full(self) -> None:
         """The least-loaded fallback considers every candidate, not only the ones the order listed."""

@@ -112,7 +112,9 @@ print(json.dumps([r.decide(q)[0].backend.id for q in sample_requests(500, seed=9
             [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "99"}
         ).stdout
         here = router([Backend(f"instance-{i}", weight=1 + i % 2) for i in range(7)])
-        assert json.loads(out.strip().splitlines()[-1]) == [here.decide(q)[0].backend.id for q in sample_requests(500, seed=9)]
+        assert json.loads(out.strip().splitlines()[-1]) == [
+            here.decide(q)[0].backend.id for q in sample_requests(500, seed=9)
+        ]
 
     @pytest.mark.parametrize(
         ("options", "message"),

@@ -58,7 +58,11 @@ class TestRendezvous:
 
     def test_models_restrict_the_order(self) -> None:
         """Only members serving the model appear in its order; none serving it means no home."""
-        states = [BackendState(Backend("a", models={"m1"})), BackendState(Backend("b")), BackendState(Backend("c", models={"m2"}))]
+        states = [
+            BackendState(Backend("a", models={"m1"})),
+            BackendState(Backend("b")),
+            BackendState(Backend("c", models={"m2"})),
+        ]
         placement = Rendezvous(states)
         assert {placement.states[i].id for i in placement.ranking(7, "m1")} == {"a", "b"}
         assert {placement.states[i].id for i in placement.ranking(7, "m2")} == {"b", "c"}

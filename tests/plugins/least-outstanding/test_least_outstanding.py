@@ -66,4 +66,3 @@ class TestLeastOutstanding:
 TestLeastOutstandingScaling = ScalingStateMachine.for_strategy(
     "least-outstanding", {"seed": 1}, claims=attrs.evolve(Claims.none(), least_loaded=True), keys=200, max_examples=12
 ).TestCase
-

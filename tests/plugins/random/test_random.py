@@ -70,4 +70,3 @@ TestRandomScaling = ScalingStateMachine.for_strategy(
     claims=Claims(deterministic=False, minimal_disruption=False, returns=False, balance=True),
     max_examples=12,
 ).TestCase
-

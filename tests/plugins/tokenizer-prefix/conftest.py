@@ -25,9 +25,7 @@ EOS = "<|eos|>"
 SPECIALS = (BOS, EOS, "<|pad|>", "<|im_start|>", "<|im_end|>")
 
 #: Llama 3's pre-tokenizer split pattern (a public fact of its tokenizer.json).
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 # ChatML-like, reads content as a string (content format "string"), renders tools as JSON.
 CHAT_TEMPLATE = (
@@ -105,7 +103,9 @@ def train(kind: str = "llama3", vocab_size: int = 2000, seed: int = 7) -> object
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     bos = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
+    )
     return tok
 
 
@@ -115,7 +115,12 @@ def write_model(out: Path, tok: object, template: str | list[dict[str, str]] | N
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     added = {
         str(tok.token_to_id(t)): {  # type: ignore[attr-defined]
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIALS
     }
@@ -132,7 +137,9 @@ def write_model(out: Path, tok: object, template: str | list[dict[str, str]] | N
     if template is not None:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>"}))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>"})
+    )
     return out
 
 

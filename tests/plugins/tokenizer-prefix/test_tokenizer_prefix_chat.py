@@ -51,14 +51,21 @@ def hf_tokenizers(model_dir: Path, parts_model_dir: Path) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return {"string": AutoTokenizer.from_pretrained(str(model_dir)), "parts": AutoTokenizer.from_pretrained(str(parts_model_dir))}
+    return {
+        "string": AutoTokenizer.from_pretrained(str(model_dir)),
+        "parts": AutoTokenizer.from_pretrained(str(parts_model_dir)),
+    }
 
 
 class TestParityWithTransformers:
     @settings(max_examples=150)
     @given(messages=conversations, tools=tools_lists)
     def test_string_template_matches_apply_chat_template(
-        self, hf_tokenizers: dict[str, Any], tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        hf_tokenizers: dict[str, Any],
+        tok: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
     ) -> None:
         """A string-content template renders and tokenizes like apply_chat_template on vLLM's flattened messages."""
         hf = hf_tokenizers["string"]
@@ -78,7 +85,9 @@ class TestParityWithTransformers:
         """A template that loops over content parts gets the parts as they are, like apply_chat_template."""
         template = load_tokenizer(parts_model_dir).chat_template
         assert template is not None and template.content_format == "openai"
-        expected = hf_tokenizers["parts"].apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+        expected = hf_tokenizers["parts"].apply_chat_template(
+            messages, add_generation_prompt=generation, tokenize=False
+        )
         assert template.render(messages, add_generation_prompt=generation) == expected
 
 
@@ -90,20 +99,39 @@ class TestRecordedExpectations:
         assert len(cases) >= 4
         for case in cases:
             template = tok.chat_template if case["template"] == "string" else parts
-            rendered = template.render(case["messages"], tools=case.get("tools"), add_generation_prompt=case["add_generation_prompt"])
+            rendered = template.render(
+                case["messages"], tools=case.get("tools"), add_generation_prompt=case["add_generation_prompt"]
+            )
             assert rendered == case["expected"], case
 
 
 class TestChatTemplate:
     def test_string_template_flattens_parts_with_newlines(self, tok: Any) -> None:
         """List content is joined from its text parts with newlines for a string-format template, as vLLM does."""
-        messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "b"}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "b"},
+                ],
+            }
+        ]
         assert "user\na\nb<|im_end|>" in tok.chat_template.render(messages)
 
     def test_content_format_detection(self) -> None:
         """A loop over message content means the openai format; reading it as a value means string."""
-        assert detect_content_format("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}") == "openai"
-        assert detect_content_format("{% for m in messages %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}") == "openai"
+        assert (
+            detect_content_format(
+                "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
+            )
+            == "openai"
+        )
+        assert (
+            detect_content_format("{% for m in messages %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}")
+            == "openai"
+        )
         assert detect_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
 
     def test_none_values_are_dropped(self) -> None:
@@ -123,7 +151,9 @@ class TestChatTemplate:
 
     def test_generation_tag_renders_its_body(self) -> None:
         """The {% generation %} tag of assistant-mask templates renders its body."""
-        template = ChatTemplate("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}")
+        template = ChatTemplate(
+            "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+        )
         assert template.render([{"role": "assistant", "content": "x"}]) == "[x]"
 
     def test_special_tokens_and_kwargs_are_variables(self) -> None:

@@ -50,7 +50,9 @@ class TestBlockHashes:
         plain = set(block_hashes(tokens, 16))
         assert plain.isdisjoint(block_hashes(tokens, 16, lora="adapter-a"))
         assert plain.isdisjoint(block_hashes(tokens, 16, cache_salt="tenant-1"))
-        assert set(block_hashes(tokens, 16, cache_salt="tenant-1")).isdisjoint(block_hashes(tokens, 16, cache_salt="tenant-2"))
+        assert set(block_hashes(tokens, 16, cache_salt="tenant-1")).isdisjoint(
+            block_hashes(tokens, 16, cache_salt="tenant-2")
+        )
         assert root_hash(None, None) == root_hash()
 
     def test_bad_block_size(self) -> None:
@@ -65,7 +67,6 @@ class TestBlockHashes:
         blocks = PromptBlocks(iter(token_array(c) for c in chunks), size, max_blocks, root_hash())
         assert blocks.complete() == block_hashes(whole, size)[:max_blocks]
         assert blocks.done
-
 
     @settings(max_examples=100)
     @given(
@@ -88,7 +89,9 @@ class TestBlockHashes:
 
     @settings(max_examples=150, deadline=None)
     @given(
-        words=st.lists(st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42", " é", "  "]), max_size=120),
+        words=st.lists(
+            st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42", " é", "  "]), max_size=120
+        ),
         cuts=st.lists(st.integers(0, 120), max_size=4),
         coarse=st.integers(1, 96),
         fine=st.integers(1, 32),
@@ -110,7 +113,9 @@ class TestBlockHashes:
 
     @settings(max_examples=60, deadline=None)
     @given(
-        words=st.lists(st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42"]), min_size=1, max_size=120),
+        words=st.lists(
+            st.sampled_from(["Hello", " world", " the", " cat", ".", "\n", "\nItem", " 42"]), min_size=1, max_size=120
+        ),
         stop=st.integers(0, 40),
         size=st.integers(1, 4),
     )
@@ -146,7 +151,6 @@ class TestBlockHashes:
             assert codec.encoded <= steps
         assert codec.encoded > 100 and blocks.hashes == block_hashes(tok.encode_text(text), 4)
 
-
     @settings(max_examples=300)
     @given(
         shared=st.lists(st.sampled_from([b"ab", b"c", b" ", b"\xc3\xa9"]), max_size=30).map(b"".join),
@@ -180,7 +184,9 @@ class TestBlockHashes:
                     return None
                 rx, ry = raw(x), raw(y)
                 if rx != ry:
-                    common = next((k for k, (p, q) in enumerate(zip(rx, ry, strict=False)) if p != q), min(len(rx), len(ry)))
+                    common = next(
+                        (k for k, (p, q) in enumerate(zip(rx, ry, strict=False)) if p != q), min(len(rx), len(ry))
+                    )
                     if (common == len(rx) and i + 1 < len(a)) or (common == len(ry) and i + 1 < len(b)):
                         return None
                     return i, common
@@ -351,7 +357,9 @@ class TestPrefixClosure:
         records=st.lists(st.tuples(st.sampled_from("ab"), st.lists(st.integers(0, 2), max_size=12)), max_size=30),
         capacity=st.integers(1, 12),
     )
-    def test_records_keep_every_backend_prefix_closed(self, records: list[tuple[str, list[int]]], capacity: int) -> None:
+    def test_records_keep_every_backend_prefix_closed(
+        self, records: list[tuple[str, list[int]]], capacity: int
+    ) -> None:
         """After any approximate records and evictions, a backend holding a block holds every block before it."""
         index = BlockIndex(block_size=1, capacity_blocks=capacity)
         parent: dict[int, int | None] = {}

@@ -105,7 +105,9 @@ class TestAffinity:
         with router.route(request(conversation_turn(0, 3))) as first:
             home = first.backend.id
         # One unrelated request in flight at home, none elsewhere.
-        cold = [router.acquire(request(chat(f"unrelated {i} " * 50, system=f"other system {i} " * 40))) for i in range(6)]
+        cold = [
+            router.acquire(request(chat(f"unrelated {i} " * 50, system=f"other system {i} " * 40))) for i in range(6)
+        ]
         loads = {s.id: s.in_flight for s in router.fleet}
         assert loads[home] >= 1
         lease = router.acquire(request(conversation_turn(0, 4)))
@@ -284,7 +286,9 @@ class TestLazyRecording:
         ),
         fine=st.integers(4, 64),
     )
-    def test_lazy_recording_decides_like_eager_recording(self, model_dir: Path, ops: list[tuple[int, int, bool, int]], fine: int) -> None:
+    def test_lazy_recording_decides_like_eager_recording(
+        self, model_dir: Path, ops: list[tuple[int, int, bool, int]], fine: int
+    ) -> None:
         """Decisions and matched tokens equal those of recording every block at once, prefetch or not."""
         options = {"tokenizer": str(model_dir), "piece_bytes": 64, "fine_bytes": fine, "load_cost_tokens": 64}
         lazy = make_router(TokenizerPrefix(**options), 3)
@@ -294,7 +298,10 @@ class TestLazyRecording:
             body = chat(document(doc) + f" Question {question}?", *[f"Turn {t} of {doc}." for t in range(depth)])
             a = lazy.acquire(request(body, request_id=f"r{n}"))
             b = eager.acquire(request(body, request_id=f"r{n}"))
-            assert (a.backend.id, a.decision.detail["matched_tokens"]) == (b.backend.id, b.decision.detail["matched_tokens"])
+            assert (a.backend.id, a.decision.detail["matched_tokens"]) == (
+                b.backend.id,
+                b.decision.detail["matched_tokens"],
+            )
             assert a.decision.detail["best_matched_tokens"] == b.decision.detail["best_matched_tokens"]
             held.append((a, b))
             if release:
@@ -317,7 +324,11 @@ class TestLazyRecording:
         cands = list(router.fleet.candidates("m"))
 
         def text(doc: int, turns: int) -> dict[str, Any]:
-            return chat(f"doc {doc} " + "word " * 30, *[f"turn {t} of {doc} " + "more " * 10 for t in range(turns)], system="sys")
+            return chat(
+                f"doc {doc} " + "word " * 30,
+                *[f"turn {t} of {doc} " + "more " * 10 for t in range(turns)],
+                system="sys",
+            )
 
         for backend, doc, turns in sent:
             strategy.index.record(f"b{backend}", strategy.prompt_blocks(request(text(doc, turns))).complete())

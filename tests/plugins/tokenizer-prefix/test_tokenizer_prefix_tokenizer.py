@@ -22,9 +22,44 @@ from kvroute.errors import ConfigError, InvalidRequest
 
 # Text like prompts: words, spaces, newlines, digits, punctuation, Unicode, special-token look-alikes.
 _fragments = st.sampled_from(
-    ["Hello", " world", "the", " cat", "\n", "\n\n", "  ", " \n", "\t", ".", ",", "!", "?", "'s", " 123", "4567",
-     "é", " naïve", "日本", "😀", "\u00a0", "<|im_start|>", "<|im_end|>", "<|bos|>", "x.\n", "\nItem", "def f():\n    ",
-     "A", "b", "Zz", "(", ")", "-", "_", ":", "\r\n"]
+    [
+        "Hello",
+        " world",
+        "the",
+        " cat",
+        "\n",
+        "\n\n",
+        "  ",
+        " \n",
+        "\t",
+        ".",
+        ",",
+        "!",
+        "?",
+        "'s",
+        " 123",
+        "4567",
+        "é",
+        " naïve",
+        "日本",
+        "😀",
+        "\u00a0",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|bos|>",
+        "x.\n",
+        "\nItem",
+        "def f():\n    ",
+        "A",
+        "b",
+        "Zz",
+        "(",
+        ")",
+        "-",
+        "_",
+        ":",
+        "\r\n",
+    ]
 )
 texts = st.one_of(st.lists(_fragments, max_size=80).map("".join), st.text(max_size=300))
 
@@ -38,7 +73,11 @@ class TestResolveModelFiles:
 
     def test_directory(self, model_dir: Path) -> None:
         """A model directory yields its tokenizer files."""
-        assert set(resolve_model_files(model_dir)) >= {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+        assert set(resolve_model_files(model_dir)) >= {
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+        }
 
     def test_directory_without_tokenizer_json(self, tmp_path: Path) -> None:
         """A directory without tokenizer.json is a ConfigError naming the directory."""
@@ -185,7 +224,9 @@ class TestWordTokenizer:
                 {
                     "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard", "my role"]),
                     "content": st.lists(
-                        st.sampled_from(["bada", "bade", "<|end|>", "<|user|>", "x", " ", "\n", "  ", "unknownword", "é"]),
+                        st.sampled_from(
+                            ["bada", "bade", "<|end|>", "<|user|>", "x", " ", "\n", "  ", "unknownword", "é"]
+                        ),
                         max_size=12,
                     ).map("".join),
                 }

@@ -58,15 +58,26 @@ class TestRoutes:
         _, first = _chat(emulator.url, LONG, max_tokens=40)
         answer = first["choices"][0]["message"]["content"]  # type: ignore[index]
         body = {
-            "model": "m", "max_tokens": 2,
-            "messages": [{"role": "user", "content": LONG}, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}],
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [
+                {"role": "user", "content": LONG},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "more"},
+            ],
         }
         second = json.loads(http("POST", emulator.url + "/v1/chat/completions", body)[2])
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"]  # type: ignore[index]
 
     def test_stream_shape(self, emulator: ServerThread) -> None:
         """A stream starts with the role, carries one token per event, ends with usage (when asked) and [DONE]."""
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         status, headers, raw = http("POST", emulator.url + "/v1/chat/completions", body)
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
@@ -81,14 +92,20 @@ class TestRoutes:
     def test_completions_with_token_ids_and_determinism(self, emulator: ServerThread) -> None:
         """Token-id prompts are accepted and the same prompt always gives the same text."""
         body = {"model": "m", "prompt": [10, 11, 12, 13], "max_tokens": 5}
-        texts = {json.loads(http("POST", emulator.url + "/v1/completions", body)[2])["choices"][0]["text"] for _ in range(2)}
+        texts = {
+            json.loads(http("POST", emulator.url + "/v1/completions", body)[2])["choices"][0]["text"] for _ in range(2)
+        }
         assert len(texts) == 1 and len(texts.pop().split()) == 5
 
     def test_tokenize_matches_usage(self, emulator: ServerThread) -> None:
         """/tokenize counts the same prompt tokens a request reports; /detokenize inverts it."""
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": LONG}]
         tokens = json.loads(http("POST", emulator.url + "/tokenize", {"model": "m", "messages": messages})[2])
-        reply = json.loads(http("POST", emulator.url + "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 1})[2])
+        reply = json.loads(
+            http("POST", emulator.url + "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 1})[
+                2
+            ]
+        )
         assert tokens["count"] == reply["usage"]["prompt_tokens"] == len(tokens["tokens"])
         words = vocabulary().decode([40, 41, 42])
         ids = json.loads(http("POST", emulator.url + "/tokenize", {"prompt": words})[2])["tokens"]
@@ -112,7 +129,10 @@ class TestRoutes:
 
     @pytest.mark.parametrize(
         "raw",
-        [b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"model": "m", "n": ' + b"9" * 5000 + b"}"],
+        [
+            b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            b'{"model": "m", "n": ' + b"9" * 5000 + b"}",
+        ],
         ids=["deep", "long-number"],
     )
     def test_hostile_json_is_a_400(self, emulator: ServerThread, raw: bytes) -> None:
@@ -129,7 +149,9 @@ def _families(url: str) -> dict[str, object]:
 class TestMediaType:
     def test_json_content_type_required(self, emulator: ServerThread) -> None:
         """Like vLLM, a POST without Content-Type application/json is refused with 400."""
-        status, _, raw = http("POST", emulator.url + "/tokenize", raw=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+        status, _, raw = http(
+            "POST", emulator.url + "/tokenize", raw=b'{"prompt": "a"}', headers={"content-type": "text/plain"}
+        )
         assert status == 400 and "Only 'application/json' is allowed" in json.loads(raw)["error"]["message"]
 
 
@@ -156,7 +178,13 @@ class TestMetrics:
         hits = {s.name: s.value for s in families["vllm:prefix_cache_hits"].samples}["vllm:prefix_cache_hits_total"]  # type: ignore[attr-defined]
         assert 0 < hits < total.value
         info = families["vllm:cache_config_info"].samples[0]  # type: ignore[attr-defined]
-        assert info.labels == {"block_size": "16", "enable_prefix_caching": "True", "num_gpu_blocks": "1024", "prefix_caching_hash_algo": "sha256", "engine": "0"}
+        assert info.labels == {
+            "block_size": "16",
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": "1024",
+            "prefix_caching_hash_algo": "sha256",
+            "engine": "0",
+        }
         ttft = {s.name: s.value for s in families["vllm:time_to_first_token_seconds"].samples}  # type: ignore[attr-defined]
         assert ttft["vllm:time_to_first_token_seconds_count"] == 2
 
@@ -175,7 +203,12 @@ class TestMetrics:
 class TestFaults:
     def test_injected_errors_and_health(self, emulator: ServerThread) -> None:
         """Faults set at runtime make the next requests fail and /health report a status."""
-        assert http("POST", emulator.url + "/emulator/faults", {"error_next": 1, "error_status": 502, "health_status": 503})[0] == 200
+        assert (
+            http(
+                "POST", emulator.url + "/emulator/faults", {"error_next": 1, "error_status": 502, "health_status": 503}
+            )[0]
+            == 200
+        )
         assert _chat(emulator.url, "x")[0] == 502
         assert _chat(emulator.url, "x")[0] == 200
         assert http("GET", emulator.url + "/health")[0] == 503
@@ -197,7 +230,13 @@ class TestTokenizer:
     def test_chat_template_nests_turns(self) -> None:
         """A conversation's prompt plus its answer is a prefix of the next turn's prompt."""
         first = tokenize_chat([{"role": "user", "content": "hi there"}])
-        second = tokenize_chat([{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}])
+        second = tokenize_chat(
+            [
+                {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "ok"},
+            ]
+        )
         assert second[: len(first)] == first
 
 
@@ -235,7 +274,9 @@ def _leave_early(server: ServerThread, body: dict[str, object], *, read_first_ev
     """Send a request, optionally read the first SSE line, then close the connection."""
     conn = HTTPConnection("127.0.0.1", server.port, timeout=10)
     try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"}
+        )
         if read_first_event:
             response = conn.getresponse()
             assert response.status == 200 and response.read1(64).startswith(b"data: ")
@@ -259,7 +300,11 @@ class TestClientDisconnect:
         assert stats["running"] == stats["waiting"] == 0
         assert stats["engine"]["aborted"] == 1 and stats["engine"]["finished"] == 0
         assert json.loads(http("GET", emulator.url + "/load")[2]) == {"server_load": 0}
-        usage = [line for line in http("GET", emulator.url + "/metrics")[2].decode().splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+        usage = [
+            line
+            for line in http("GET", emulator.url + "/metrics")[2].decode().splitlines()
+            if line.startswith("vllm:kv_cache_usage_perc")
+        ]
         assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0.0
 
     def test_the_aborted_prompt_stays_cached(self, emulator: ServerThread) -> None:

@@ -47,7 +47,9 @@ def backend_from_deployment(deployment: Mapping[str, Any]) -> Backend:
             labels={"litellm_model": str(params.get("model", ""))},
         )
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"LiteLLM deployment {ident!r}: 'litellm_params.weight' must be a number > 0 ({exc})") from None
+        raise ConfigError(
+            f"LiteLLM deployment {ident!r}: 'litellm_params.weight' must be a number > 0 ({exc})"
+        ) from None
 
 
 def _signature(backend: Backend) -> tuple[str, str, float]:

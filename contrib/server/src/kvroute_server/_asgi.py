@@ -136,7 +136,8 @@ def loads_body(raw: bytes) -> Any:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidBody(
-            f"The request body must be UTF-8 encoded JSON (invalid byte at offset {exc.start}).", code="invalid_encoding"
+            f"The request body must be UTF-8 encoded JSON (invalid byte at offset {exc.start}).",
+            code="invalid_encoding",
         ) from None
     raise InvalidBody(f"The request body is not valid JSON: {error}.", code="invalid_json")
 

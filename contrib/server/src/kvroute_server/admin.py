@@ -110,7 +110,10 @@ class AdminApi:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):
             await send_error(
-                send, 401, "The admin API needs 'Authorization: Bearer <admin token>'.", code="invalid_admin_token",
+                send,
+                401,
+                "The admin API needs 'Authorization: Bearer <admin token>'.",
+                code="invalid_admin_token",
                 headers=[(b"www-authenticate", b'Bearer realm="kvroute-admin"')],
             )
             return
@@ -206,7 +209,7 @@ class AdminApi:
             return 200, {**described, "removed": True}
         if action == "weight":
             if not isinstance(body, dict) or set(body) - {"weight"} or "weight" not in body:
-                raise ConfigError(f"PATCH takes {{\"weight\": <number > 0>}} (got {body!r}).")
+                raise ConfigError(f'PATCH takes {{"weight": <number > 0>}} (got {body!r}).')
             weight = body["weight"]
             if isinstance(weight, bool) or not isinstance(weight, int | float):
                 raise ConfigError(f"'weight' must be a number > 0 (got {weight!r}).")
@@ -233,6 +236,8 @@ class _Refusal:
 
 def _not_allowed(method: str, allowed: str) -> _Refusal:
     return _Refusal(
-        405, f"Method {method} is not allowed here (allowed: {allowed}).", "method_not_allowed",
+        405,
+        f"Method {method} is not allowed here (allowed: {allowed}).",
+        "method_not_allowed",
         ((b"allow", allowed.encode()),),
     )

@@ -137,10 +137,16 @@ class ProxyApp:
         self.plugins = plugins or PluginManager()
         self.fleet = Fleet()
         shared = worker is not None and worker.count > 1 and worker.shared_metrics
-        self.metrics = ProxyMetrics(self.fleet, config.strategy, shared=shared, worker=str(worker.index if worker else 0))
+        self.metrics = ProxyMetrics(
+            self.fleet, config.strategy, shared=shared, worker=str(worker.index if worker else 0)
+        )
         self.backends = BackendSet(
-            self.fleet, self.plugins, config.health, self.metrics,
-            connect_timeout=config.timeouts.connect, backends=config.backends,
+            self.fleet,
+            self.plugins,
+            config.health,
+            self.metrics,
+            connect_timeout=config.timeouts.connect,
+            backends=config.backends,
         )
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics)
@@ -217,8 +223,12 @@ class ProxyApp:
         if handler is None:
             allow = ", ".join(sorted(methods)).encode()
             await reject(
-                self.metrics, send, 405, f"Method {scope['method']} is not allowed on {path} (allowed: {allow.decode()}).",
-                code="method_not_allowed", headers=[(b"allow", allow)],
+                self.metrics,
+                send,
+                405,
+                f"Method {scope['method']} is not allowed on {path} (allowed: {allow.decode()}).",
+                code="method_not_allowed",
+                headers=[(b"allow", allow)],
             )
             return
         await handler(scope, receive, send)
@@ -231,15 +241,24 @@ class ProxyApp:
         """
         request_id = scope.get(_SCOPE_REQUEST_ID)
         _events.error(
-            "request_failed", request_id=request_id, method=scope.get("method"), path=scope.get("path"),
-            response_started=guard.started, error=f"{type(exc).__name__}: {exc}", exc_info=exc,
+            "request_failed",
+            request_id=request_id,
+            method=scope.get("method"),
+            path=scope.get("path"),
+            response_started=guard.started,
+            error=f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
         )
         if guard.started:
             return
         headers = [(_REQUEST_ID, request_id.encode("latin-1"))] if request_id else []
         await reject(
-            self.metrics, guard.send, 500, f"The proxy failed to handle this request ({type(exc).__name__}); the error is in its log.",
-            code="internal_error", headers=headers,
+            self.metrics,
+            guard.send,
+            500,
+            f"The proxy failed to handle this request ({type(exc).__name__}); the error is in its log.",
+            code="internal_error",
+            headers=headers,
         )
 
     async def _parse_request(
@@ -265,7 +284,8 @@ class ProxyApp:
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         data = [
-            {"id": m, "object": "model", "created": self._created, "owned_by": "kvroute"} for m in self.backends.all_models()
+            {"id": m, "object": "model", "created": self._created, "owned_by": "kvroute"}
+            for m in self.backends.all_models()
         ]
         await send_json(send, 200, {"object": "list", "data": data})
 
@@ -362,8 +382,15 @@ class ProxyApp:
         except BodyTooLarge as exc:
             count_reject(self.metrics, 413, ex, str(exc))
             await send_error_draining(
-                receive, send, 413, str(exc), code="request_too_large", headers=[id_header],
-                max_bytes=max(4 * limit, _DRAIN_MIN_BYTES), max_seconds=_DRAIN_SECONDS, idle_seconds=_DRAIN_IDLE_SECONDS,
+                receive,
+                send,
+                413,
+                str(exc),
+                code="request_too_large",
+                headers=[id_header],
+                max_bytes=max(4 * limit, _DRAIN_MIN_BYTES),
+                max_seconds=_DRAIN_SECONDS,
+                idle_seconds=_DRAIN_IDLE_SECONDS,
             )
             return
         except ClientGone:
@@ -399,4 +426,3 @@ class ProxyApp:
                 duration_s=round(duration, 6),
                 error=ex.error,
             )
-

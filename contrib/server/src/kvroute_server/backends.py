@@ -143,7 +143,9 @@ class BackendSet:
         try:
             adapter = registration.factory(backend, **dict(config.adapter_options))
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"backend {config.id!r}: adapter for kind {config.kind!r} rejected its options: {exc}") from None
+            raise ConfigError(
+                f"backend {config.id!r}: adapter for kind {config.kind!r} rejected its options: {exc}"
+            ) from None
         self.fleet.add(backend)
         member = self._members[config.id] = _Member(config, adapter)
         return backend, member

@@ -99,34 +99,113 @@ _D = ServerConfig()
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file (see docs/serve.md).")
 @click.option(
-    "--backend", "backends", multiple=True, metavar="URL|ID=URL",
+    "--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file (see docs/serve.md)."
+)
+@click.option(
+    "--backend",
+    "backends",
+    multiple=True,
+    metavar="URL|ID=URL",
     help="An upstream server (repeatable); also id=..,url=..,kind=..,weight=..,models=a;b.",
 )
 @click.option("--strategy", help=f"Routing strategy plugin name [default: {_D.strategy}].")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="A strategy option (repeatable).")
-@click.option("--sagemaker-config", type=click.Path(dir_okay=False), help="Import RoutingConfig from a SageMaker endpoint-config JSON.")
+@click.option(
+    "--sagemaker-config",
+    type=click.Path(dir_okay=False),
+    help="Import RoutingConfig from a SageMaker endpoint-config JSON.",
+)
 @click.option("--sagemaker-variant", help="Which production variant of --sagemaker-config to import.")
 @click.option("--host", default=None, help=f"Address to listen on [default: {_D.host}].")
 @click.option("--port", type=int, default=None, help=f"Port to listen on [default: {_D.port}].")
-@click.option("--admin-token", envvar="KVROUTE_ADMIN_TOKEN", default=None, help="Bearer token of the admin API (env KVROUTE_ADMIN_TOKEN); unset: admin API off.")
-@click.option("--max-body-bytes", type=int, default=None, help=f"Largest request body accepted [default: {_D.max_body_bytes}].")
-@click.option("--max-attempts", type=int, default=None, help=f"Backends tried per request before giving up [default: {_D.max_attempts}].")
-@click.option("--retry-after", "retry_after_s", type=int, default=None, help=f"Retry-After seconds on 503 [default: {_D.retry_after_s}].")
-@click.option("--connect-timeout", type=float, default=None, help=f"Seconds to open an upstream connection [default: {_D_TIMEOUT.connect}].")
-@click.option("--first-byte-timeout", type=float, default=None, help=f"Seconds until the first response byte [default: {_D_TIMEOUT.first_byte}].")
-@click.option("--idle-timeout", type=float, default=None, help=f"Longest gap between response chunks [default: {_D_TIMEOUT.idle}].")
-@click.option("--health-interval", type=float, default=None, help=f"Seconds between probe rounds; 0 = off [default: {_D_HEALTH.interval}].")
+@click.option(
+    "--admin-token",
+    envvar="KVROUTE_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token of the admin API (env KVROUTE_ADMIN_TOKEN); unset: admin API off.",
+)
+@click.option(
+    "--max-body-bytes", type=int, default=None, help=f"Largest request body accepted [default: {_D.max_body_bytes}]."
+)
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=None,
+    help=f"Backends tried per request before giving up [default: {_D.max_attempts}].",
+)
+@click.option(
+    "--retry-after",
+    "retry_after_s",
+    type=int,
+    default=None,
+    help=f"Retry-After seconds on 503 [default: {_D.retry_after_s}].",
+)
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds to open an upstream connection [default: {_D_TIMEOUT.connect}].",
+)
+@click.option(
+    "--first-byte-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds until the first response byte [default: {_D_TIMEOUT.first_byte}].",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=None,
+    help=f"Longest gap between response chunks [default: {_D_TIMEOUT.idle}].",
+)
+@click.option(
+    "--health-interval",
+    type=float,
+    default=None,
+    help=f"Seconds between probe rounds; 0 = off [default: {_D_HEALTH.interval}].",
+)
 @click.option("--health-timeout", type=float, default=None, help=f"Probe timeout [default: {_D_HEALTH.timeout}].")
-@click.option("--unhealthy-threshold", type=int, default=None, help=f"Failed probes in a row that eject [default: {_D_HEALTH.unhealthy_threshold}].")
-@click.option("--healthy-threshold", type=int, default=None, help=f"Passed probes in a row that restore [default: {_D_HEALTH.healthy_threshold}].")
-@click.option("--passive-ejection/--no-passive-ejection", default=None, help="Eject a backend on a connection error [default: on].")
-@click.option("--backend-header", default=None, help=f"Response header naming the chosen backend; '' = off [default: {_D.backend_header}].")
-@click.option("--forward-authorization/--no-forward-authorization", default=None, help="Forward the client's Authorization header [default: on].")
+@click.option(
+    "--unhealthy-threshold",
+    type=int,
+    default=None,
+    help=f"Failed probes in a row that eject [default: {_D_HEALTH.unhealthy_threshold}].",
+)
+@click.option(
+    "--healthy-threshold",
+    type=int,
+    default=None,
+    help=f"Passed probes in a row that restore [default: {_D_HEALTH.healthy_threshold}].",
+)
+@click.option(
+    "--passive-ejection/--no-passive-ejection",
+    default=None,
+    help="Eject a backend on a connection error [default: on].",
+)
+@click.option(
+    "--backend-header",
+    default=None,
+    help=f"Response header naming the chosen backend; '' = off [default: {_D.backend_header}].",
+)
+@click.option(
+    "--forward-authorization/--no-forward-authorization",
+    default=None,
+    help="Forward the client's Authorization header [default: on].",
+)
 @click.option("--access-log/--no-access-log", default=None, help="One structured log line per request [default: on].")
-@click.option("--workers", type=int, default=None, help=f"Proxy processes sharing the port, with one metrics view [default: {_D.workers}].")
-@click.option("--shutdown-timeout", type=float, default=None, help=f"Seconds a stop waits for requests in flight [default: {_D.shutdown_timeout:g}].")
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help=f"Proxy processes sharing the port, with one metrics view [default: {_D.workers}].",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds a stop waits for requests in flight [default: {_D.shutdown_timeout:g}].",
+)
 @click.option("--log-level", default="info", show_default=True, help="debug, info, warning or error.")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default="json", show_default=True)
 @click.option("--check", is_flag=True, help="Validate the configuration, print it as JSON and exit.")
@@ -188,6 +267,9 @@ def serve(
     from kvroute_server.runner import run_server
 
     run_server(
-        app, config.host, config.port, log_level=log_level if log_level != "info" else "warning",
+        app,
+        config.host,
+        config.port,
+        log_level=log_level if log_level != "info" else "warning",
         shutdown_timeout=config.shutdown_timeout,
     )

@@ -82,7 +82,9 @@ class BackendConfig:
         known = {"id", "url", "kind", "weight", "models", "labels", "api_key", "adapter_options"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+            raise ConfigError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
+            )
         url = _check_url(data.get("url"), where)
         backend_id = data.get("id") or default_backend_id(url)
         if not isinstance(backend_id, str):
@@ -309,7 +311,9 @@ def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"[{where}]: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+        raise ConfigError(
+            f"[{where}]: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
+        )
 
 
 def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = None) -> ServerConfig:

@@ -132,7 +132,14 @@ class Forwarder:
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
 
     async def forward(
-        self, request: RouteRequest, raw: bytes, scope: Scope, receive: Receive, send: Send, ex: Exchange, id_header: Header
+        self,
+        request: RouteRequest,
+        raw: bytes,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        id_header: Header,
     ) -> None:
         """Forward ``raw`` (the body ``request`` was parsed from) and answer; a client leaving cancels it."""
         task = asyncio.current_task()
@@ -160,7 +167,10 @@ class Forwarder:
                     ex.attempts += 1
                     decision = lease.decision
                     ex.backend, ex.reason, ex.key, ex.spilled = (
-                        decision.backend.id, decision.reason, decision.key, decision.spilled
+                        decision.backend.id,
+                        decision.reason,
+                        decision.key,
+                        decision.spilled,
                     )
                     self.metrics.observe_decision(decision.duration_s)
                     if decision.spilled:
@@ -190,11 +200,18 @@ class Forwarder:
             if failure.connection:
                 self.backends.health.connection_failed(lease.backend.id, failure.message)
             log.info(
-                "attempt_failed", request_id=ex.request_id, backend=lease.backend.id, reason=failure.reason,
+                "attempt_failed",
+                request_id=ex.request_id,
+                backend=lease.backend.id,
+                reason=failure.reason,
                 error=failure.message,
             )
         assert last is not None
-        ex.status, ex.outcome, ex.error = last.status, "upstream_error" if last.body is not None else "failed", last.message
+        ex.status, ex.outcome, ex.error = (
+            last.status,
+            "upstream_error" if last.body is not None else "failed",
+            last.message,
+        )
         if last.body is not None:
             headers = [*last.headers, id_header]
             if self._backend_header is not None:
@@ -211,13 +228,23 @@ class Forwarder:
         if not self.backends.serves_anywhere(request.model):
             served = ", ".join(self.backends.all_models()) or "none"
             await reject(
-                self.metrics, send, 404, f"The model {request.model!r} does not exist (served: {served}).",
-                code="model_not_found", param="model", headers=[id_header], ex=ex,
+                self.metrics,
+                send,
+                404,
+                f"The model {request.model!r} does not exist (served: {served}).",
+                code="model_not_found",
+                param="model",
+                headers=[id_header],
+                ex=ex,
             )
             return
         ex.status, ex.outcome, ex.error = 503, "no_backend", str(exc)
         await reject(
-            self.metrics, send, 503, str(exc), code="no_backend_available",
+            self.metrics,
+            send,
+            503,
+            str(exc),
+            code="no_backend_available",
             headers=[(b"retry-after", str(self.config.retry_after_s).encode()), id_header],
         )
 
@@ -228,7 +255,11 @@ class Forwarder:
         backend_id = lease.backend.id
         config = self.backends.config(backend_id)
         path = scope["path"]
-        url = lease.backend.url + path + (("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else "")
+        url = (
+            lease.backend.url
+            + path
+            + (("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else "")
+        )
         headers = filter_request_headers(
             scope["headers"],
             forward_authorization=self.config.forward_authorization,
@@ -251,8 +282,12 @@ class Forwarder:
                 ex.status, ex.outcome = 504, "timeout"
                 ex.error = f"no response from {backend_id} within {timeouts.first_byte} s"
                 await reject(
-                    self.metrics, send, 504, f"The backend did not answer within {timeouts.first_byte} s.",
-                    code="upstream_timeout", headers=[id_header],
+                    self.metrics,
+                    send,
+                    504,
+                    f"The backend did not answer within {timeouts.first_byte} s.",
+                    code="upstream_timeout",
+                    headers=[id_header],
                 )
                 return None
             status = response.status
@@ -284,14 +319,17 @@ class Forwarder:
                 parts.append(chunk)
         except _TRANSPORT_ERRORS as exc:
             return _Failure(
-                "connection_error", f"{backend_id}: body cut short: {type(exc).__name__}: {exc}",
+                "connection_error",
+                f"{backend_id}: body cut short: {type(exc).__name__}: {exc}",
                 connection=not _is_timeout(exc),
             )
         body = b"".join(parts)
         status = response.status
         out_headers = filter_response_headers(response.raw_headers)
         if status >= 500:
-            return _Failure("upstream_5xx", f"{backend_id} answered {status}", status=status, body=body, headers=out_headers)
+            return _Failure(
+                "upstream_5xx", f"{backend_id} answered {status}", status=status, body=body, headers=out_headers
+            )
         sniffer = UsageSniffer()
         sniffer.feed(body)
         self._record_usage(backend_id, sniffer)
@@ -327,7 +365,8 @@ class Forwarder:
                 pending += chunk
         except _TRANSPORT_ERRORS as exc:
             return _Failure(
-                "connection_error", f"{backend_id}: stream failed before its first event: {type(exc).__name__}: {exc}",
+                "connection_error",
+                f"{backend_id}: stream failed before its first event: {type(exc).__name__}: {exc}",
                 connection=not _is_timeout(exc),
             )
         cut = _event_end(pending)
@@ -371,7 +410,9 @@ class Forwarder:
             await send(
                 {
                     "type": "http.response.body",
-                    "body": _stream_error_event(f"The backend's stream {why} after it started ({backend_id}).", "upstream_stream_error"),
+                    "body": _stream_error_event(
+                        f"The backend's stream {why} after it started ({backend_id}).", "upstream_stream_error"
+                    ),
                     "more_body": False,
                 }
             )

@@ -149,8 +149,12 @@ class AdminJournal:
                 self._apply(entry)
             except Exception as exc:  # a change this worker cannot make must not stop it following the rest
                 log.warning(
-                    "admin_change_not_applied", seq=seq, action=entry.get("action"), backend=entry.get("backend"),
-                    worker=self.context.index, error=f"{type(exc).__name__}: {exc}",
+                    "admin_change_not_applied",
+                    seq=seq,
+                    action=entry.get("action"),
+                    backend=entry.get("backend"),
+                    worker=self.context.index,
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             self.applied = seq
             count += 1
@@ -200,7 +204,9 @@ class AdminJournal:
     def append(self, action: str, backend: str | None, body: Any) -> int:
         """Write a change this worker has just applied (inside `exclusive`); returns its sequence number."""
         seq = self.applied + 1
-        line = json.dumps({"seq": seq, "action": action, "backend": backend, "body": body}, separators=(",", ":")) + "\n"
+        line = (
+            json.dumps({"seq": seq, "action": action, "backend": backend, "body": body}, separators=(",", ":")) + "\n"
+        )
         data = line.encode("utf-8")
         written = os.write(self._fd, data)
         if written != len(data):

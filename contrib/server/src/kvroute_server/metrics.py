@@ -43,7 +43,9 @@ class _FleetCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         in_flight = GaugeMetricFamily("kvroute_in_flight", "Requests in flight per backend.", labels=["backend"])
-        healthy = GaugeMetricFamily("kvroute_backend_healthy", "1 when the backend passes health checks.", labels=["backend"])
+        healthy = GaugeMetricFamily(
+            "kvroute_backend_healthy", "1 when the backend passes health checks.", labels=["backend"]
+        )
         draining = GaugeMetricFamily("kvroute_backend_draining", "1 while the backend is draining.", labels=["backend"])
         for state in self._fleet:
             in_flight.add_metric([state.id], state.in_flight)
@@ -68,26 +70,42 @@ class ProxyMetrics:
         self.worker = worker
         r = self.registry
         self.requests = Counter(
-            "kvroute_requests", "Proxied requests by backend, strategy and outcome.", ["backend", "strategy", "outcome"], registry=r
+            "kvroute_requests",
+            "Proxied requests by backend, strategy and outcome.",
+            ["backend", "strategy", "outcome"],
+            registry=r,
         )
         self.decision_seconds = Histogram(
-            "kvroute_routing_decision_seconds", "Time the strategy took to pick a backend.", ["strategy"],
-            buckets=_DECISION_BUCKETS, registry=r,
+            "kvroute_routing_decision_seconds",
+            "Time the strategy took to pick a backend.",
+            ["strategy"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
         )
         self.spills = Counter(
-            "kvroute_spills", "Requests sent away from their home backend, by reason.", ["strategy", "reason"], registry=r
+            "kvroute_spills",
+            "Requests sent away from their home backend, by reason.",
+            ["strategy", "reason"],
+            registry=r,
         )
         self.ttft = Histogram(
             "kvroute_upstream_ttft_seconds",
             "From sending a streamed request upstream to its first body chunk.",
-            ["backend"], buckets=_TTFT_BUCKETS, registry=r,
+            ["backend"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.duration = Histogram(
-            "kvroute_request_duration_seconds", "Whole request duration as the proxy saw it.", ["backend"],
-            buckets=_DURATION_BUCKETS, registry=r,
+            "kvroute_request_duration_seconds",
+            "Whole request duration as the proxy saw it.",
+            ["backend"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
         )
         self.retries = Counter(
-            "kvroute_retries", "Attempts retried on another backend, by the failed backend and reason.", ["backend", "reason"],
+            "kvroute_retries",
+            "Attempts retried on another backend, by the failed backend and reason.",
+            ["backend", "reason"],
             registry=r,
         )
         self.ejections = Counter(
@@ -102,10 +120,13 @@ class ProxyMetrics:
         self.cached_tokens = Counter(
             "kvroute_prompt_tokens_cached",
             "Prompt tokens the backend served from its prefix cache (usage.prompt_tokens_details.cached_tokens).",
-            ["backend"], registry=r,
+            ["backend"],
+            registry=r,
         )
         self.rejected = Counter(
-            "kvroute_rejected_requests", "Requests answered by the proxy itself with an error, by status.", ["status"],
+            "kvroute_rejected_requests",
+            "Requests answered by the proxy itself with an error, by status.",
+            ["status"],
             registry=r,
         )
         self._decision = self.decision_seconds.labels(strategy)
@@ -123,29 +144,45 @@ class ProxyMetrics:
         from prometheus_client import values
 
         if values.ValueClass is values.MutexValue:
-            raise ConfigError(f"prometheus-client was imported before {MULTIPROC_ENV} was set: values would not be shared.")
+            raise ConfigError(
+                f"prometheus-client was imported before {MULTIPROC_ENV} was set: values would not be shared."
+            )
         self.in_flight = Gauge(
             "kvroute_in_flight", "Requests in flight per backend.", ["backend"], multiprocess_mode="livesum", registry=r
         )
         self.healthy = Gauge(
-            "kvroute_backend_healthy", "1 when every worker has the backend in rotation.", ["backend"],
-            multiprocess_mode="livemin", registry=r,
+            "kvroute_backend_healthy",
+            "1 when every worker has the backend in rotation.",
+            ["backend"],
+            multiprocess_mode="livemin",
+            registry=r,
         )
         self.draining = Gauge(
-            "kvroute_backend_draining", "1 while the backend is draining in any worker.", ["backend"],
-            multiprocess_mode="livemax", registry=r,
+            "kvroute_backend_draining",
+            "1 while the backend is draining in any worker.",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
         )
         self.worker_requests = Counter(
             "kvroute_worker_requests", "Requests handled, per worker (restarts keep the index).", ["worker"], registry=r
         )
         self.worker_in_flight = Gauge(
-            "kvroute_worker_in_flight", "Requests a worker is handling now.", ["worker"], multiprocess_mode="livesum",
+            "kvroute_worker_in_flight",
+            "Requests a worker is handling now.",
+            ["worker"],
+            multiprocess_mode="livesum",
             registry=r,
         )
-        self.worker_starts = Counter("kvroute_worker_starts", "Worker processes started, per index.", ["worker"], registry=r)
+        self.worker_starts = Counter(
+            "kvroute_worker_starts", "Worker processes started, per index.", ["worker"], registry=r
+        )
         self.worker_up = Gauge(
-            "kvroute_worker_up", "1 per live worker process (prometheus-client adds its pid).", ["worker"],
-            multiprocess_mode="liveall", registry=r,
+            "kvroute_worker_up",
+            "1 per live worker process (prometheus-client adds its pid).",
+            ["worker"],
+            multiprocess_mode="liveall",
+            registry=r,
         )
         self.worker_starts.labels(worker).inc()
         self.worker_up.labels(worker).set(1)

@@ -65,10 +65,56 @@ class PromptTokenizer(Protocol):
 # -- samples -------------------------------------------------------------------------------
 
 _WORDS = (
-    "the", "router", "cache", "block", "prefix", "engine", "token", "model", "request", "latency", "of", "and",
-    "to", "in", "is", "a", "for", "with", "on", "that", "by", "this", "we", "are", "from", "Hello", "world",
-    "GPU", "KV", "vLLM", "Überprüfung", "naïve", "café", "東京", "数据", "😀", "x86_64", "3.14159", "1,234",
-    "(a)", "[b]", "{c}", "don't", "it's", "e.g.", "--flag", "#include", "<tag>", "ß", "Ωmega",
+    "the",
+    "router",
+    "cache",
+    "block",
+    "prefix",
+    "engine",
+    "token",
+    "model",
+    "request",
+    "latency",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "a",
+    "for",
+    "with",
+    "on",
+    "that",
+    "by",
+    "this",
+    "we",
+    "are",
+    "from",
+    "Hello",
+    "world",
+    "GPU",
+    "KV",
+    "vLLM",
+    "Überprüfung",
+    "naïve",
+    "café",
+    "東京",
+    "数据",
+    "😀",
+    "x86_64",
+    "3.14159",
+    "1,234",
+    "(a)",
+    "[b]",
+    "{c}",
+    "don't",
+    "it's",
+    "e.g.",
+    "--flag",
+    "#include",
+    "<tag>",
+    "ß",
+    "Ωmega",
 )
 
 
@@ -171,7 +217,11 @@ class ParityReport:
     @property
     def block_size_ok(self) -> bool:
         """False when the strategy hashes fixed-size blocks that differ from the engine's."""
-        return self.router_block_size is None or self.engine_block_size is None or self.router_block_size == self.engine_block_size
+        return (
+            self.router_block_size is None
+            or self.engine_block_size is None
+            or self.router_block_size == self.engine_block_size
+        )
 
     @property
     def compared(self) -> int:
@@ -180,7 +230,12 @@ class ParityReport:
     @property
     def ok(self) -> bool:
         """Every compared sample matched, at least one was compared, and block sizes agree."""
-        return self.error is None and self.compared > 0 and self.block_size_ok and all(c.status != "mismatch" for c in self.cases)
+        return (
+            self.error is None
+            and self.compared > 0
+            and self.block_size_ok
+            and all(c.status != "mismatch" for c in self.cases)
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = attrs.asdict(self, recurse=True)
@@ -201,7 +256,11 @@ class ParityReport:
         if self.router_block_size is None:
             out.append("  router block size: from the engine (strategy option block_size unset)")
         else:
-            agree = "agrees" if self.block_size_ok else "DIFFERS: set the strategy's block_size to the engine's or leave it unset"
+            agree = (
+                "agrees"
+                if self.block_size_ok
+                else "DIFFERS: set the strategy's block_size to the engine's or leave it unset"
+            )
             out.append(f"  router block size: {self.router_block_size} ({agree})")
         out.extend("  " + c.describe() for c in self.cases)
         verdict = "PASS" if self.ok else "FAIL"
@@ -228,10 +287,20 @@ def _router_ids(tokenizer: PromptTokenizer, request: RouteRequest) -> list[int]:
 def _compare(name: str, kind: Literal["prompt", "chat"], router: list[int], engine: list[int]) -> ParityCase:
     if router == engine:
         return ParityCase(name, kind, "ok", "tokenize", len(router), len(engine))
-    at = next((i for i, (a, b) in enumerate(zip(router, engine, strict=False)) if a != b), min(len(router), len(engine)))
+    at = next(
+        (i for i, (a, b) in enumerate(zip(router, engine, strict=False)) if a != b), min(len(router), len(engine))
+    )
     lo = max(0, at - 3)
     return ParityCase(
-        name, kind, "mismatch", "tokenize", len(router), len(engine), at, tuple(router[lo : at + 4]), tuple(engine[lo : at + 4])
+        name,
+        kind,
+        "mismatch",
+        "tokenize",
+        len(router),
+        len(engine),
+        at,
+        tuple(router[lo : at + 4]),
+        tuple(engine[lo : at + 4]),
     )
 
 
@@ -284,7 +353,7 @@ async def engine_block_size(
     http: HttpClient, url: str, kinds: Mapping[str, Callable[..., Any]], prefer: str | None = None
 ) -> tuple[int | None, str | None]:
     """The engine's block size through the installed adapters (``prefer`` first): ``(size, "kind adapter")``."""
-    order = ([prefer] if prefer is not None and prefer in kinds else [])
+    order = [prefer] if prefer is not None and prefer in kinds else []
     order += [k for k in ("vllm", "tensorrt-llm") if k in kinds and k != prefer]
     order += [k for k in kinds if k not in order]
     for kind in order:
@@ -354,15 +423,21 @@ async def check_backend(
                 if status in (404, 405):
                     use_usage = True
                 else:
-                    cases.append(ParityCase(name, what, "skipped", "none", router_count=len(router), note=f"engine: {problem}"))
+                    cases.append(
+                        ParityCase(name, what, "skipped", "none", router_count=len(router), note=f"engine: {problem}")
+                    )
                     continue
             path = "/v1/chat/completions" if what == "chat" else "/v1/completions"
             count, problem = await _usage_count(http, path, body)
             if count is None:
-                cases.append(ParityCase(name, what, "skipped", "none", router_count=len(router), note=f"engine: {problem}"))
+                cases.append(
+                    ParityCase(name, what, "skipped", "none", router_count=len(router), note=f"engine: {problem}")
+                )
             else:
                 status_: Status = "ok" if count == len(router) else "mismatch"
-                cases.append(ParityCase(name, what, status_, "usage", len(router), count, note="engine has no /tokenize"))
+                cases.append(
+                    ParityCase(name, what, status_, "usage", len(router), count, note="engine has no /tokenize")
+                )
         if kinds is None:
             from kvroute.plugins import PluginManager
 
@@ -371,7 +446,12 @@ async def check_backend(
     except (OSError, TimeoutError, ValueError) as exc:
         return ParityReport(backend, model, error=f"{type(exc).__name__}: {exc}")
     return ParityReport(
-        backend, model, tuple(cases), engine_block_size=size, block_size_source=source, router_block_size=router_block_size
+        backend,
+        model,
+        tuple(cases),
+        engine_block_size=size,
+        block_size_source=source,
+        router_block_size=router_block_size,
     )
 
 
@@ -410,7 +490,10 @@ async def startup_check(
         reports.append(report)
         if report.ok:
             log.info(
-                "tokenizer_parity_ok", backend=backend_id, samples=report.compared, engine_block_size=report.engine_block_size
+                "tokenizer_parity_ok",
+                backend=backend_id,
+                samples=report.compared,
+                engine_block_size=report.engine_block_size,
             )
         else:
             log.warning(
@@ -507,25 +590,57 @@ async def _run(
             tokenizer, fixed = _build_tokenizer(strategy_name, local)
             reports.append(
                 await check_backend(
-                    http, tokenizer, backend=url, model=model, prompts=prompts, chats=chats, router_block_size=fixed, kind=kind
+                    http,
+                    tokenizer,
+                    backend=url,
+                    model=model,
+                    prompts=prompts,
+                    chats=chats,
+                    router_block_size=fixed,
+                    kind=kind,
                 )
             )
     return reports
 
 
 @click.command("check-parity")
-@click.option("--backend", "backends", multiple=True, required=True, metavar="URL", help="An engine's base URL (repeatable).")
-@click.option("--tokenizer", help="The router's tokenizer: tokenizer.json, model directory or cached Hub id [default: the engine's model directory when it is on this machine].")
+@click.option(
+    "--backend", "backends", multiple=True, required=True, metavar="URL", help="An engine's base URL (repeatable)."
+)
+@click.option(
+    "--tokenizer",
+    help="The router's tokenizer: tokenizer.json, model directory or cached Hub id [default: the engine's model directory when it is on this machine].",
+)
 @click.option("--chat-template", help="A chat template file or text overriding the tokenizer's.")
-@click.option("--strategy", "strategy_name", default="tokenizer-prefix", show_default=True, help="The strategy whose tokenizer is checked.")
-@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="A strategy option, as for kvroute serve (repeatable).")
+@click.option(
+    "--strategy",
+    "strategy_name",
+    default="tokenizer-prefix",
+    show_default=True,
+    help="The strategy whose tokenizer is checked.",
+)
+@click.option(
+    "--option",
+    "options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A strategy option, as for kvroute serve (repeatable).",
+)
 @click.option("--model", help="Model name sent to the engine [default: the first one it lists].")
 @click.option("--kind", help="Backend kind whose adapter reads the block size [default: try the installed ones].")
 @click.option("--prompt", "extra_prompts", multiple=True, help="An extra completion prompt to compare (repeatable).")
-@click.option("--messages", "extra_messages", multiple=True, metavar="JSON", help="An extra chat, as a JSON list of messages (repeatable).")
+@click.option(
+    "--messages",
+    "extra_messages",
+    multiple=True,
+    metavar="JSON",
+    help="An extra chat, as a JSON list of messages (repeatable).",
+)
 @click.option("--no-samples", is_flag=True, help="Compare only --prompt/--messages, not the built-in samples.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per HTTP call.")
-@click.option("--api-key", envvar="KVROUTE_BACKEND_API_KEY", help="Bearer token for the engine (env KVROUTE_BACKEND_API_KEY).")
+@click.option(
+    "--api-key", envvar="KVROUTE_BACKEND_API_KEY", help="Bearer token for the engine (env KVROUTE_BACKEND_API_KEY)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def check_parity(
     backends: tuple[str, ...],
@@ -569,7 +684,9 @@ def check_parity(
         except json.JSONDecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--messages") from None
         if not isinstance(messages, list) or not messages:
-            raise click.BadParameter(f"expected a non-empty JSON list of messages (got {raw[:60]!r})", param_hint="--messages")
+            raise click.BadParameter(
+                f"expected a non-empty JSON list of messages (got {raw[:60]!r})", param_hint="--messages"
+            )
         chats.append((f"messages-{i + 1}", messages))
     if not prompts and not chats:
         raise click.UsageError("nothing to compare: give --prompt or --messages with --no-samples.")

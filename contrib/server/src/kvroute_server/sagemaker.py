@@ -49,7 +49,9 @@ def _pick_variant(doc: Mapping[str, Any], variant: str | None) -> Mapping[str, A
         for v in variants:
             if isinstance(v, Mapping) and v.get("VariantName") == variant:
                 return v
-        raise ConfigError(f"SageMaker config: no production variant named {variant!r} (found: {', '.join(map(str, names))}).")
+        raise ConfigError(
+            f"SageMaker config: no production variant named {variant!r} (found: {', '.join(map(str, names))})."
+        )
     if len(variants) > 1:
         raise ConfigError(
             f"SageMaker config has {len(variants)} production variants ({', '.join(map(str, names))}); "
@@ -79,7 +81,9 @@ def import_sagemaker(doc: object, variant: str | None = None) -> tuple[str, dict
     options: dict[str, int] = {}
     if prefix is not None:
         if name != "PREFIX_AWARE":
-            raise ConfigError(f"SageMaker config: 'PrefixAwareRoutingConfig' is only valid with PREFIX_AWARE (got {name}).")
+            raise ConfigError(
+                f"SageMaker config: 'PrefixAwareRoutingConfig' is only valid with PREFIX_AWARE (got {name})."
+            )
         if not isinstance(prefix, Mapping):
             raise ConfigError("SageMaker config: 'PrefixAwareRoutingConfig' must be an object.")
         unknown = sorted(set(prefix) - set(_RANGES))
@@ -90,7 +94,9 @@ def import_sagemaker(doc: object, variant: str | None = None) -> tuple[str, dict
                 continue
             value = prefix[key]
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ConfigError(f"SageMaker config: '{key}' must be an integer between {lo} and {hi} (got {value!r}).")
+                raise ConfigError(
+                    f"SageMaker config: '{key}' must be an integer between {lo} and {hi} (got {value!r})."
+                )
             options[_OPTION_NAMES[key]] = value
     return STRATEGY_MAP[name], options
 

@@ -173,7 +173,11 @@ class Supervisor:
         delay = min(0.25 * 2 ** (slot.quick_deaths - 1), 8.0) if slot.quick_deaths else 0.0
         slot.restart_at = now + delay
         log.warning(
-            "worker_exited", worker=slot.index, pid=proc.pid, returncode=proc.returncode, lived_s=round(lived, 3),
+            "worker_exited",
+            worker=slot.index,
+            pid=proc.pid,
+            returncode=proc.returncode,
+            lived_s=round(lived, 3),
             restart_in_s=delay,
         )
         if slot.quick_deaths >= _MAX_QUICK_DEATHS:
@@ -275,8 +279,10 @@ def worker_main() -> None:
     spec = _read_spec(sys.stdin.buffer)
     config = spec.config
     threading.Thread(
-        target=_watch_supervisor, args=(sys.stdin.buffer, config.shutdown_timeout + _KILL_GRACE_S),
-        name="kvroute-supervisor-watch", daemon=True,
+        target=_watch_supervisor,
+        args=(sys.stdin.buffer, config.shutdown_timeout + _KILL_GRACE_S),
+        name="kvroute-supervisor-watch",
+        daemon=True,
     ).start()
 
     from kvroute.cli import configure_logging

@@ -491,7 +491,9 @@ class Trace:
     name: ClassVar[str] = "trace"
 
     path: Path = attrs.field(converter=Path)
-    format: TraceFormat = attrs.field(default="auto", validator=expect("auto, mooncake or simple", attrs.validators.in_(_FORMATS)))
+    format: TraceFormat = attrs.field(
+        default="auto", validator=expect("auto, mooncake or simple", attrs.validators.in_(_FORMATS))
+    )
     block_tokens: int = attrs.field(default=512, validator=positive_integer)
     time_scale: float = attrs.field(default=1.0, validator=positive_number)
     requests: int | None = attrs.field(default=None, validator=optional(positive_integer))

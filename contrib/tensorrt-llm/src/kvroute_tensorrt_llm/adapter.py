@@ -212,7 +212,9 @@ class TensorRTLLMAdapter(OpenAIAdapter):
         prometheus = await self._prometheus(http)
         gauges = prometheus.reported() if prometheus is not None else None
         if prometheus is not None and gauges is not None and ITERATION_GAUGES & gauges.keys():
-            self._source("prometheus", "the server's Prometheus collector reads the iteration stats (return_perf_metrics)")
+            self._source(
+                "prometheus", "the server's Prometheus collector reads the iteration stats (return_perf_metrics)"
+            )
             return self._seen(prometheus, time.monotonic())
         stats = self._json
         observed_at = self._json_at
@@ -220,7 +222,9 @@ class TensorRTLLMAdapter(OpenAIAdapter):
             await self._poll_json(http)
             stats, observed_at = self._json, self._json_at
             if stats is not None:
-                self._source("json", "no Prometheus endpoint" if gauges is None else "no iteration gauges in Prometheus yet")
+                self._source(
+                    "json", "no Prometheus endpoint" if gauges is None else "no iteration gauges in Prometheus yet"
+                )
         if gauges:  # some gauges but no iteration ones (e.g. tokens per block): on top of the JSON values
             stats = attrs.evolve(stats or TrtllmMetrics(), **gauges)
             observed_at = observed_at if observed_at is not None else time.monotonic()
@@ -265,7 +269,9 @@ class TensorRTLLMAdapter(OpenAIAdapter):
         except TimeoutError as exc:
             self.load_stats.timeouts += 1
             log.warning(
-                "trtllm_metrics_timeout", backend=self.backend.id, timeout_s=self.metrics_timeout,
+                "trtllm_metrics_timeout",
+                backend=self.backend.id,
+                timeout_s=self.metrics_timeout,
                 hint="the server held /metrics while iterations kept coming; the stats it drained meanwhile are lost",
             )
             self._fetch_error = exc

@@ -197,7 +197,9 @@ def _stored_block(raw: object, where: str) -> StoredBlock:
         raise EventFormatError(f"{where}: expected a block object, got {type(raw).__name__}.")
     tokens = raw.get("tokens")
     if not isinstance(tokens, list):
-        raise EventFormatError(f"{where}.tokens: expected a list of {{token_id, token_extra_id}}, got {type(tokens).__name__}.")
+        raise EventFormatError(
+            f"{where}.tokens: expected a list of {{token_id, token_extra_id}}, got {type(tokens).__name__}."
+        )
     ids = []
     opaque = False
     for j, token in enumerate(tokens):
@@ -424,7 +426,12 @@ class TrtllmEventFeed(KvEventFeed[KvCacheEvent]):
 
     def _keyed_as_tokens(self, block: StoredBlock, parent: int | None, algo: str | None) -> bool:
         """Whether the engine's V1 hash of ``block`` is the hash of its tokens alone (True when it cannot tell)."""
-        if self._hash_check is False or algo not in _V1_ALGOS or block.block_hash < 0 or (parent is not None and parent < 0):
+        if (
+            self._hash_check is False
+            or algo not in _V1_ALGOS
+            or block.block_hash < 0
+            or (parent is not None and parent < 0)
+        ):
             return True
         if parent is None and block.cache_salt is not None:
             return True  # a named salt on the first block: mixed in by the engine, and by the router too
@@ -438,7 +445,9 @@ class TrtllmEventFeed(KvEventFeed[KvCacheEvent]):
             if self._hash_misses >= _HASH_CHECK_TRIALS:
                 self._hash_check = False
                 log.warning(
-                    "kv_events_hash_check_off", backend=self.backend, mismatches=self._hash_misses,
+                    "kv_events_hash_check_off",
+                    backend=self.backend,
+                    mismatches=self._hash_misses,
                     hint="this engine's v1_block_key hash differs from the known one: LoRA blocks cannot be told apart",
                 )
         return False
@@ -450,13 +459,20 @@ class TrtllmEventFeed(KvEventFeed[KvCacheEvent]):
         usable: list[StoredBlock] = []
         parent = event.parent_hash
         for block in event.blocks:
-            if block.opaque or block.lora_id is not None or block.cache_level not in (None, 0) or len(block.token_ids) != size:
+            if (
+                block.opaque
+                or block.lora_id is not None
+                or block.cache_level not in (None, 0)
+                or len(block.token_ids) != size
+            ):
                 if block.lora_id is not None:
                     self._warn_once("lora", "kv_events_lora_by_id", hint="TensorRT-LLM names LoRA adapters by id only")
                 break
             if not self._keyed_as_tokens(block, parent, item.hash_algo):
                 self._warn_once(
-                    "keyed", "kv_events_keyed_blocks_skipped", level="info",
+                    "keyed",
+                    "kv_events_keyed_blocks_skipped",
+                    level="info",
                     hint="blocks keyed on a LoRA task, cache salt or extra ids the event does not name are not indexed",
                 )
                 break

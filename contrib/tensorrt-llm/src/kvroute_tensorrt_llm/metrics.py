@@ -123,7 +123,9 @@ def _total(ranks: dict[int, TrtllmMetrics]) -> TrtllmMetrics:
         changes[name] = sum(values) if values else None
     both = [r for r in rows if r.used_blocks is not None and r.max_blocks]
     if both and len(both) == len([r for r in rows if r.max_blocks]):
-        changes["kv_usage"] = min(1.0, max(0.0, sum(r.used_blocks or 0 for r in both) / sum(r.max_blocks or 0 for r in both)))
+        changes["kv_usage"] = min(
+            1.0, max(0.0, sum(r.used_blocks or 0 for r in both) / sum(r.max_blocks or 0 for r in both))
+        )
     else:
         usages = [r.kv_usage for r in rows if r.kv_usage is not None]
         changes["kv_usage"] = sum(usages) / len(usages) if usages else None
@@ -137,7 +139,9 @@ def _total(ranks: dict[int, TrtllmMetrics]) -> TrtllmMetrics:
 def merge_iteration_stats(previous: TrtllmMetrics | None, data: object) -> TrtllmMetrics:
     """Fold a ``/metrics`` JSON answer into the previous stats (an empty list changes nothing)."""
     if not isinstance(data, list):
-        raise ValueError(f"expected TensorRT-LLM's /metrics to be a JSON list of iteration stats, got {type(data).__name__}.")
+        raise ValueError(
+            f"expected TensorRT-LLM's /metrics to be a JSON list of iteration stats, got {type(data).__name__}."
+        )
     if not data and previous is not None:
         return previous
     ranks = dict(previous.ranks) if previous is not None else {}

@@ -182,7 +182,11 @@ class VllmAdapter(OpenAIAdapter):
             raise ValueError(f"{self.metrics_path} is not UTF-8 text: {exc}.") from None
         metrics = parse_prometheus(text)
         previous = self.metrics
-        if previous is not None and metrics.started_at is not None and previous.started_at not in (None, metrics.started_at):
+        if (
+            previous is not None
+            and metrics.started_at is not None
+            and previous.started_at not in (None, metrics.started_at)
+        ):
             self._epoch += 1
             log.warning("engine_restarted", backend=self.backend.id, started_at=metrics.started_at)
         self.metrics = metrics
@@ -201,7 +205,9 @@ class VllmAdapter(OpenAIAdapter):
                 configured = _offset_port(endpoint, rank)
                 binds = engine_binds(configured)
                 local = resolve_endpoint(configured, self.backend.url) if binds else (self.kv_bind or configured)
-                replay = resolve_endpoint(_offset_port(self.kv_replay, rank), self.backend.url) if self.kv_replay else None
+                replay = (
+                    resolve_endpoint(_offset_port(self.kv_replay, rank), self.backend.url) if self.kv_replay else None
+                )
                 out.append(ZmqSource(local, self.kv_topic, replay, bind=not binds, rank=rank))
             return out
         reply = await http.get("/kv_event_sources")
@@ -227,7 +233,13 @@ class VllmAdapter(OpenAIAdapter):
                     replay = None
             topic = entry.get("topic") or ""
             log.info(
-                "kv_event_source", backend=self.backend.id, rank=rank, reported=published, address=address, bind=bind, replay=replay
+                "kv_event_source",
+                backend=self.backend.id,
+                rank=rank,
+                reported=published,
+                address=address,
+                bind=bind,
+                replay=replay,
             )
             out.append(ZmqSource(address, str(topic), replay, bind=bind, rank=rank))
         return out
@@ -240,7 +252,9 @@ class VllmAdapter(OpenAIAdapter):
                 found = await self.sources(http)
             except (OSError, TimeoutError, ValueError) as exc:
                 log.info(
-                    "kv_event_sources_unreadable", backend=self.backend.id, error=f"{type(exc).__name__}: {exc}",
+                    "kv_event_sources_unreadable",
+                    backend=self.backend.id,
+                    error=f"{type(exc).__name__}: {exc}",
                     retry_in_s=backoff.delay,
                 )
                 await backoff.sleep()
@@ -255,7 +269,11 @@ class VllmAdapter(OpenAIAdapter):
             if found:
                 return found
             if not quiet:
-                log.info("kv_events_disabled", backend=self.backend.id, hint="start vLLM with --kv-events-config to feed the exact index")
+                log.info(
+                    "kv_events_disabled",
+                    backend=self.backend.id,
+                    hint="start vLLM with --kv-events-config to feed the exact index",
+                )
                 quiet = True
             await anyio.sleep(_RECHECK_S)
 
@@ -305,12 +323,19 @@ class VllmAdapter(OpenAIAdapter):
             except Exception as exc:  # never let one backend's events take the proxy down; cancellation passes
                 if isinstance(exc, zmq.ZMQError):
                     log.error(
-                        "kv_events_socket_failed", backend=backend, endpoint=subscriber.source.endpoint,
-                        bind=subscriber.source.bind, error=str(exc), retry_in_s=backoff.delay,
+                        "kv_events_socket_failed",
+                        backend=backend,
+                        endpoint=subscriber.source.endpoint,
+                        bind=subscriber.source.bind,
+                        error=str(exc),
+                        retry_in_s=backoff.delay,
                     )
                 else:
                     log.exception(
-                        "kv_events_failed", backend=backend, endpoint=subscriber.source.endpoint, retry_in_s=backoff.delay
+                        "kv_events_failed",
+                        backend=backend,
+                        endpoint=subscriber.source.endpoint,
+                        retry_in_s=backoff.delay,
                     )
                 with contextlib.suppress(Exception):
                     feed.unsubscribe()

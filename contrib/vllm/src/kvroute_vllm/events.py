@@ -128,14 +128,18 @@ class BlockStored:
         hashes = _hashes(data["block_hashes"], f"{where}.block_hashes")
         parent = data.get("parent_block_hash")
         tokens = data["token_ids"]
-        if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
             raise EventFormatError(f"{where}.token_ids: expected a list of integers, got {type(tokens).__name__}.")
         block_size = data["block_size"]
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise EventFormatError(f"{where}.block_size: expected a positive integer, got {block_size!r}.")
         extra = data.get("extra_keys")
         if extra is not None and not isinstance(extra, list | tuple):
-            raise EventFormatError(f"{where}.extra_keys: expected a list (one entry per block) or null, got {type(extra).__name__}.")
+            raise EventFormatError(
+                f"{where}.extra_keys: expected a list (one entry per block) or null, got {type(extra).__name__}."
+            )
         return cls(
             block_hashes=hashes,
             parent_block_hash=None if parent is None else _hash(parent, f"{where}.parent_block_hash"),
@@ -258,7 +262,9 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
 def decode_message(frames: Sequence[bytes], topic: bytes | None = None) -> EventBatch:
     """Decode a ``[topic, seq, payload]`` message (the topic is checked when given)."""
     if len(frames) != 3:
-        raise EventFormatError(f"expected a KV event message of 3 frames [topic, seq, payload], got {len(frames)} frame(s).")
+        raise EventFormatError(
+            f"expected a KV event message of 3 frames [topic, seq, payload], got {len(frames)} frame(s)."
+        )
     got_topic, seq_bytes, payload = frames
     if topic is not None and got_topic != topic:
         raise EventFormatError(f"expected KV events on topic {topic!r}, got topic {bytes(got_topic)!r}.")

@@ -111,9 +111,7 @@ class VllmFeedStats(FeedStats):
     ignored_events: int = 0
 
 
-def _split_extra(
-    keys: Sequence[Any] | None, lora: str | None, first_of_sequence: bool
-) -> tuple[bool, str | None]:
+def _split_extra(keys: Sequence[Any] | None, lora: str | None, first_of_sequence: bool) -> tuple[bool, str | None]:
     """(opaque, cache_salt) of one block's untagged extra keys."""
     if not keys:
         return False, None
@@ -166,7 +164,9 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
         seq = batch.seq
         if self._last_live is not None and seq <= self._last_live:
             self.stats.restarts += 1
-            log.warning("kv_events_publisher_restarted", backend=self.backend, rank=self.rank, seq=seq, last=self._last_live)
+            log.warning(
+                "kv_events_publisher_restarted", backend=self.backend, rank=self.rank, seq=seq, last=self._last_live
+            )
             self.restart()
         if self.expected is not None and seq > self.expected:
             self.stats.gaps += 1
@@ -231,7 +231,9 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
     def _fits(self, batch: EventBatch) -> bool:
         size = self.sink.block_size
         return all(
-            e.block_size == size for e in batch.events if isinstance(e, BlockStored) and self._classify(e, pick=False) == "track"
+            e.block_size == size
+            for e in batch.events
+            if isinstance(e, BlockStored) and self._classify(e, pick=False) == "track"
         )
 
     def _engine_block_size(self, batch: EventBatch) -> int | None:
@@ -276,7 +278,9 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             elif isinstance(event, UnknownEvent):
                 self.stats.skipped_events += 1
                 self._warn_once(
-                    f"type:{event.type}", "kv_events_unknown_event_type", type=event.type,
+                    f"type:{event.type}",
+                    "kv_events_unknown_event_type",
+                    type=event.type,
                     hint="a newer vLLM than this adapter knows; the event was skipped",
                 )
                 self.lose("unknown_event_type", type=event.type)
@@ -290,7 +294,10 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             if what == "unknown":
                 kind = str(event.kv_cache_spec_kind)
                 self._warn_once(
-                    f"kind:{kind}", "kv_events_unknown_cache_kind", kind=kind, group_idx=event.group_idx,
+                    f"kind:{kind}",
+                    "kv_events_unknown_cache_kind",
+                    kind=kind,
+                    group_idx=event.group_idx,
                     hint="a KV cache group kind this adapter does not know; its blocks are not indexed",
                 )
                 self.lose("unknown_cache_kind", kind=kind)
@@ -307,7 +314,8 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
         if event.lookahead:
             self.stats.skipped_events += 1
             self._warn_once(
-                "lookahead", "kv_events_lookahead_hashing",
+                "lookahead",
+                "kv_events_lookahead_hashing",
                 hint="the engine hashes tokens past each block; the router's prefix hashes cannot name these blocks",
             )
             self.lose("lookahead_hashing")
@@ -316,7 +324,11 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
         count = min(len(event.block_hashes), len(event.token_ids) // size)
         if count != len(event.block_hashes) or len(event.token_ids) % size:
             self._warn_once(
-                "shape", "kv_events_malformed_store", hashes=len(event.block_hashes), tokens=len(event.token_ids), block_size=size
+                "shape",
+                "kv_events_malformed_store",
+                hashes=len(event.block_hashes),
+                tokens=len(event.token_ids),
+                block_size=size,
             )
             self.lose("malformed_store", hashes=len(event.block_hashes), tokens=len(event.token_ids))
         keys = [rank_key(h, rank) for h in event.block_hashes]
@@ -329,7 +341,9 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
         salt = None
         extra = event.extra_keys or ()
         for i in range(count):
-            opaque, found = _split_extra(extra[i] if i < len(extra) else None, event.lora_name, event.parent_block_hash is None and i == 0)
+            opaque, found = _split_extra(
+                extra[i] if i < len(extra) else None, event.lora_name, event.parent_block_hash is None and i == 0
+            )
             if opaque:
                 self._opaque.update(keys[i:])
                 count = i

@@ -88,7 +88,9 @@ def parse_prometheus(text: str) -> VllmMetrics:
     try:
         families = list(text_string_to_metric_families(prometheus_subset(text, _WANTED)))
     except (ValueError, TypeError, IndexError) as exc:
-        raise ValueError(f"expected Prometheus text format from vLLM's /metrics, but it does not parse: {exc}") from None
+        raise ValueError(
+            f"expected Prometheus text format from vLLM's /metrics, but it does not parse: {exc}"
+        ) from None
     for family in families:
         for sample in family.samples:
             if sample.name == _INFO:

@@ -230,7 +230,9 @@ class ZmqSubscriber:
             else:
                 sub.connect(self.source.endpoint)
             self.connected = True
-            log.info("kv_events_subscribed", endpoint=self.source.endpoint, bind=self.source.bind, replay=self.source.replay)
+            log.info(
+                "kv_events_subscribed", endpoint=self.source.endpoint, bind=self.source.bind, replay=self.source.replay
+            )
             if on_connected is not None:
                 on_connected()
             # What the engine published before we came (as far as its replay buffer reaches).

@@ -296,7 +296,9 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
     def _hold(self, item: ItemT) -> None:
         if not self._held:
             self.logger.info(
-                "kv_events_held", **self._where(), engine_block_size=self._engine_block_size(item),
+                "kv_events_held",
+                **self._where(),
+                engine_block_size=self._engine_block_size(item),
                 router_block_size=self.sink.block_size,
             )
         self._held.append(item)
@@ -305,7 +307,9 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
             dropped = self._held.popleft()
             self.stats.dropped_held += 1
             self._warn_once(
-                "held_overflow", "kv_events_block_size_mismatch", router_block_size=self.sink.block_size,
+                "held_overflow",
+                "kv_events_block_size_mismatch",
+                router_block_size=self.sink.block_size,
                 engine_block_size=self._engine_block_size(dropped),
                 hint="the strategy hashes blocks of another size than the engine: leave its block_size unset or set it "
                 "to the engine's; events are being dropped",
@@ -334,4 +338,9 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
 
     def report(self) -> dict[str, Any]:
         """The counters, as an adapter's ``stats()`` exports them: `FeedStats`, ``holding``, ``exact``, ``lost_reason``."""
-        return {**attrs.asdict(self.stats), "holding": self.holding, "exact": self.exact, "lost_reason": self.lost_reason}
+        return {
+            **attrs.asdict(self.stats),
+            "holding": self.holding,
+            "exact": self.exact,
+            "lost_reason": self.lost_reason,
+        }

@@ -32,7 +32,9 @@ def check_path(value: object, name: str, *, allow_empty: bool = False) -> str:
     if allow_empty and value in ("", None):
         return ""
     if not isinstance(value, str) or not value.startswith("/"):
-        raise ValueError(f"'{name}' must be a path starting with '/'{' or empty' if allow_empty else ''} (got {value!r}).")
+        raise ValueError(
+            f"'{name}' must be a path starting with '/'{' or empty' if allow_empty else ''} (got {value!r})."
+        )
     return value
 
 
@@ -77,7 +79,9 @@ class OpenAIAdapter:
         known = cls.option_names()
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))}).")
+            raise ValueError(
+                f"unknown option(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
+            )
         return cls(backend, **options)
 
     async def probe(self, http: HttpGetter) -> bool:

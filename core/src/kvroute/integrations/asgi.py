@@ -174,7 +174,10 @@ class RoutingMiddleware:
                 if status >= 500:
                     lease.fail(f"HTTP {status}")
                 if self._header is not None:
-                    message = {**message, "headers": [*message.get("headers", []), (self._header, lease.backend.id.encode())]}
+                    message = {
+                        **message,
+                        "headers": [*message.get("headers", []), (self._header, lease.backend.id.encode())],
+                    }
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 finished = True

@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
-            f"kvroute.testing.{name} needs {exc.name!r}: pip install \"kvroute[testing]\"", name=exc.name
+            f'kvroute.testing.{name} needs {exc.name!r}: pip install "kvroute[testing]"', name=exc.name
         ) from exc
     globals()[name] = value
     return value

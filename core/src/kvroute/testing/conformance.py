@@ -52,7 +52,10 @@ def varied_requests(count: int = 60, *, seed: int = 7, model: str = "model") -> 
             ids = [rng.randrange(50000) for _ in range(rng.choice([1, 64, 2048]))]
             out.append(RouteRequest.from_text("<|ids|>" + " ".join(map(str, ids)), model=model, token_ids=ids))
         else:
-            body = {"model": model, "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": text}]}
+            body = {
+                "model": model,
+                "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": text}],
+            }
             out.append(RouteRequest.from_openai(body))
     return out
 

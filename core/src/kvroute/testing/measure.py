@@ -117,9 +117,7 @@ def backend_id_of(pick: object) -> str:
     raise TypeError(f"pick() must return a Decision, a Backend or a BackendState (got {type(pick).__name__}).")
 
 
-def assign(
-    strategy: Strategy, requests: Iterable[RouteRequest], candidates: Sequence[BackendState]
-) -> tuple[str, ...]:
+def assign(strategy: Strategy, requests: Iterable[RouteRequest], candidates: Sequence[BackendState]) -> tuple[str, ...]:
     """The backend id ``strategy.pick`` chooses for each request, over fixed ``candidates`` (a dry run)."""
     if not candidates:
         raise ValueError("assign() needs at least one candidate (got none).")

@@ -133,9 +133,7 @@ class BoundedLoad(ConsistentHash):
         detail = {"home": home_id, "replicas": replicas, "rank": rank}
         return kvroute.Decision(state.backend, reason="hash" if rank == 0 else "replicated", key=key, detail=detail)
 
-    def place(
-        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
-    ) -> kvroute.Decision:
+    def place(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         """Place an already computed key: its home if it has room, else the next with room, else the least loaded."""
         placement = self._placement
         loads = self._bound.measure(candidates, members=placement.states, members_weight=placement.total_weight)

@@ -132,7 +132,9 @@ class Loads:
     def total(self) -> float:
         """The candidates' total load (before the request being placed)."""
         if self._total is None:
-            self._total = sum(self._loads.values()) if self._loads is not None else sum(map(_in_flight, self.candidates))
+            self._total = (
+                sum(self._loads.values()) if self._loads is not None else sum(map(_in_flight, self.candidates))
+            )
         return self._total
 
     @property

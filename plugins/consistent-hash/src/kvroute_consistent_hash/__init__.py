@@ -82,9 +82,7 @@ class ConsistentHash(kvroute.BaseStrategy):
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         return self.place(self.key(request), request.model, candidates)
 
-    def place(
-        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
-    ) -> kvroute.Decision:
+    def place(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         """Place an already computed key: its home if that is a candidate, else the next candidate in its order."""
         placement = self._placement
         view = CandidateView(placement, candidates)

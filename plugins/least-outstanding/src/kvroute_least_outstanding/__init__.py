@@ -51,7 +51,9 @@ class LeastOutstanding(kvroute.BaseStrategy):
                 best.append(state)
         chosen = best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
         return kvroute.Decision(
-            chosen.backend, reason="least_loaded", detail={"outstanding_per_weight": round(best_score, 3), "ties": len(best)}
+            chosen.backend,
+            reason="least_loaded",
+            detail={"outstanding_per_weight": round(best_score, 3), "ties": len(best)},
         )
 
 

@@ -65,7 +65,9 @@ def token_array(ids: Sequence[int] | array[int]) -> array[int]:
     try:
         return array("Q", ids)
     except (OverflowError, TypeError):
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID), None)
+        bad = next(
+            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID), None
+        )
         raise InvalidRequest(
             f"token ids must be integers between 0 and 2**64-1 (got {bad!r}).", param="prompt"
         ) from None
@@ -165,6 +167,7 @@ class TextSegment:
 
 #: What a prompt is made of: token ids as they are, or text to tokenize.
 Segment = "array[int] | TextSegment"
+
 
 class PieceMemo:
     """Hashed pieces by chain key: ``key -> (hashes of the blocks the piece completes, leftover bytes, ids in it)``.
@@ -302,8 +305,21 @@ class PromptBlocks:
     """
 
     __slots__ = (
-        "_at", "_done", "_gen", "_h", "_memo", "_resume", "_segments", "_step", "_tail",
-        "block_size", "hashes", "max_blocks", "pace", "root", "tokens",
+        "_at",
+        "_done",
+        "_gen",
+        "_h",
+        "_memo",
+        "_resume",
+        "_segments",
+        "_step",
+        "_tail",
+        "block_size",
+        "hashes",
+        "max_blocks",
+        "pace",
+        "root",
+        "tokens",
     )
 
     def __init__(

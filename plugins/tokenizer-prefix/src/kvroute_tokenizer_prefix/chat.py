@@ -61,7 +61,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -84,7 +86,11 @@ def _mentions_content(node: jinja2.nodes.Node) -> bool:
     for sub in [node, *node.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]:
         if isinstance(sub, jinja2.nodes.Getattr) and sub.attr == "content":
             return True
-        if isinstance(sub, jinja2.nodes.Getitem) and isinstance(sub.arg, jinja2.nodes.Const) and sub.arg.value == "content":
+        if (
+            isinstance(sub, jinja2.nodes.Getitem)
+            and isinstance(sub.arg, jinja2.nodes.Const)
+            and sub.arg.value == "content"
+        ):
             return True
     return False
 
@@ -108,9 +114,13 @@ def select_template(raw: object, *, with_tools: bool) -> str | None:
     if isinstance(raw, list):
         named: dict[str, str] = {}
         for item in raw:
-            if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not isinstance(item.get("template"), str):
+            if (
+                not isinstance(item, Mapping)
+                or not isinstance(item.get("name"), str)
+                or not isinstance(item.get("template"), str)
+            ):
                 raise ConfigError(
-                    "'chat_template' must be a string or a list of {\"name\": str, \"template\": str} objects "
+                    '\'chat_template\' must be a string or a list of {"name": str, "template": str} objects '
                     f"(got an item {item!r:.80})."
                 )
             named[item["name"]] = item["template"]
@@ -128,11 +138,15 @@ def _flatten_content(content: object, where: str) -> object:
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, Mapping):
-            raise InvalidRequest(f"'{where}[{i}]' must be a content part object (got {type(part).__name__}).", param="messages")
+            raise InvalidRequest(
+                f"'{where}[{i}]' must be a content part object (got {type(part).__name__}).", param="messages"
+            )
         if part.get("type") == "text" or ("text" in part and "type" not in part):
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequest(f"'{where}[{i}].text' must be a string (got {type(text).__name__}).", param="messages")
+                raise InvalidRequest(
+                    f"'{where}[{i}].text' must be a string (got {type(text).__name__}).", param="messages"
+                )
             texts.append(text)
     return "\n".join(texts)
 
@@ -173,13 +187,17 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(f"'content_format' must be one of auto, string, openai (got {content_format!r}).")
-        self.content_format: ContentFormat = detect_content_format(source) if content_format == "auto" else content_format
+        self.content_format: ContentFormat = (
+            detect_content_format(source) if content_format == "auto" else content_format
+        )
 
     def _messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
-                raise InvalidRequest(f"'messages[{i}]' must be an object (got {type(message).__name__}).", param="messages")
+                raise InvalidRequest(
+                    f"'messages[{i}]' must be an object (got {type(message).__name__}).", param="messages"
+                )
             plain = {k: _plain(v) for k, v in message.items() if v is not None}
             if self.content_format == "string" and "content" in plain:
                 plain["content"] = _flatten_content(plain["content"], f"messages[{i}].content")
@@ -201,11 +219,13 @@ class ChatTemplate:
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequest(
-                    "'continue_final_message' and 'add_generation_prompt' cannot both be true.", param="continue_final_message"
+                    "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+                    param="continue_final_message",
                 )
             if not chat or not isinstance(chat[-1].get("content"), str):
                 raise InvalidRequest(
-                    "'continue_final_message' needs a last message whose content is a string.", param="continue_final_message"
+                    "'continue_final_message' needs a last message whose content is a string.",
+                    param="continue_final_message",
                 )
             chat[-1]["content"] += _CONTINUE_MARK
         template = self._tool_template if tools and self._tool_template is not None else self._template

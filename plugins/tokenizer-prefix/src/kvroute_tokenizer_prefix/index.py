@@ -273,7 +273,9 @@ class BlockIndex:
                     self.orphan_events += 1
                     log.debug("kv_event_orphan", backend=backend, parent=parent_engine_hash)
                     return []
-            hashes = block_hashes(token_ids, block_size, parent=parent if parent is not None else root_hash(lora, cache_salt))
+            hashes = block_hashes(
+                token_ids, block_size, parent=parent if parent is not None else root_hash(lora, cache_salt)
+            )
             if engine_hashes is not None and len(engine_hashes) != len(hashes):
                 raise ValueError(
                     f"KV event for backend {backend!r} names {len(engine_hashes)} block hashes for "
@@ -342,7 +344,9 @@ class RecentDecisions:
     scatter. This record makes them match the backend their first sibling went to.
     """
 
-    def __init__(self, ttl_s: float = 30.0, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, ttl_s: float = 30.0, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock

@@ -264,7 +264,11 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._drop_tail(tail)
             theirs = tail.blocks
             exact = index.is_exact(tail.backend)
-            if len(theirs.hashes) != at or theirs.block_size != blocks.block_size or exact != (tail.request_id is not None):
+            if (
+                len(theirs.hashes) != at
+                or theirs.block_size != blocks.block_size
+                or exact != (tail.request_id is not None)
+            ):
                 continue  # stale: another block size, or the backend switched between exact and approximate mode
             try:
                 theirs.skip_memoized()
@@ -345,14 +349,23 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             if blocks.done or not hashes:
                 return
             self._add_tail(
-                _Tail(blocks, backend, index.bit(backend), request.request_id if exact else None, hashes[-1], blocks.text_bytes())
+                _Tail(
+                    blocks,
+                    backend,
+                    index.bit(backend),
+                    request.request_id if exact else None,
+                    hashes[-1],
+                    blocks.text_bytes(),
+                )
             )
             if self.prefetch and isinstance(self._tok, ModelTokenizer):
                 if self._prefetcher is None:
                     self._prefetcher = Prefetcher(index.lock)
                 self._prefetcher.submit(blocks)
 
-    def on_request_finish(self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome) -> None:
+    def on_request_finish(
+        self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome
+    ) -> None:
         if len(self._recent) or self._tail_of_request:
             with self._index.lock:
                 self._recent.discard(request.request_id)
@@ -563,4 +576,3 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 @kvroute.hookimpl
 def kvroute_register_strategies(register: Callable[..., None]) -> None:
     register("tokenizer-prefix", TokenizerPrefix)
-

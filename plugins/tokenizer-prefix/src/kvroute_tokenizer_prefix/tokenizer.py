@@ -385,9 +385,48 @@ def _splittable(config: Mapping[str, Any]) -> tuple[bool, str]:
 
 def _probe_texts(extra: Sequence[str], rng: random.Random, count: int = 160) -> list[str]:
     fragments = [
-        "a", "Hello", "world", "the", "s", "x1", "42", "2024", "007", " ", "  ", "\n", "\n\n", " \n", "\t", "\r\n",
-        ".", ",", "!?", "'s", "'t", "(", ")", "-", "_", ":", "\"", "#", "```", "é", "Ünïcødé", "中文", "\u00a0",
-        "\u3000", "😀", "a\u0301", "don't", "I'm", "x.\n", "\nItem", " word", "1,234.5",
+        "a",
+        "Hello",
+        "world",
+        "the",
+        "s",
+        "x1",
+        "42",
+        "2024",
+        "007",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        " \n",
+        "\t",
+        "\r\n",
+        ".",
+        ",",
+        "!?",
+        "'s",
+        "'t",
+        "(",
+        ")",
+        "-",
+        "_",
+        ":",
+        '"',
+        "#",
+        "```",
+        "é",
+        "Ünïcødé",
+        "中文",
+        "\u00a0",
+        "\u3000",
+        "😀",
+        "a\u0301",
+        "don't",
+        "I'm",
+        "x.\n",
+        "\nItem",
+        " word",
+        "1,234.5",
     ]
     fragments.extend(extra)
     texts = []
@@ -503,7 +542,9 @@ class ModelTokenizer:
             texts = [p.decode("utf-8") for p in pieces]
             encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         except UnicodeDecodeError:
-            raise InvalidRequest("the prompt is not valid Unicode text (lone surrogate characters).", param="messages") from None
+            raise InvalidRequest(
+                "the prompt is not valid Unicode text (lone surrogate characters).", param="messages"
+            ) from None
         return [token_bytes(array("Q", e.ids)) for e in encodings]
 
     def _store(self, key: int, ids: bytes) -> None:
@@ -596,7 +637,9 @@ class ModelTokenizer:
         args = dict(request.prompt_options or {})
         kwargs = args.pop("chat_template_kwargs", None) or {}
         if not isinstance(kwargs, Mapping):
-            raise InvalidRequest(f"'chat_template_kwargs' must be an object (got {type(kwargs).__name__}).", param="chat_template_kwargs")
+            raise InvalidRequest(
+                f"'chat_template_kwargs' must be an object (got {type(kwargs).__name__}).", param="chat_template_kwargs"
+            )
         return self.chat_template.render(
             request.messages,
             tools=args.get("tools"),
@@ -611,7 +654,9 @@ class ModelTokenizer:
             return [token_array(request.token_ids)]
         if request.messages is not None:
             options = request.prompt_options or {}
-            return self.text_segments(self.render(request), add_special_tokens=bool(options.get("add_special_tokens", False)))
+            return self.text_segments(
+                self.render(request), add_special_tokens=bool(options.get("add_special_tokens", False))
+            )
         return self.text_segments(request.text, add_special_tokens=True)
 
     def prompt_ids(self, request: RouteRequest) -> list[int]:
@@ -676,7 +721,9 @@ def load_tokenizer(
     tool_text: str | None = None
     if chat_template is not None:
         candidate = Path(chat_template).expanduser()
-        template_text = candidate.read_text(encoding="utf-8") if "{" not in chat_template and candidate.is_file() else chat_template
+        template_text = (
+            candidate.read_text(encoding="utf-8") if "{" not in chat_template and candidate.is_file() else chat_template
+        )
     elif "chat_template.jinja" in files:
         template_text = files["chat_template.jinja"].read_text(encoding="utf-8")
     else:
@@ -693,5 +740,10 @@ def load_tokenizer(
         else None
     )
     return ModelTokenizer(
-        tok, name=str(source), chat_template=template, piece_bytes=piece_bytes, fine_bytes=fine_bytes, cache_tokens=cache_tokens
+        tok,
+        name=str(source),
+        chat_template=template,
+        piece_bytes=piece_bytes,
+        fine_bytes=fine_bytes,
+        cache_tokens=cache_tokens,
     )

@@ -132,7 +132,9 @@ def tokenize_text(text: str, vocab: Vocabulary | None = None) -> tuple[int, ...]
     return (vocab or vocabulary()).encode(text)
 
 
-def tokenize_chat(messages: object, vocab: Vocabulary | None = None, *, add_generation_prompt: bool = True) -> tuple[int, ...]:
+def tokenize_chat(
+    messages: object, vocab: Vocabulary | None = None, *, add_generation_prompt: bool = True
+) -> tuple[int, ...]:
     """The emulator's chat template: per message ``<|role|>`` + content words + ``<|end|>``, then ``<|assistant|>``."""
     vocab = vocab or vocabulary()
     if not isinstance(messages, list) or not messages:
@@ -152,7 +154,11 @@ def _prompt_tokens(body: Mapping[str, Any], vocab: Vocabulary) -> tuple[int, ...
         prompt = prompt[0]
     if isinstance(prompt, str):
         return vocab.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
         return tuple(prompt)
     raise _BadRequest("'prompt' must be a string, a list of one string, or a list of token ids.", "prompt")
 
@@ -292,7 +298,9 @@ class EmulatorApp:
         output = self._output_tokens(prompt, max_tokens)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            engine_request = EngineRequest(request_id, TokenSeq.of(prompt), max_tokens, output_tokens=output, extra_key=extra_key)
+            engine_request = EngineRequest(
+                request_id, TokenSeq.of(prompt), max_tokens, output_tokens=output, extra_key=extra_key
+            )
             stream = self.runner.submit(engine_request)
         except ValueError as exc:
             raise _BadRequest(str(exc), "messages" if chat else "prompt") from None
@@ -357,7 +365,13 @@ class EmulatorApp:
         text = self.vocab.decode(output)
         choice: dict[str, Any]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
         payload = {
@@ -370,7 +384,9 @@ class EmulatorApp:
         }
         if die:
             self.stats.deaths_injected += 1
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
             raise _Die("injected crash before the body")
         await send_json(send, 200, payload)
 
@@ -393,20 +409,52 @@ class EmulatorApp:
         while True:
             start, end = await stream.next_tokens()
             if not started:
-                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                        ],
+                    }
+                )
                 started = True
                 if chat:
-                    role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-                    await send({"type": "http.response.body", "body": b"data: " + dumps(role) + b"\n\n", "more_body": True})
+                    role = {
+                        **head,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                    await send(
+                        {"type": "http.response.body", "body": b"data: " + dumps(role) + b"\n\n", "more_body": True}
+                    )
             last = stream.done and end >= len(output)
             if end > start or last:
                 text = self._text(output, start, end)
                 finish = "length" if last else None
                 if chat:
-                    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+                    choice: dict[str, Any] = {
+                        "index": 0,
+                        "delta": {"content": text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-                await send({"type": "http.response.body", "body": b"data: " + dumps({**head, "choices": [choice]}) + b"\n\n", "more_body": True})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + dumps({**head, "choices": [choice]}) + b"\n\n",
+                        "more_body": True,
+                    }
+                )
                 events += 1
                 if die and events >= self.faults.die_after_events:
                     self.stats.deaths_injected += 1
@@ -424,8 +472,14 @@ class EmulatorApp:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = self.config.model
         card = {
-            "id": model, "object": "model", "created": self._created, "owned_by": "vllm", "root": model,
-            "parent": None, "max_model_len": self.config.max_model_len, "permission": [],
+            "id": model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+            "permission": [],
         }
         await send_json(send, 200, {"object": "list", "data": [card]})
 
@@ -440,10 +494,21 @@ class EmulatorApp:
         body = await self._json(scope, receive)
         self._check_model(body)
         if "messages" in body:
-            tokens = tokenize_chat(body["messages"], self.vocab, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            tokens = tokenize_chat(
+                body["messages"], self.vocab, add_generation_prompt=bool(body.get("add_generation_prompt", True))
+            )
         else:
             tokens = _prompt_tokens(body, self.vocab)
-        await send_json(send, 200, {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": list(tokens), "token_strs": None})
+        await send_json(
+            send,
+            200,
+            {
+                "count": len(tokens),
+                "max_model_len": self.config.max_model_len,
+                "tokens": list(tokens),
+                "token_strs": None,
+            },
+        )
 
     async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._json(scope, receive)
@@ -475,13 +540,18 @@ class EmulatorApp:
 
     async def _get_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine.stats
-        await send_json(send, 200, {
-            **attrs.asdict(self.stats),
-            "engine": {
-                "prompt_tokens": engine.prompt_tokens, "hit_tokens": engine.hit_tokens, "finished": engine.finished,
-                "aborted": engine.aborted,
+        await send_json(
+            send,
+            200,
+            {
+                **attrs.asdict(self.stats),
+                "engine": {
+                    "prompt_tokens": engine.prompt_tokens,
+                    "hit_tokens": engine.hit_tokens,
+                    "finished": engine.finished,
+                    "aborted": engine.aborted,
+                },
+                "running": self.engine.num_running,
+                "waiting": self.engine.num_waiting,
             },
-            "running": self.engine.num_running,
-            "waiting": self.engine.num_waiting,
-        })
-
+        )
