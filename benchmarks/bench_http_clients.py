@@ -179,7 +179,8 @@ def main() -> None:
         "4096",
     ]
     print(
-        f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} {'direct rps':>11} {'via rps':>8} {'CPU/req':>9}"
+        f"{'client':<8} {'case':<11} {'added p50':>10} {'added p99':>10} {'1st chunk +p50':>15} "
+        f"{'direct rps':>11} {'via rps':>8} {'CPU/req':>9}"
     )
     with bp.process(emulator, direct + "/health"):
         for kind in ("aiohttp", "httpx", "kvroute"):
@@ -190,7 +191,8 @@ def main() -> None:
                         first = f"{r['added_first_chunk_p50_ms']:.3f} ms" if stream else "-"
                         case = f"{'stream' if stream else 'whole'} c{concurrency}"
                         print(
-                            f"{kind:<8} {case:<11} {r['added_p50_ms']:>7.3f} ms {r['added_p99_ms']:>7.3f} ms {first:>15} "
+                            f"{kind:<8} {case:<11} {r['added_p50_ms']:>7.3f} ms {r['added_p99_ms']:>7.3f} ms "
+                            f"{first:>15} "
                             f"{r['direct_rps']:>11.0f} {r['proxy_rps']:>8.0f} {r['proxy_cpu_us_per_request']:>6.0f} us",
                             flush=True,
                         )

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     from importlib.metadata import version
 
     print(
-        f"litellm {version('litellm')}, {args.deployments} deployments, {args.calls} calls per row, load average {os.getloadavg()[0]:.1f}"
+        f"litellm {version('litellm')}, {args.deployments} deployments, {args.calls} calls per row, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(f"{'row':36} {'p50 µs':>10} {'p99 µs':>10} {'p50 - baseline':>15}")
     for name, row in results.items():

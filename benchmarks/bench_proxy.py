@@ -15,10 +15,11 @@ Method (recorded with the figures in docs/performance.md, section "Proxy overhea
   not depend on what else the machine is doing, unlike the latencies.
 
 A second part (``--routing``, also run by default) shows routing quality end to end: four
-emulators (time scale 0.5, 512 KV blocks of 16 tokens each: room for four of the prefixes) behind the proxy, 8 shared 2,000-token prefixes
-with a unique question each, 320 streamed requests at concurrency 8, once per strategy with fresh
-emulators. It reports the TTFT the client measured and the fleet's prefix-cache hit rate read from
-the emulators' own ``vllm:prefix_cache_*`` counters.
+emulators (time scale 0.5, 512 KV blocks of 16 tokens each: room for four of the prefixes)
+behind the proxy, 8 shared 2,000-token prefixes with a unique question each, 320 streamed
+requests at concurrency 8, once per strategy with fresh emulators. It reports the TTFT the
+client measured and the fleet's prefix-cache hit rate read from the emulators' own
+``vllm:prefix_cache_*`` counters.
 
 Run: ``python benchmarks/bench_proxy.py`` (about two minutes on 2 cores), ``--quick`` for a
 smoke run, ``--json`` for machine-readable output, ``--only overhead|routing`` for one part,
@@ -373,12 +374,14 @@ def main() -> None:
         print(f"{'strategy':<18} {'TTFT p50':>9} {'TTFT p90':>9} {'TTFT p99':>9} {'hit rate':>9}")
         for strategy, r in routing.items():
             print(
-                f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms {r['hit_rate']:>8.1%}"
+                f"{strategy:<18} {r['ttft_p50_ms']:>6.1f} ms {r['ttft_p90_ms']:>6.1f} ms {r['ttft_p99_ms']:>6.1f} ms "
+                f"{r['hit_rate']:>8.1%}"
             )
     if not results:
         return
     print(
-        f"proxy overhead ({count} requests at c1, {count * 2} at c32; access log {'off' if args.no_access_log else 'on'}; "
+        f"proxy overhead ({count} requests at c1, {count * 2} at c32; "
+        f"access log {'off' if args.no_access_log else 'on'}; "
         f"workers {args.workers})"
     )
     header = (

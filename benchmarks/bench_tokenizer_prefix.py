@@ -58,9 +58,13 @@ from kvroute_tokenizer_prefix import BlockIndex, TokenizerPrefix, block_hashes
 
 import kvroute
 
-SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -392,17 +396,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         if isinstance(r, dict) and "p50_us" in r:
             print(
-                f"{name:30s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})"
+                f"{name:30s} p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   "
+                f"cpu p50 {r.get('cpu_p50_us', 0):9.1f} us   (n={r['n']})"
             )
     print(
-        f"prompt tokens {results['prompt_tokens']}, backends {args.backends}, options {options}, tokenizer {results['tokenizer']}, "
-        f"cpus {results['cpus']}, load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
+        f"prompt tokens {results['prompt_tokens']}, backends {args.backends}, options {options}, "
+        f"tokenizer {results['tokenizer']}, cpus {results['cpus']}, "
+        f"load average before {results['load_average'][0]:.2f}, after {results['load_average'][3]:.2f}"
     )
     print(
-        f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of {results['prompt_tokens']} tokens per second"
+        f"prefetch thread: {results['prefetch_prompts_per_s']} first sightings of "
+        f"{results['prompt_tokens']} tokens per second"
     )
     print(
-        f"piece memo: {results['memo_bytes_per_block']} bytes per block hash ({results['memo_blocks_per_piece']} blocks per piece); "
+        f"piece memo: {results['memo_bytes_per_block']} bytes per block hash "
+        f"({results['memo_blocks_per_piece']} blocks per piece); "
         f"id cache: {results['id_cache_bytes_per_token']} bytes per token id"
     )
     print(

@@ -251,7 +251,8 @@ class TestRankKey:
         assert (rank_key(h1, r1) == rank_key(h2, r2)) == ((h1, r1) == (h2, r2))
 
     def test_wide_hashes_do_not_collide_across_ranks(self) -> None:
-        """A digest wider than 64 bits on rank 0 and a small hash on rank 1 stay apart (an offset of rank << 64 would not)."""
+        """A digest wider than 64 bits on rank 0 and a small hash on rank 1 stay apart (an offset of rank << 64 would
+        not)."""
         assert rank_key(2**64 + 5, 0) != rank_key(5, 1)
 
     @pytest.mark.parametrize("rank", [-1, RANKS])
@@ -263,7 +264,8 @@ class TestRankKey:
 
 class TestSinkHelpers:
     def test_capacity_given_when_the_sink_takes_it(self) -> None:
-        """set_backend_capacity calls set_capacity when the sink has it and the size is known, and says whether it did."""
+        """set_backend_capacity calls set_capacity when the sink has it and the size is known, and says whether it
+        did."""
         sink = Sink()
         assert set_backend_capacity(sink, "b0", 72) is True and sink.capacity == {"b0": 72}
         assert set_backend_capacity(sink, "b1", None) is False and set_backend_capacity(sink, "b1", 0) is False
@@ -279,7 +281,8 @@ class TestSinkHelpers:
 
 class TestExactFlag:
     def test_reported_only_on_change_with_the_reason(self) -> None:
-        """The sink hears the value when it changes: not_subscribed first, exact once all subscribe, the loss's reason after."""
+        """The sink hears the value when it changes: not_subscribed first, exact once all subscribe, the loss's reason
+        after."""
         sink = Sink()
         flag = ExactFlag("b0", sink)
         a, b = ToyFeed(sink, rank=0, exact_flag=flag), ToyFeed(sink, rank=1, exact_flag=flag)
@@ -316,7 +319,8 @@ class TestKvEventFeed:
         assert not feed.exact and sink.exact[-1] == (False, "not_subscribed")
 
     def test_first_loss_logs_and_tells_the_sink(self) -> None:
-        """Every loss is counted by reason; only the first since the last clear logs kv_index_inexact and turns exact off."""
+        """Every loss is counted by reason; only the first since the last clear logs kv_index_inexact and turns exact
+        off."""
         sink = Sink()
         feed = ToyFeed(sink, rank=2)
         with capture_logs() as logs:
@@ -344,7 +348,8 @@ class TestKvEventFeed:
         assert "rank" not in logs[0]
 
     def test_engine_clear_makes_it_complete_again(self) -> None:
-        """After the engine's cache is emptied, the sink is cleared, the feed is complete and the backend exact again."""
+        """After the engine's cache is emptied, the sink is cleared, the feed is complete and the backend exact
+        again."""
         sink = Sink()
         feed = ToyFeed(sink)
         feed.lose("gap")
@@ -384,7 +389,8 @@ class TestKvEventFeed:
         assert feed.inexact_for is None
 
     def test_items_wait_in_order_while_block_sizes_differ(self) -> None:
-        """An item of another block size is held, and so is every item behind it; resume applies them in order once sizes agree."""
+        """An item of another block size is held, and so is every item behind it; resume applies them in order once
+        sizes agree."""
         sink = Sink(block_size=4)
         feed = ToyFeed(sink)
         first, second, third = Item((1,) * 8, 8), Item(), Item((2,) * 8, 8)
@@ -428,7 +434,8 @@ class TestKvEventFeed:
 class TestBackoff:
     @pytest.mark.anyio
     async def test_doubles_between_floor_and_most(self) -> None:
-        """Each failure waits the current delay, then doubles it (raised to the floor, capped at most); reset starts over."""
+        """Each failure waits the current delay, then doubles it (raised to the floor, capped at most); reset starts
+        over."""
         backoff = Backoff(first=0.001, floor=0.004, most=0.01)
         seen = []
         for _ in range(4):

@@ -107,7 +107,8 @@ class TestKnownCommands:
     """The table of commands of kvroute's own applications, against the distributions that add them."""
 
     def test_every_known_command_is_listed(self) -> None:
-        """`kvroute --help` lists every known command, `plugins` and the third-party p2c-info; a known one is marked with its extra exactly when its distribution is missing."""
+        """`kvroute --help` lists every known command, `plugins` and the third-party p2c-info; a known one is marked
+        with its extra exactly when its distribution is missing."""
         result = CliRunner().invoke(main, ["--help"])
         assert result.exit_code == 0, result.output
         listed = _listed(result.output)
@@ -118,7 +119,8 @@ class TestKnownCommands:
         assert "needs:" not in listed["plugins"] + listed["p2c-info"]
 
     def test_installed_commands_come_from_their_distribution(self) -> None:
-        """A known command whose distribution is installed is the one that distribution's plugin added; otherwise a stand-in that exits 1 with the hint."""
+        """A known command whose distribution is installed is the one that distribution's plugin added; otherwise a
+        stand-in that exits 1 with the hint."""
         added = PluginManager().register_commands(click.Group())
         for name, known in cli._KNOWN_COMMANDS.items():
             command = main.get_command(click.Context(main), name)
@@ -142,7 +144,8 @@ class TestKnownCommands:
             assert _canonical(known.distribution) in in_extra, (name, known.extra, in_extra)
 
     def test_emulator_extra_brings_the_server(self) -> None:
-        """`kvroute emulate` serves HTTP with kvroute-server: its extra pulls kvroute-simulator's emulator extra, which requires kvroute-server."""
+        """`kvroute emulate` serves HTTP with kvroute-server: its extra pulls kvroute-simulator's emulator extra, which
+        requires kvroute-server."""
         assert cli._KNOWN_COMMANDS["emulate"].extra == "emulator"
         requires = metadata.requires("kvroute") or []
         assert any(re.match(r"kvroute-simulator\[emulator\]==", r) and "extra == 'emulator'" in r for r in requires), (
@@ -152,7 +155,8 @@ class TestKnownCommands:
         assert any(r.startswith("kvroute-server==") for r in simulator["project"]["optional-dependencies"]["emulator"])
 
     def test_known_distributions_are_plugins_of_their_commands(self) -> None:
-        """Each distribution the table names is a folder of this repository with one entry point in group kvroute, the name tests block."""
+        """Each distribution the table names is a folder of this repository with one entry point in group kvroute, the
+        name tests block."""
         distributions = {known.distribution for known in cli._KNOWN_COMMANDS.values()}
         assert distributions == set(APPLICATIONS)
         for distribution, (folder, entry_point) in APPLICATIONS.items():
@@ -216,7 +220,8 @@ class TestStandIns:
         assert result.exit_code == 2 and "No such command 'simulat'. Did you mean 'simulate'?" in result.stderr
 
     def test_help_imports_no_server_runtime(self) -> None:
-        """`kvroute --help` lists the commands without importing uvicorn, aiohttp, matplotlib or the proxy's app, runner and upstream client."""
+        """`kvroute --help` lists the commands without importing uvicorn, aiohttp, matplotlib or the proxy's app, runner
+        and upstream client."""
         heavy = (
             "uvicorn",
             "aiohttp",
@@ -278,7 +283,8 @@ class TestPluginCommandErrors:
     """Plugins that add commands badly, as the real `kvroute` script meets them."""
 
     def test_same_name_twice_names_both(self, tmp_path: Path) -> None:
-        """Two distributions adding the same command make every invocation exit 1 with one line naming both; blocking one, as it says, fixes it."""
+        """Two distributions adding the same command make every invocation exit 1 with one line naming both; blocking
+        one, as it says, fixes it."""
         _fake_distribution(
             tmp_path,
             "kvroute-hello-a",
@@ -295,12 +301,16 @@ class TestPluginCommandErrors:
             "kvroute_hello_b",
             COMMAND_PLUGIN.format(name="hello", greeting="b"),
         )
-        named = r"plugin 'hello-a' \(distribution kvroute-hello-a 1\.0\)|plugin 'hello-b' \(distribution kvroute-hello-b 2\.0\)"
+        named = (
+            r"plugin 'hello-a' \(distribution kvroute-hello-a 1\.0\)"
+            r"|plugin 'hello-b' \(distribution kvroute-hello-b 2\.0\)"
+        )
         for args in (["--help"], ["hello"]):
             result = _kvroute(tmp_path, *args)
             assert result.returncode == 1 and result.stdout == ""
             assert re.fullmatch(
-                rf"Error: command 'hello' is registered twice: by ({named}) and by ({named}); block one with KVROUTE_BLOCK_PLUGINS\.\n",
+                rf"Error: command 'hello' is registered twice: by ({named}) and by ({named}); "
+                r"block one with KVROUTE_BLOCK_PLUGINS\.\n",
                 result.stderr,
             ), result.stderr
             assert "kvroute-hello-a" in result.stderr and "kvroute-hello-b" in result.stderr
@@ -325,7 +335,8 @@ class TestPluginCommandErrors:
         )
 
     def test_failing_hook_is_named(self, tmp_path: Path) -> None:
-        """A plugin whose command hook raises makes `kvroute` exit 1 with one line naming it, its distribution, the hook and the error; no traceback."""
+        """A plugin whose command hook raises makes `kvroute` exit 1 with one line naming it, its distribution, the hook
+        and the error; no traceback."""
         _fake_distribution(tmp_path, "kvroute-boom", "3.1", "boom", "kvroute_boom", FAILING_PLUGIN)
         for args in (["--help"], ["plugins"], ["serve"]):
             result = _kvroute(tmp_path, *args)

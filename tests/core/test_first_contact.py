@@ -97,7 +97,8 @@ def library_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def without_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """As after `pip install "kvroute[simulator]"`: no kvroute-server (kvroute-simulator when this environment has it)."""
+    """As after `pip install "kvroute[simulator]"`: no kvroute-server (kvroute-simulator when this environment has
+    it)."""
     return _without(tmp_path_factory, ["server"], ["kvroute_server"])
 
 
@@ -115,7 +116,8 @@ def _hint(command: str, distribution: str, extra: str) -> str:
 
 class TestLibraryOnly:
     def test_the_blocks_hold(self, library_only: dict[str, str]) -> None:
-        """The simulated environment loads no application plugin and imports no application package (else the tests below prove nothing)."""
+        """The simulated environment loads no application plugin and imports no application package (else the tests
+        below prove nothing)."""
         code = (
             "from kvroute.plugins import PluginManager\n"
             "print(sorted(p.name for p in PluginManager().plugins()))\n"
@@ -129,7 +131,8 @@ class TestLibraryOnly:
         assert unimportable == ["kvroute_server", "kvroute_simulator"]
 
     def test_help_lists_every_command_with_its_extra(self, library_only: dict[str, str]) -> None:
-        """`kvroute --help` lists serve, check-parity, simulate and emulate, each with the pip command that brings it."""
+        """`kvroute --help` lists serve, check-parity, simulate and emulate, each with the pip command that brings
+        it."""
         result = _kvroute("--help", env=library_only)
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)
@@ -156,12 +159,14 @@ class TestLibraryOnly:
         ],
     )
     def test_command_says_what_to_install(self, library_only: dict[str, str], args: list[str], hint: str) -> None:
-        """Running a command of a missing distribution prints one line naming it and the pip command, exit 1, whatever the arguments."""
+        """Running a command of a missing distribution prints one line naming it and the pip command, exit 1, whatever
+        the arguments."""
         result = _kvroute(*args, env=library_only)
         assert (result.returncode, result.stderr, result.stdout) == (1, f"Error: {hint}\n", "")
 
     def test_other_commands_unaffected(self, library_only: dict[str, str]) -> None:
-        """Commands of installed plugins still run: `kvroute plugins --json` lists the strategies, `kvroute p2c-info` answers."""
+        """Commands of installed plugins still run: `kvroute plugins --json` lists the strategies, `kvroute p2c-info`
+        answers."""
         result = _kvroute("plugins", "--json", env=library_only)
         assert result.returncode == 0, result.stderr
         assert {"bounded-load", "p2c"} <= {row["name"] for row in json.loads(result.stdout)}
@@ -171,7 +176,8 @@ class TestLibraryOnly:
 
 class TestWithoutServer:
     def test_help_marks_what_needs_the_server(self, without_server: dict[str, str]) -> None:
-        """Without kvroute-server, serve, check-parity and emulate are marked with their extra; simulate only if kvroute-simulator is missing too."""
+        """Without kvroute-server, serve, check-parity and emulate are marked with their extra; simulate only if
+        kvroute-simulator is missing too."""
         result = _kvroute("--help", env=without_server)
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)
@@ -193,7 +199,8 @@ class TestWithoutServer:
 
     @pytest.mark.parametrize("args", [["emulate"], ["emulate", "--help"], ["emulate", "--port", "0"]])
     def test_emulate_says_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:
-        """Without kvroute-server, `kvroute emulate` exits 1 with one line ending in the emulator extra's pip command, whoever answers."""
+        """Without kvroute-server, `kvroute emulate` exits 1 with one line ending in the emulator extra's pip command,
+        whoever answers."""
         result = _kvroute(*args, env=without_server)
         assert (result.returncode, result.stdout) == (1, "")
         assert result.stderr.startswith("Error: 'kvroute emulate' ")
@@ -203,7 +210,8 @@ class TestWithoutServer:
 
 class TestNewUser:
     def test_help(self) -> None:
-        """`kvroute --help` lists every command with its one-line help, marks those whose distribution is missing, and exits 0."""
+        """`kvroute --help` lists every command with its one-line help, marks those whose distribution is missing, and
+        exits 0."""
         result = _kvroute("--help")
         assert result.returncode == 0 and result.stderr == ""
         commands = _commands(result.stdout)
@@ -271,7 +279,8 @@ class TestLibraryLogging:
         assert (result.stdout, result.stderr) == ("", "")
 
     def test_host_logging_sees_fleet_events(self, tmp_path: Path) -> None:
-        """After logging.basicConfig(level=INFO) the host sees fleet_changed events on stderr under 'kvroute.fleet', stdout stays clean."""
+        """After logging.basicConfig(level=INFO) the host sees fleet_changed events on stderr under 'kvroute.fleet',
+        stdout stays clean."""
         script = tmp_path / "embed.py"
         script.write_text(LIBRARY_SCRIPT)
         result = _run([sys.executable, str(script), "host-logs"])

@@ -228,7 +228,8 @@ def _plugin_roots() -> list[tuple[Path, str]]:
 
 class TestLayers:
     def test_library_imports_no_other_distribution(self) -> None:
-        """No module of the library imports a plugin, an adapter or an application (any top-level ``kvroute_*``), wherever the import is."""
+        """No module of the library imports a plugin, an adapter or an application (any top-level ``kvroute_*``),
+        wherever the import is."""
         assert len(modules(LIBRARY, "kvroute")) > 10
         assert violations([(LIBRARY, "kvroute")], lambda top: top.startswith("kvroute_")) == []
 
@@ -269,7 +270,8 @@ class TestChecker:
     """The checker catches what it claims to, on synthetic trees (else the layer tests prove nothing)."""
 
     def test_finds_every_kind_of_import(self, tmp_path: Path) -> None:
-        """Imports at module level, in a function, under TYPE_CHECKING, relative, and literal dynamic ones are all found, with lines."""
+        """Imports at module level, in a function, under TYPE_CHECKING, relative, and literal dynamic ones are all
+        found, with lines."""
         src = _tree(
             tmp_path,
             {
@@ -347,8 +349,12 @@ class TestChecker:
         assert cycles(import_graph(src, "app")) == [["app.cli", "app.emulator", "app.cli"]]
 
     def test_ignores_deferred_and_type_only_imports(self, tmp_path: Path) -> None:
-        """Imports inside functions or under ``if TYPE_CHECKING:``, and passing through an enclosing package, make no cycle; the same imports at module level do."""
-        a_typed = "import typing\nif typing.TYPE_CHECKING:\n    from app.b import y\nimport app.b as later\nfrom app import b\nx = 1\n"
+        """Imports inside functions or under ``if TYPE_CHECKING:``, and passing through an enclosing package, make no
+        cycle; the same imports at module level do."""
+        a_typed = (
+            "import typing\nif typing.TYPE_CHECKING:\n    from app.b import y\n"
+            "import app.b as later\nfrom app import b\nx = 1\n"
+        )
         b_deferred = "def f():\n    from app.a import x\n    return x\ny = 2\n"
         src = _tree(
             tmp_path,
@@ -361,7 +367,8 @@ class TestChecker:
         assert cycles(import_graph(src, "app")) == [["app.a", "app.b", "app.a"]]
 
     def test_name_read_from_an_enclosing_package_is_a_cycle(self, tmp_path: Path) -> None:
-        """A module reading a name from the package whose __init__ imports it depends on that __init__'s order: a cycle."""
+        """A module reading a name from the package whose __init__ imports it depends on that __init__'s order: a
+        cycle."""
         src = _tree(
             tmp_path,
             {

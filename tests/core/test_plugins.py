@@ -172,7 +172,8 @@ class TestRegisterCommands:
             pm.register_commands(group)
 
     def test_failing_command_hook_is_attributed(self) -> None:
-        """An exception inside kvroute_register_commands names the plugin, the hook and the error, with the error as cause."""
+        """An exception inside kvroute_register_commands names the plugin, the hook and the error, with the error as
+        cause."""
 
         class Bad:
             @kvroute.hookimpl
@@ -224,7 +225,8 @@ class TestThirdPartyDistribution:
         assert all(lease.decision.detail["versus"] != lease.backend.id for lease in held)
 
     def test_adds_a_command(self) -> None:
-        """The third-party plugin's `kvroute p2c-info` is listed, attributed to its distribution, and runs from the real script."""
+        """The third-party plugin's `kvroute p2c-info` is listed, attributed to its distribution, and runs from the real
+        script."""
         added = PluginManager().register_commands(click.Group("kvroute"))
         assert (added["p2c-info"].distribution, added["p2c-info"].version) == ("kvroute-p2c", "0.1.0")
         listing = subprocess.run(
@@ -236,7 +238,8 @@ class TestThirdPartyDistribution:
         assert run.stdout.startswith("p2c: sample two backends")
 
     def test_installed_from_a_wheel(self) -> None:
-        """kvroute-p2c is installed as a built distribution (not editable), so its entry points come from real package metadata."""
+        """kvroute-p2c is installed as a built distribution (not editable), so its entry points come from real package
+        metadata."""
         distribution = metadata.distribution("kvroute-p2c")
         direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
         assert not direct_url.get("dir_info", {}).get("editable", False), direct_url

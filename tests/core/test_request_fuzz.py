@@ -246,7 +246,8 @@ class TestFromOpenAIFuzz:
         assert fragment in str(info.value)
 
     def test_values_json_cannot_encode(self) -> None:
-        """Tools that are not JSON (a cycle, bytes, mixed key types) raise InvalidRequest, also past the recursion limit."""
+        """Tools that are not JSON (a cycle, bytes, mixed key types) raise InvalidRequest, also past the recursion
+        limit."""
         cycle: list[Any] = []
         cycle.append(cycle)
         for tools in ([cycle], [b"x"], [{1: "a", "b": 2}]):

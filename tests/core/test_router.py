@@ -202,7 +202,8 @@ class TestDecisions:
         with pytest.raises(NoBackendAvailable) as raised:
             router.acquire(REQ, exclude={"a"})
         assert str(raised.value) == (
-            "no backend available for model 'm': of 2 serving it, 1 unhealthy, 0 draining, 1 already failed this request."
+            "no backend available for model 'm': of 2 serving it, 1 unhealthy, 0 draining, "
+            "1 already failed this request."
         )
         fleet.set_served_models("a", ["other"])
         fleet.set_served_models("b", ["other"])

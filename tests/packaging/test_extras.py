@@ -31,7 +31,8 @@ APPLICATION_MODULES = (
 
 
 def _kvroute(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvroute`` console script pip installed next to this interpreter (only where the applications are absent)."""
+    """Run the ``kvroute`` console script pip installed next to this interpreter (only where the applications are
+    absent)."""
     if importlib.util.find_spec("kvroute_server") or importlib.util.find_spec("kvroute_simulator"):
         pytest.fail(
             "this environment has the applications (`kvroute serve` would start the proxy): run `tox -e packaging`"
@@ -114,12 +115,16 @@ class TestLibraryAlone:
 
     def test_import_pulls_no_application_module(self) -> None:
         """`import kvroute` in a fresh interpreter imports none of the applications' packages or dependencies."""
-        code = f"import sys, kvroute\nprint(sorted(m for m in sys.modules if m.partition('.')[0] in {APPLICATION_MODULES!r}))"
+        code = (
+            "import sys, kvroute\n"
+            f"print(sorted(m for m in sys.modules if m.partition('.')[0] in {APPLICATION_MODULES!r}))"
+        )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
         assert result.stdout == "[]\n" and result.stderr == ""
 
     def test_help_lists_applications_as_needing_an_extra(self) -> None:
-        """`kvroute --help` lists serve, check-parity, simulate and emulate, each marked with the pip command that brings it."""
+        """`kvroute --help` lists serve, check-parity, simulate and emulate, each marked with the pip command that
+        brings it."""
         result = _kvroute("--help")
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)

@@ -105,7 +105,8 @@ class TestAgreement:
     async def test_interleaved_traffic_lands_on_one_engine_per_prefix(
         self, strategy: str, client: httpx.AsyncClient, engines: list[Process], tmp_path: Path
     ) -> None:
-        """Both replicas send every prefix to the engine this process computes; bounded-load deviates only by its spills."""
+        """Both replicas send every prefix to the engine this process computes; bounded-load deviates only by its
+        spills."""
         async with replicas(client, engines, tmp_path, strategy, {"prefix_length": 1024}) as (a, b):
             chosen: dict[int, list[tuple[str, str]]] = defaultdict(list)
             cached: list[int] = []

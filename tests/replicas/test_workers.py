@@ -138,7 +138,8 @@ class TestOneServer:
     async def test_prefixes_land_on_their_home_and_totals_add_up(
         self, client: httpx.AsyncClient, engines: list[Process], tmp_path: Path
     ) -> None:
-        """96 requests over new connections: each on its home, both workers served, /metrics totals equal what was sent."""
+        """96 requests over new connections: each on its home, both workers served, /metrics totals equal what was
+        sent."""
         async with supervisor(client, engines, tmp_path) as server:
             bodies = [body(p, f"round {r}") for r in range(2) for p in range(48)]
             chosen = await send_all(client, server, bodies)

@@ -88,7 +88,8 @@ def _wait(condition: Callable[[], bool]) -> bool:
 
 class TestKvEventFeeds:
     def test_feeds_start_per_backend_and_stop_on_removal(self, servers: Servers) -> None:
-        """run_events runs for each backend (at start and when added) with a POST-capable client, and is cancelled on removal."""
+        """run_events runs for each backend (at start and when added) with a POST-capable client, and is cancelled on
+        removal."""
         RUNNING.clear()
         a, b = servers.emulators(2)
         plugins = PluginManager(autoload=False)
@@ -190,7 +191,8 @@ class TestParityCheck:
 class TestBackendHttp:
     @pytest.mark.anyio
     async def test_get_and_post(self, servers: Servers) -> None:
-        """The adapters' client GETs and POSTs JSON relative to the backend URL, and wraps transport errors as OSError."""
+        """The adapters' client GETs and POSTs JSON relative to the backend URL, and wraps transport errors as
+        OSError."""
         from kvroute_server.upstream import create_session
 
         emulator = servers.emulator()

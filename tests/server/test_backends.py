@@ -149,7 +149,8 @@ class TestServedModels:
         status, _, body = http("POST", proxy.url + "/v1/chat/completions", chat_body("hi", model="alpha"))
         assert status == 503
         assert json.loads(body)["error"]["message"] == (
-            "no backend available for model 'alpha': of 1 serving it, 1 unhealthy, 0 draining, 0 already failed this request."
+            "no backend available for model 'alpha': of 1 serving it, 1 unhealthy, 0 draining, "
+            "0 already failed this request."
         )
         status, _, body = http("POST", proxy.url + "/v1/chat/completions", chat_body("hi", model="gamma"))
         assert status == 404 and "(served: alpha, beta)" in json.loads(body)["error"]["message"]
@@ -157,7 +158,8 @@ class TestServedModels:
 
 class TestAdapterLifetime:
     def test_removal_stops_the_feed_then_closes_and_shutdown_closes_the_rest(self, servers: Servers) -> None:
-        """Removing a backend ends its KV event feed and then awaits its adapter's aclose; stopping the proxy closes the others."""
+        """Removing a backend ends its KV event feed and then awaits its adapter's aclose; stopping the proxy closes the
+        others."""
         EVENTS.clear()
         a, b = servers.emulators(2)
         app = _app(

@@ -85,7 +85,8 @@ class TestCommands:
         p_port = _free_port()
         config = tmp_path / "kvroute.toml"
         config.write_text(
-            f'[server]\nport = {p_port}\n[routing]\nstrategy = "consistent-hash"\n[routing.options]\nprefix_length = 1024\n'
+            f'[server]\nport = {p_port}\n[routing]\nstrategy = "consistent-hash"\n'
+            "[routing.options]\nprefix_length = 1024\n"
             + "".join(f'[[backends]]\nid = "e{i}"\nurl = "http://127.0.0.1:{p}"\n' for i, p in enumerate(e_ports))
         )
         with contextlib.ExitStack() as stack:
@@ -227,7 +228,8 @@ class TestFirstContact:
         assert "Traceback" not in result.stderr
 
     def test_serve_logs_fleet_changes_on_stderr(self) -> None:
-        """`kvroute serve --log-level info --check` prints the configuration on stdout and one fleet_changed JSON line per backend on stderr."""
+        """`kvroute serve --log-level info --check` prints the configuration on stdout and one fleet_changed JSON line
+        per backend on stderr."""
         result = _kvroute(
             "serve",
             "--backend",

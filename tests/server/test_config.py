@@ -281,14 +281,16 @@ class TestServeCommand:
         assert (printed["strategy"], printed["options"]) == ("bounded-load", {})
 
     def test_missing_default_strategy_says_what_to_install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """With the server extra but not bounded-load, kvroute serve names the extra to install and the --strategy way out."""
+        """With the server extra but not bounded-load, kvroute serve names the extra to install and the --strategy way
+        out."""
         monkeypatch.setenv("KVROUTE_BLOCK_PLUGINS", "bounded-load")
         result = CliRunner().invoke(serve, ["--backend", "http://127.0.0.1:9", "--check"])
         assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
         assert result.stdout == ""
         assert result.stderr.startswith(
             "Error: the strategy 'bounded-load' (kvroute serve's default) is not installed. "
-            'Install it with: pip install "kvroute[bounded-load]", or choose an installed strategy with --strategy NAME '
+            'Install it with: pip install "kvroute[bounded-load]", '
+            "or choose an installed strategy with --strategy NAME "
             "(installed: "
         )
         assert "least-outstanding" in result.stderr.partition("(installed: ")[2]

@@ -320,7 +320,8 @@ class TestHostileCorpus:
         assert status == 200 and json.loads(body)["model"] == MODEL
 
     def test_large_bodies_parsed_off_the_event_loop(self, proxy: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-        """A body over 1 MiB is parsed in a worker thread and forwarded (200), a small one is parsed on the event loop."""
+        """A body over 1 MiB is parsed in a worker thread and forwarded (200), a small one is parsed on the event
+        loop."""
         threads: list[str] = []
         parse = app_module._parse
 
@@ -431,9 +432,11 @@ class TestMalformedHttp:
     @pytest.mark.parametrize(
         "request_bytes",
         [
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"zz\r\nabc\r\n0\r\n\r\n",
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 12abc\r\n\r\n{}",
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n{}",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n"
+            b"transfer-encoding: chunked\r\n\r\n{}",
         ],
         ids=["bad-chunk-size", "bad-content-length", "length-and-chunked"],
     )
@@ -455,7 +458,8 @@ class TestInternalErrors:
     def test_unexpected_exception(
         self, servers: Servers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
-        """An exception while routing gives 500 JSON with the request id; one ``request_failed`` event, no uvicorn traceback."""
+        """An exception while routing gives 500 JSON with the request id; one ``request_failed`` event, no uvicorn
+        traceback."""
         proxy = servers.proxy(servers.emulators(1))
 
         def broken(*args: object) -> None:

@@ -232,7 +232,8 @@ class TestFuzzProxy:
         assert {200, 400} <= statuses  # both routed and refused bodies were reached
 
     def test_spliced_hostile_values(self, proxy: ServerThread) -> None:
-        """Request-shaped bodies holding deep nesting, huge numbers, NaN or lone surrogates get a 4xx JSON error or a 2xx."""
+        """Request-shaped bodies holding deep nesting, huge numbers, NaN or lone surrogates get a 4xx JSON error or a
+        2xx."""
         assert 400 in self._fuzz(proxy, spliced())
 
     def test_mangled_requests(self, proxy: ServerThread) -> None:

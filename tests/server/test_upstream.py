@@ -90,7 +90,10 @@ class TestResponseHeaders:
         assert out == [(b"content-type", b"text/event-stream"), (b"x-engine", b"vllm")]
 
 
-USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":1234,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":1024}}}\n\n'
+USAGE_EVENT = (
+    b'data: {"choices":[],"usage":{"prompt_tokens":1234,"completion_tokens":5,'
+    b'"prompt_tokens_details":{"cached_tokens":1024}}}\n\n'
+)
 
 
 class TestUsageSniffer:

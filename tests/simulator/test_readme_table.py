@@ -1,4 +1,5 @@
-"""The README's `kvroute simulate` table, and docs/simulation.md's calibration table, are what a fresh default run prints.
+"""The README's `kvroute simulate` table, and docs/simulation.md's calibration table, are what a fresh default run
+prints.
 
 Wall-clock columns (routing cost, run time) are left out. When a change moves a figure, rerun
 `kvroute simulate` and copy what it prints.
@@ -121,7 +122,8 @@ class TestSimulationDocCalibrationTable:
         assert next(iter(rows)) == "random" and len(rows) >= 3
 
     def test_figures_match_a_fresh_run(self, fresh_run: str) -> None:
-        """TTFT p50/p90/p99, hit rate, output throughput and spills of every row installed here are what a run prints."""
+        """TTFT p50/p90/p99, hit rate, output throughput and spills of every row installed here are what a run
+        prints."""
         printed = printed_rows(fresh_run)
         written = {name: row for name, row in doc_rows().items() if name in printed}
         hit = {name: {**row, "hit": row["hit"].split(" (")[0]} for name, row in printed.items()}

@@ -24,7 +24,8 @@ BLOCKED = {blocked!r}
 
 
 class _NotInstalled:
-    \"\"\"Make the BLOCKED modules (and their submodules) unimportable, as if their distributions were not installed.\"\"\"
+    \"\"\"Make the BLOCKED modules (and their submodules) unimportable, as if their distributions were not
+    installed.\"\"\"
 
     def find_spec(self, name, path=None, target=None):
         if any(name == b or name.startswith(b + ".") for b in BLOCKED):
@@ -78,7 +79,8 @@ def without_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 class TestEmulateWithoutServer:
     def test_the_block_holds(self, without_server: dict[str, str]) -> None:
-        """kvroute_server cannot be imported, its plugin is not loaded, and the simulator's is (else the tests below prove nothing)."""
+        """kvroute_server cannot be imported, its plugin is not loaded, and the simulator's is (else the tests below
+        prove nothing)."""
         code = (
             "from kvroute.plugins import PluginManager\n"
             "print(sorted(p.name for p in PluginManager().plugins()))\n"
@@ -93,7 +95,8 @@ class TestEmulateWithoutServer:
         assert missing == "kvroute_server"
 
     def test_listed_as_needing_the_emulator_extra(self, without_server: dict[str, str]) -> None:
-        """`kvroute --help` marks emulate with the emulator extra's pip command, as kvroute marks a missing command; simulate is unmarked."""
+        """`kvroute --help` marks emulate with the emulator extra's pip command, as kvroute marks a missing command;
+        simulate is unmarked."""
         result = _kvroute("--help", env=without_server)
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         commands = _commands(result.stdout)
@@ -103,7 +106,8 @@ class TestEmulateWithoutServer:
 
     @pytest.mark.parametrize("args", [[], ["--help"], ["-h"], ["--port", "0", "--model", "m"], ["--no-such-flag"]])
     def test_says_what_to_install(self, without_server: dict[str, str], args: list[str]) -> None:
-        """Whatever its arguments, `kvroute emulate` exits 1 with one line naming the missing module and the emulator extra; no traceback."""
+        """Whatever its arguments, `kvroute emulate` exits 1 with one line naming the missing module and the emulator
+        extra; no traceback."""
         result = _kvroute("emulate", *args, env=without_server)
         assert (result.returncode, result.stderr, result.stdout) == (1, EMULATE_HINT, "")
 
@@ -116,12 +120,14 @@ class TestEmulateWithoutServer:
         assert "random" in result.stdout
 
     def test_missing_module_of_the_simulator_is_not_hidden(self, tmp_path: Path) -> None:
-        """A module of kvroute-simulator itself that is missing is a broken installation: an error naming the plugin, not an install hint."""
+        """A module of kvroute-simulator itself that is missing is a broken installation: an error naming the plugin,
+        not an install hint."""
         env = _env(tmp_path, entry_points=[], modules=["kvroute_simulator.emulator.realtime"])
         result = _kvroute("emulate", "--help", env=env)
         assert (result.returncode, result.stdout) == (1, "")
         assert result.stderr == (
-            "Error: plugin 'simulator' (distribution kvroute-simulator 0.1.0) failed in hook kvroute_register_commands: "
+            "Error: plugin 'simulator' (distribution kvroute-simulator 0.1.0) "
+            "failed in hook kvroute_register_commands: "
             "ModuleNotFoundError: No module named 'kvroute_simulator.emulator.realtime'\n"
         )
 

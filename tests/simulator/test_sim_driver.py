@@ -170,7 +170,8 @@ class TestSimulate:
 
 class TestRejections:
     def test_a_request_over_max_model_len_is_rejected_and_the_rest_served(self, plugins: PluginManager) -> None:
-        """An engine refuses a request longer than max_model_len (as vLLM's 400): it counts as rejected, with its reason."""
+        """An engine refuses a request longer than max_model_len (as vLLM's 400): it counts as rejected, with its
+        reason."""
         arrivals = list(make_workload("trace", path=SHARED_TRACE).arrivals())
         result = simulate(arrivals, "consistent-hash", config=SimulationConfig(instances=3), plugins=plugins)
         assert result.rejected == 1

@@ -189,7 +189,8 @@ class TestEviction:
         assert pinned.preemptions == 0
 
     def test_out_of_blocks_preempts_the_latest_sequence(self) -> None:
-        """When decodes need blocks that are not there, the most recently admitted sequence is preempted and later finishes."""
+        """When decodes need blocks that are not there, the most recently admitted sequence is preempted and later
+        finishes."""
         engine = self.small_engine(24)
         first = engine.submit(request("first", tokens(1, 150), output_len=150), 0.0)
         second = engine.submit(request("second", tokens(2, 150), output_len=150), 0.0)

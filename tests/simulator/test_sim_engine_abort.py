@@ -128,7 +128,8 @@ class TestAbortRunning:
         assert engine.audit() == []
 
     def test_the_step_in_progress_keeps_its_time_but_not_the_tokens(self) -> None:
-        """Aborted during a step that prefills it and another request: the step ends as planned, only the other advances."""
+        """Aborted during a step that prefills it and another request: the step ends as planned, only the other
+        advances."""
         engine = small(blocks=64)
         a = engine.submit(request("a", tokens(7, 90), 4), 0.0)
         b = engine.submit(request("b", tokens(8, 90), 4), 0.0)

@@ -55,7 +55,8 @@ class TestValidators:
         ],
     )
     def test_accepts_and_refuses(self, validator: Any, good: list[Any], bad: list[Any], expected: str) -> None:
-        """Each validator lets its good values through and refuses the others with a ConfigError saying what was expected and got (bools are not numbers, NaN and infinities are refused)."""
+        """Each validator lets its good values through and refuses the others with a ConfigError saying what was
+        expected and got (bools are not numbers, NaN and infinities are refused)."""
         for value in good:
             _check(validator, value)
         for value in bad:
@@ -111,7 +112,8 @@ class TestSettings:
         ],
     )
     def test_refused_with_a_config_error(self, build: Any, message: str) -> None:
-        """A setting out of its range or of the wrong type is a ConfigError (a ValueError) naming the field, what it must be and the value."""
+        """A setting out of its range or of the wrong type is a ConfigError (a ValueError) naming the field, what it
+        must be and the value."""
         with pytest.raises(ConfigError) as info:
             build()
         assert str(info.value) == message
@@ -139,7 +141,8 @@ def _public_names() -> dict[str, set[str]]:
 
 class TestNames:
     def test_no_public_name_shadows_a_standard_one(self) -> None:
-        """No public name of kvroute_simulator reuses a name of collections.abc, typing or builtins (the engine's sequence is EngineSequence)."""
+        """No public name of kvroute_simulator reuses a name of collections.abc, typing or builtins (the engine's
+        sequence is EngineSequence)."""
         standard = set(collections.abc.__all__) | set(typing.__all__) | set(dir(builtins))
         clashes = {module: sorted(names & standard) for module, names in _public_names().items() if names & standard}
         assert clashes == {}

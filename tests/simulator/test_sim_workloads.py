@@ -156,7 +156,8 @@ class TestMultiTurn:
         return list(MultiTurn(system_tokens=50, requests=200, rate=1.0, mean_turns=4).arrivals())
 
     def test_turns_nest(self) -> None:
-        """A turn's prompt followed by its answer is a prefix of the next turn's prompt, in tokens and in routing text."""
+        """A turn's prompt followed by its answer is a prefix of the next turn's prompt, in tokens and in routing
+        text."""
         arrivals = self.arrivals()
         by_id = {a.request_id: a for a in arrivals}
         follow_ups = [a for a in arrivals if a.follows]
@@ -315,7 +316,8 @@ class TestTraceErrors:
         """Timestamps must not go backwards."""
         path = tmp_path / "trace.jsonl"
         path.write_text(
-            '{"timestamp": 10, "prompt": "a", "output_length": 1}\n{"timestamp": 5, "prompt": "b", "output_length": 1}\n',
+            '{"timestamp": 10, "prompt": "a", "output_length": 1}\n'
+            '{"timestamp": 5, "prompt": "b", "output_length": 1}\n',
             encoding="utf-8",
         )
         with pytest.raises(TraceFormatError, match=r":2: 'timestamp' must not decrease \(got 5 after 10\)"):

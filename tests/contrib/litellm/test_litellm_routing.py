@@ -300,7 +300,8 @@ class TestRouting:
     async def test_all_cooling_down_is_litellms_error(
         self, fleet3: list[FakeBackend], installed: Callable[..., KvrouteRouting]
     ) -> None:
-        """With every deployment in cooldown LiteLLM's own "all in cooldown" error reaches the caller, no lease taken."""
+        """With every deployment in cooldown LiteLLM's own "all in cooldown" error reaches the caller, no lease
+        taken."""
         routing = installed(deployments(fleet3), "least-outstanding")
         for i in range(3):
             routing.litellm_router.health().cooldowns.add_deployment_to_cooldown(f"d{i}", RuntimeError("x"), 500, 60)

@@ -72,7 +72,8 @@ class TestCopyingTheTemplate:
         return tmp_path / "kvroute-sticky"
 
     def test_renamed_copy_installs_and_routes(self, renamed: Path) -> None:
-        """After the README's renames no template name is left in code or metadata, and the copy installs as `sticky`."""
+        """After the README's renames no template name is left in code or metadata, and the copy installs as
+        `sticky`."""
         leftovers = [
             str(p.relative_to(renamed))
             for p in renamed.rglob("*")
@@ -87,7 +88,8 @@ class TestCopyingTheTemplate:
                 sys.executable,
                 "-c",
                 "import kvroute; f = kvroute.Fleet([kvroute.Backend('a'), kvroute.Backend('b')]); "
-                "r = kvroute.Router.create(f, 'sticky'); print(r.decide(kvroute.RouteRequest.from_text('x'))[0].explain())",
+                "r = kvroute.Router.create(f, 'sticky'); "
+                "print(r.decide(kvroute.RouteRequest.from_text('x'))[0].explain())",
             )
             lines = out.splitlines()  # the library logs through `logging`: nothing but the print
             assert len(lines) == 1, lines

@@ -1,4 +1,5 @@
-"""A server that replays TensorRT-LLM's answers (fixtures/, written as the engine's serializers write them), and its client.
+"""A server that replays TensorRT-LLM's answers (fixtures/, written as the engine's serializers write them),
+and its client.
 
 ``trtllm-serve`` has no CPU build, so the adapter is tested against this: ``GET /metrics`` and
 ``POST /kv_cache_events`` pop the next answer of their fixture sequence (then answer ``[]``, as

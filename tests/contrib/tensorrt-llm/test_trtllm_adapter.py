@@ -1,4 +1,5 @@
-"""The ``tensorrt-llm`` backend kind against a server replaying trtllm-serve's answers over HTTP, holding them as it does."""
+"""The ``tensorrt-llm`` backend kind against a server replaying trtllm-serve's answers over HTTP, holding them as it
+does."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ class TestTensorRTLLMAdapter:
             _adapter(**options)
 
     async def test_health_and_models(self, trtllm: Any) -> None:
-        """200 is healthy; 503 fails the probe with the engine's reason 'LLM is unavailable'; models come from /v1/models."""
+        """200 is healthy; 503 fails the probe with the engine's reason 'LLM is unavailable'; models come from
+        /v1/models."""
         server, http = trtllm
         adapter = _adapter(server.url)
         assert await adapter.probe(http) is True
@@ -128,7 +130,8 @@ class TestTensorRTLLMAdapter:
         assert await adapter.poll_load(http) is None
 
     async def test_metrics_held_while_traffic_flows(self, trtllm: Any, closing: list[TensorRTLLMAdapter]) -> None:
-        """/metrics held past the probe timeout still delivers what it drained; the load polls stay within the timeout."""
+        """/metrics held past the probe timeout still delivers what it drained; the load polls stay within the
+        timeout."""
         server, http = trtllm
         server.metrics = server.metrics[:1]
         server.metrics_hold = HOLD
@@ -155,7 +158,8 @@ class TestTensorRTLLMAdapter:
         assert any(log["event"] == "trtllm_metrics_timeout" and log["backend"] == "t0" for log in logs)
 
     async def test_prometheus_instead_of_json(self, trtllm: Any, closing: list[TensorRTLLMAdapter]) -> None:
-        """With return_perf_metrics the server's collector drains the JSON stats: its Prometheus gauges are read instead."""
+        """With return_perf_metrics the server's collector drains the JSON stats: its Prometheus gauges are read
+        instead."""
         server, http = trtllm
         server.prometheus = (FIXTURES / "prometheus.txt").read_text()
         server.metrics = [[], [], []]  # what /metrics mostly answers then
@@ -193,7 +197,8 @@ class TestTensorRTLLMAdapter:
             await adapter.poll_load(http)
 
     async def test_events_feed_the_index(self, trtllm: Any, closing: list[TensorRTLLMAdapter]) -> None:
-        """The event task polls /kv_cache_events, marks the backend exact and keeps the index equal to the engine's blocks."""
+        """The event task polls /kv_cache_events, marks the backend exact and keeps the index equal to the engine's
+        blocks."""
         server, http = trtllm
         adapter = _adapter(server.url, kv_events_interval=0.01)
         closing.append(adapter)
@@ -227,7 +232,8 @@ class TestTensorRTLLMAdapter:
         assert index.match(block_hashes(list(range(1000, 1064)), 32), ["t0"]) == {"t0": 2}
 
     async def test_timeout_after_a_drain_marks_inexact(self, trtllm: Any) -> None:
-        """A poll given up while the server held a drained answer loses events: inexact (counted, logged), then resynced."""
+        """A poll given up while the server held a drained answer loses events: inexact (counted, logged), then
+        resynced."""
         server, http = trtllm
         adapter = _adapter(server.url, kv_events_interval=0.01, kv_events_timeout=0.3, kv_events_resync=0.5)
         index = BlockIndex(32)
@@ -264,7 +270,8 @@ class TestTensorRTLLMAdapter:
         assert adapter.stats()["kv_events"]["inexact_reasons"] == {"malformed_event": 1}
 
     async def test_events_unsupported_or_unreachable(self, trtllm: Any) -> None:
-        """404 ends the task; failures before the first answer are retried; after it, an error answer may have cost events."""
+        """404 ends the task; failures before the first answer are retried; after it, an error answer may have cost
+        events."""
         server, http = trtllm
         server.events_status = 404
         with anyio.fail_after(10):

@@ -1,4 +1,5 @@
-"""TensorRT-LLM's /kv_cache_events per serializer version: parsing, applying them to the block index, and its exact flag."""
+"""TensorRT-LLM's /kv_cache_events per serializer version: parsing, applying them to the block index, and its exact
+flag."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ class TestParseEvents:
         assert isinstance(tuned, Stored) and tuned.blocks[0].opaque
 
     def test_v2_hex_hashes_and_fields(self) -> None:
-        """V2 hex hashes, hash_algo, layer_group_id, cache_salt and multimodal hex tokens parse (each hex hash as ~int)."""
+        """V2 hex hashes, hash_algo, layer_group_id, cache_salt and multimodal hex tokens parse (each hex hash as
+        ~int)."""
         answers = _answers("kv_events_v2_sha256.json")
         raw = answers[1][0]["data"]["blocks"][1]["block_hash"]
         second = parse_events(answers[1])
@@ -215,7 +217,8 @@ class TestEventFeed:
         assert feed.exact
 
     def test_lora_block_told_apart_by_its_hash(self) -> None:
-        """A V1 block whose engine hash mixes a LoRA task id is not indexed as the base model's; its twin without LoRA is."""
+        """A V1 block whose engine hash mixes a LoRA task id is not indexed as the base model's; its twin without LoRA
+        is."""
         index, feed = _fed([[_v1_stored(1, [0, 32], lora=3)], [_v1_stored(2, [100])]])
         assert _matched(index, _ids(0, 64)) == 0
         assert _matched(index, _ids(100)) == 1
@@ -239,7 +242,8 @@ class TestEventFeed:
         assert _matched(index, _ids(0)) == 0
 
     def test_v2_fixture_builds_the_index(self) -> None:
-        """V2 events (hex hashes, two layer groups, a salted chain, image tokens) keep the index equal to the engine's blocks."""
+        """V2 events (hex hashes, two layer groups, a salted chain, image tokens) keep the index equal to the engine's
+        blocks."""
         answers = _answers("kv_events_v2_sha256.json")
         index, feed = _fed(answers[:3])
         assert _matched(index, _ids(1000, 128)) == 3  # the fourth block holds image tokens
@@ -293,7 +297,8 @@ class TestEventFeed:
         assert index.is_exact("t") and index.inexact_reason("t") is None
 
     def test_losses_while_inexact_count_one_transition(self) -> None:
-        """Every loss is counted by reason, but the backend stops being exact (logged, counted) once until it is exact again."""
+        """Every loss is counted by reason, but the backend stops being exact (logged, counted) once until it is exact
+        again."""
         with capture_logs() as logs:
             _, feed = _fed(
                 [[_v1_stored(1, [0])], [_v1_stored(5, [100])], [{"event_id": 6, "data": {"type": "pinned"}}]]
@@ -320,13 +325,15 @@ class TestEventFeed:
         assert feed.exact and index.is_exact("t") and index.blocks("t") == 0 and feed.stats.resyncs == 1
 
     def test_event_ids_starting_again_mean_a_restart(self) -> None:
-        """Event ids that do not grow mean the server restarted: its blocks are forgotten and the backend is exact again."""
+        """Event ids that do not grow mean the server restarted: its blocks are forgotten and the backend is exact
+        again."""
         index, feed = _fed([[_v1_stored(7, [0])], [_v1_stored(9, [50])], [_v1_stored(0, [100])]])
         assert _matched(index, _ids(0)) == 0
         assert index.blocks("t") == 1 and feed.stats.cleared == 1 and feed.exact
 
     def test_resync_clears_and_trusts_again(self) -> None:
-        """After a loss the feed reports how long it has been inexact; a resync clears the backend and marks it exact."""
+        """After a loss the feed reports how long it has been inexact; a resync clears the backend and marks it
+        exact."""
         clock = _Clock()
         index, feed = _fed([[_v1_stored(1, [0])], [_v1_stored(3, [100])]], clock=clock)
         clock.now += 42
@@ -396,7 +403,8 @@ class TestEventFeed:
         assert feed.exact
 
     def test_hash_check_turns_off_for_an_unknown_hash(self) -> None:
-        """If no V1 hash ever matches its tokens (an engine hashing differently), the check stops and blocks are indexed."""
+        """If no V1 hash ever matches its tokens (an engine hashing differently), the check stops and blocks are
+        indexed."""
         wrong = [
             {
                 "event_id": i,

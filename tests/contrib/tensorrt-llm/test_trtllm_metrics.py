@@ -1,4 +1,5 @@
-"""TensorRT-LLM load telemetry: JSON iteration stats (drained, nulls, empty lists, attention-DP ranks) and Prometheus."""
+"""TensorRT-LLM load telemetry: JSON iteration stats (drained, nulls, empty lists, attention-DP ranks) and
+Prometheus."""
 
 from __future__ import annotations
 

@@ -103,7 +103,8 @@ class TestVllmAdapter:
         ("reply", "message"), [(HttpReply(500, b"boom"), "answered 500"), (HttpReply(200, b"\xff"), "UTF-8")]
     )
     async def test_poll_load_failures_raise_value_error(self, reply: HttpReply, message: str) -> None:
-        """An unreadable /metrics raises ValueError (the health checker counts a skipped poll, the old load goes stale)."""
+        """An unreadable /metrics raises ValueError (the health checker counts a skipped poll, the old load goes
+        stale)."""
         with pytest.raises(ValueError, match=message):
             await _adapter().poll_load(FakeHttp({("GET", "/metrics"): reply}))
 
@@ -130,7 +131,8 @@ class TestVllmAdapter:
         ]
 
     async def test_sources_of_an_engine_that_connects(self) -> None:
-        """A reported address of this machine where nothing listens: the engine connects, kvroute binds it (or kv_bind)."""
+        """A reported address of this machine where nothing listens: the engine connects, kvroute binds it (or
+        kv_bind)."""
         free = _free_port()
         http = FakeHttp({("GET", "/kv_event_sources"): json_reply(_sources(f"tcp://127.0.0.1:{free}", None))})
         assert await _adapter().sources(http) == [ZmqSource(f"tcp://127.0.0.1:{free}", "kv", None, bind=True)]

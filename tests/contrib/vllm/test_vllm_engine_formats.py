@@ -103,7 +103,8 @@ def _inexact_logs(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class TestPublisherCaptures:
     @pytest.mark.parametrize("release", RELEASES)
     def test_live_messages_of_each_release_decode(self, release: str) -> None:
-        """Each release's live messages (positional events up to 0.23, tagged maps after) decode to the MLA stores sent."""
+        """Each release's live messages (positional events up to 0.23, tagged maps after) decode to the MLA stores
+        sent."""
         batches = _live(release, "mla")
         assert [b.seq for b in batches] == [0, 1, 2]
         first = batches[0].events[0]
@@ -130,7 +131,8 @@ class TestPublisherCaptures:
         ("release", "frames"), [("0.23.0", 3), ("0.25.0", 3), ("0.31.0", 4), ("0.32.0", 4), ("0.33.0", 4)]
     )
     def test_replay_replies_of_each_release_decode(self, release: str, frames: int) -> None:
-        """Replay replies without the topic frame (before 0.26) and with it decode to the live batches, then the end marker."""
+        """Replay replies without the topic frame (before 0.26) and with it decode to the live batches, then the end
+        marker."""
         scenario = publisher_capture(release)["scenarios"]["mla"]
         assert {len(r) for r in scenario["replay_reply"]} == {frames}
         *replies, end = [decode_replay_reply(r, b"kv") for r in scenario["replay_reply"]]
@@ -160,7 +162,8 @@ class TestCacheKinds:
         assert sink.index.match(prompt, ["b0"]) == {"b0": 2} and "set_exact" not in sink.names()
 
     def test_hybrid_model_follows_the_full_attention_group(self) -> None:
-        """With a full-attention group beside it, the sliding-window group's stores and removals are ignored, not lost."""
+        """With a full-attention group beside it, the sliding-window group's stores and removals are ignored, not
+        lost."""
         feed, sink = _feed()
         for batch in _live("0.33.0", "hybrid_sliding_window"):
             feed.receive(batch)
@@ -168,7 +171,8 @@ class TestCacheKinds:
         assert (feed.stats.ignored_events, feed.lost_reason, feed.stats.inexact_reasons) == (2, None, {})
 
     def test_sliding_window_only_model_is_inexact(self) -> None:
-        """A model whose only group is sliding-window attention leaves the index without its blocks: inexact, said once."""
+        """A model whose only group is sliding-window attention leaves the index without its blocks: inexact, said
+        once."""
         feed, sink = _feed()
         with capture_logs() as logs:
             feed.receive(_live("0.33.0", "sliding_window_only")[0])
@@ -180,7 +184,8 @@ class TestCacheKinds:
         assert [(e["backend"], e["reason"]) for e in _inexact_logs(logs)] == [("b0", "cache_kind_not_indexed")]
 
     def test_unknown_kinds_warn_once_each_and_make_the_index_inexact(self) -> None:
-        """vLLM's 'unknown' and a kind added later: one warning per kind, every skipped store counted, one inexact log."""
+        """vLLM's 'unknown' and a kind added later: one warning per kind, every skipped store counted, one inexact
+        log."""
         feed, sink = _feed()
         batches = _live("0.33.0", "unknown_kinds")
         with capture_logs() as logs:
@@ -281,7 +286,8 @@ LOSS_PATHS: dict[str, Callable[[VllmEventFeed], None]] = {
 class TestExactness:
     @pytest.mark.parametrize("reason", list(LOSS_PATHS))
     def test_each_loss_path_makes_the_index_inexact(self, reason: str) -> None:
-        """Every way an event can be skipped or lost sets exact to false with its reason, counts it and logs kv_index_inexact."""
+        """Every way an event can be skipped or lost sets exact to false with its reason, counts it and logs
+        kv_index_inexact."""
         feed, sink = _feed(max_held=1)
         with capture_logs() as logs:
             LOSS_PATHS[reason](feed)
@@ -304,7 +310,8 @@ class TestExactness:
         assert sink.reasons == {"b0": "rejected_store"} and feed.stats.rejected_events == 1
 
     def test_deliberate_skips_are_not_losses(self) -> None:
-        """CPU-tier blocks, another group of an indexed kind and multimodal blocks (with their descendants) keep the index exact."""
+        """CPU-tier blocks, another group of an indexed kind and multimodal blocks (with their descendants) keep the
+        index exact."""
         feed, sink = _feed()
         feed.receive(_batch(0, _store([1], _tokens(0, 1), group_idx=0, kv_cache_spec_kind="full_attention")))
         feed.receive(
@@ -339,7 +346,8 @@ class TestExactness:
 
     @pytest.mark.anyio
     async def test_resync_rebuilds_from_the_replay_buffer(self) -> None:
-        """When the sink forgot the backend's blocks (another rank made it exact again), the subscriber replays from 0."""
+        """When the sink forgot the backend's blocks (another rank made it exact again), the subscriber replays from
+        0."""
         payloads = captured_payloads()[:3]
         sink = RecordingSink()
         feed = VllmEventFeed("b0", sink)
@@ -399,7 +407,8 @@ def free_port_fixture() -> int:
 
 
 def _reported(endpoint: str, replay: str | None, form: str) -> object:
-    """``/kv_event_sources`` in each form: 0.31-0.33's config keyed by rank (as captured), or the list forms of newer builds."""
+    """``/kv_event_sources`` in each form: 0.31-0.33's config keyed by rank (as captured), or the list forms of newer
+    builds."""
     config = dict(publisher_capture("0.33.0")["scenarios"]["mla"]["kv_event_sources"]["0"])
     config.update(endpoint=endpoint, replay_endpoint=replay)
     entry = {"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"}
@@ -412,7 +421,8 @@ def _adapter(url: str = "http://127.0.0.1:8000", **options: object) -> VllmAdapt
 
 class TestReportedEndpoints:
     def test_captured_sources_report_the_resolved_address(self) -> None:
-        """vLLM 0.31-0.33 configured with tcp://*:0 report tcp://<node-ip>:<port>: a concrete address the engine bound."""
+        """vLLM 0.31-0.33 configured with tcp://*:0 report tcp://<node-ip>:<port>: a concrete address the engine
+        bound."""
         for release in ("0.31.0", "0.32.0", "0.33.0"):
             scenario = publisher_capture(release)["scenarios"]["mla"]
             reported = scenario["kv_event_sources"]["0"]
@@ -465,7 +475,8 @@ class TestReportedEndpoints:
     async def test_remote_and_wildcard_forms(
         self, reported: str, url: str, kv_bind: str | None, expected: tuple[str, bool]
     ) -> None:
-        """Wildcards are reached at the backend's host; a concrete address elsewhere is the engine's unless kv_bind says it connects."""
+        """Wildcards are reached at the backend's host; a concrete address elsewhere is the engine's unless kv_bind says
+        it connects."""
         assert await locate_publisher(reported, url, kv_bind=kv_bind) == expected
 
     @pytest.mark.anyio
@@ -476,7 +487,8 @@ class TestReportedEndpoints:
 
     @pytest.mark.anyio
     async def test_local_address_nobody_listens_on_is_bound(self, free_port: int) -> None:
-        """An address of this machine without a listener: the engine connects to the router, kvroute binds it (or kv_bind)."""
+        """An address of this machine without a listener: the engine connects to the router, kvroute binds it (or
+        kv_bind)."""
         reported = f"tcp://127.0.0.1:{free_port}"
         assert await locate_publisher(reported, "http://127.0.0.1:8000") == (reported, True)
         assert await locate_publisher(reported, "http://127.0.0.1:8000", kv_bind="tcp://*:6000") == (

@@ -77,7 +77,8 @@ class TestDecodeMessage:
         assert removed.block_hashes == (int.from_bytes(digest, "big"),)
 
     def test_unknown_event_types_are_kept_as_unknown(self) -> None:
-        """An event type this version does not know decodes to UnknownEvent (so the feed can count it), the rest is kept."""
+        """An event type this version does not know decodes to UnknownEvent (so the feed can count it), the rest is
+        kept."""
         batch = decode_batch(3, _pack([{"type": "BlockPinned", "x": 1}, {"type": "AllBlocksCleared"}]))
         assert batch.events == (UnknownEvent("BlockPinned"), AllBlocksCleared())
 

@@ -55,7 +55,8 @@ class TestKvEventFeed:
         assert feed.stats.batches == 11 and feed.stats.cleared == 1 and index.blocks("a") == 0
 
     def test_router_hashes_come_from_token_ids(self) -> None:
-        """The chat prompt's blocks, hashed by the router from its token ids, are all held after the first two batches."""
+        """The chat prompt's blocks, hashed by the router from its token ids, are all held after the first two
+        batches."""
         index = _in_order(upto=2)
         prompt = block_hashes(kv_events()["chat_prompt_token_ids"], BS)
         assert index.match(prompt, ["a"]) == {"a": len(prompt)} == {"a": 25}
@@ -165,7 +166,8 @@ class TestKvEventFeed:
         assert sink.calls[-1][2]["cache_salt"] == "salt-1"
 
     def test_multimodal_blocks_end_the_event(self) -> None:
-        """A block keyed by a multimodal identifier cannot be recomputed from tokens: it and its successors are skipped."""
+        """A block keyed by a multimodal identifier cannot be recomputed from tokens: it and its successors are
+        skipped."""
         sink = RecordingSink()
         feed = VllmEventFeed("a", sink)
         tokens = list(range(3 * BS))
@@ -221,7 +223,8 @@ def _deliveries(draw: st.DrawFn) -> list[int]:
 class TestFeedDelivery:
     @given(_deliveries())
     def test_any_loss_pattern_converges_to_in_order_state(self, live: list[int]) -> None:
-        """However batches are dropped or repeated live, filling gaps from the replay buffer ends in the in-order state."""
+        """However batches are dropped or repeated live, filling gaps from the replay buffer ends in the in-order
+        state."""
         batches = _batches()[:10]
         index = BlockIndex(BS)
         feed = VllmEventFeed("a", index)

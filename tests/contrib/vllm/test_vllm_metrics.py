@@ -7,7 +7,8 @@ from kvroute_vllm import parse_prometheus
 
 from tests.contrib.vllm.vllm_fakes import fixture_text
 
-CURRENT = """\
+CURRENT = (
+    """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -33,9 +34,12 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 12288.0
 vllm:prefix_cache_hits_total{engine="1",model_name="m"} 512.0
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2730",prefix_caching_hash_algo="sha256",engine="0"} 1.0
-vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2730",prefix_caching_hash_algo="sha256",engine="1"} 1.0
 """
+    'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2730",'
+    'prefix_caching_hash_algo="sha256",engine="0"} 1.0\n'
+    'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2730",'
+    'prefix_caching_hash_algo="sha256",engine="1"} 1.0\n'
+)
 
 # vLLM before 0.9.2: gpu_-prefixed cache names, counters without _total in their TYPE line, no engine label.
 OLD = """\

@@ -62,7 +62,8 @@ async def _follow(subscriber: ZmqSubscriber, feed: VllmEventFeed, body: object) 
 
 class TestZmqSubscriber:
     async def test_history_then_live_then_gap(self) -> None:
-        """Buffered batches arrive through the first replay, live ones follow, and a batch never sent live is replayed."""
+        """Buffered batches arrive through the first replay, live ones follow, and a batch never sent live is
+        replayed."""
         payloads = captured_payloads()[:10]
         index = BlockIndex(128)
         feed = VllmEventFeed("a", index)

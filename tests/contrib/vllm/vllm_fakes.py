@@ -24,7 +24,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def publisher_capture(name: str) -> dict[str, Any]:
-    """A capture of vLLM's publisher, e.g. ``"0.33.0"`` or ``"0.33.0-map-batch"``, with its frames decoded from base64."""
+    """A capture of vLLM's publisher, e.g. ``"0.33.0"`` or ``"0.33.0-map-batch"``, with its frames decoded from
+    base64."""
     data = json.loads((PUBLISHER_FIXTURES / f"publisher-{name}.json").read_text(encoding="utf-8"))
     for scenario in data["scenarios"].values():
         scenario["live"] = [[base64.b64decode(f) for f in m] for m in scenario["live"]]

@@ -233,8 +233,9 @@ def start_vllm_servers(
 
     Server ``i`` is pinned to core ``cores[i]`` (default ``i % os.cpu_count()``) and logs to
     ``log_dir/vllm-<i>.log``. ``extra_args`` are appended to every command line and ``extra_env`` is laid over
-    the engine environment (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}`` for ``/reset_prefix_cache``). Raises VllmStartupError if a server exits early or is not healthy within
-    ``startup_timeout_s``; the servers started so far are stopped before the error propagates.
+    the engine environment (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}`` for ``/reset_prefix_cache``). Raises
+    VllmStartupError if a server exits early or is not healthy within ``startup_timeout_s``; the servers
+    started so far are stopped before the error propagates.
     """
     python = os.fspath(python)
     model = Path(model_dir).resolve()

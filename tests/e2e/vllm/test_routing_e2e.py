@@ -295,7 +295,8 @@ class TestVllmAdapterLive:
     async def test_kv_events_make_the_index_agree_with_the_engine(
         self, vllm_servers: list[VllmServer], tiny_model: Path
     ) -> None:
-        """Events feed the exact index; for each prompt, the blocks it says the engine holds are what the engine then serves from cache."""
+        """Events feed the exact index; for each prompt, the blocks it says the engine holds are what the engine then
+        serves from cache."""
         import aiohttp
         import anyio
         from kvroute_tokenizer_prefix import BlockIndex, block_hashes, load_tokenizer
@@ -388,7 +389,8 @@ class TestRoutingThroughProxy:
 
 class TestProxyWiring:
     def test_proxy_follows_kv_events_and_checks_parity(self) -> None:
-        """In the tokenizer-prefix run, the proxy subscribed to both engines' KV events and found their tokens identical."""
+        """In the tokenizer-prefix run, the proxy subscribed to both engines' KV events and found their tokens
+        identical."""
         run = RESULTS.get("tokenizer-prefix")
         if run is None:
             pytest.skip("the routing test did not run")

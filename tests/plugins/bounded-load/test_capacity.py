@@ -42,7 +42,8 @@ class TestCapacity:
         st.integers(0, 500),
     )
     def test_agrees_with_the_exact_bound(self, lf: float, weights: list[float], total: int) -> None:
-        """The float formula and its epsilon give exactly the documented cap, computed with fractions (whole values too)."""
+        """The float formula and its epsilon give exactly the documented cap, computed with fractions (whole values
+        too)."""
         for weight in weights:
             assert capacity(lf, weight, total, sum(weights)) == load_factor_cap(lf, weight, total, weights)
 

@@ -31,7 +31,8 @@ class TestConsistentHash:
         assert decisions[0].detail == {"home": decisions[0].backend.id}
 
     def test_reported_models_place_keys_only_on_backends_serving_them(self) -> None:
-        """Once an engine reports its models, keys of another model are homed among the backends serving it (no spill)."""
+        """Once an engine reports its models, keys of another model are homed among the backends serving it (no
+        spill)."""
         r = router()
         requests = [RouteRequest.from_text(f"prompt {i}", model="m") for i in range(200)]
         homes = {r.decide(q)[0].backend.id for q in requests}

@@ -25,12 +25,16 @@ EOS = "<|eos|>"
 SPECIALS = (BOS, EOS, "<|pad|>", "<|im_start|>", "<|im_end|>")
 
 #: Llama 3's pre-tokenizer split pattern (a public fact of its tokenizer.json).
-LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # ChatML-like, reads content as a string (content format "string"), renders tools as JSON.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\nTools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"

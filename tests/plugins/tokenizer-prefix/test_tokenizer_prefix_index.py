@@ -161,7 +161,8 @@ class TestBlockHashes:
     def test_first_difference_is_where_the_segments_part(
         self, shared: bytes, ends: list[bytes], ids: list[list[int]], shape: str
     ) -> None:
-        """first_difference is the first byte (or id) where two prompts' segments differ, or None when bytes cannot tell."""
+        """first_difference is the first byte (or id) where two prompts' segments differ, or None when bytes cannot
+        tell."""
         codec = TextCodec(None, 8, 2)
 
         def prompt(k: int) -> list[Any]:

@@ -266,7 +266,8 @@ class TestLazyRecording:
         assert strategy.stats()["pending_tails"] == 1
 
     def test_second_sighting_matches_every_shared_block(self, model_dir: Path) -> None:
-        """A request sharing a pending prompt's prefix matches all the blocks they share, as if all had been recorded."""
+        """A request sharing a pending prompt's prefix matches all the blocks they share, as if all had been
+        recorded."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), prefetch=False)
         router = make_router(strategy)
         first, second = chat(document(0) + " First question?"), chat(document(0) + " Another one?")
@@ -338,7 +339,8 @@ class TestLazyRecording:
         assert matched == [expected[s.id] for s in cands]
 
     def test_prefetched_second_sighting_tokenizes_almost_nothing(self, model_dir: Path) -> None:
-        """Once the prefetch thread has hashed a pending prompt, a request sharing it needs no tokenization for the shared part."""
+        """Once the prefetch thread has hashed a pending prompt, a request sharing it needs no tokenization for the
+        shared part."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir))
         router = make_router(strategy)
         with router.route(request(chat(document(1, 600) + " First question?"))):
@@ -352,7 +354,8 @@ class TestLazyRecording:
         assert tok.misses - misses <= 3  # the pieces where the two questions differ
 
     def test_a_little_text_left_is_hashed_at_once_with_words(self) -> None:
-        """With the word-level tokenizer a prompt with little left to hash is recorded whole, a long one stays pending."""
+        """With the word-level tokenizer a prompt with little left to hash is recorded whole, a long one stays
+        pending."""
         strategy = TokenizerPrefix()
         router = make_router(strategy)
         with router.route(request(chat("a short question", system="a short system prompt"))):

@@ -288,7 +288,8 @@ def _leave_early(server: ServerThread, body: dict[str, object], *, read_first_ev
 class TestClientDisconnect:
     @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
     def test_a_client_that_leaves_is_aborted_in_the_engine(self, emulator: ServerThread, stream: bool) -> None:
-        """Closing the connection aborts the request: it leaves the batch and frees its blocks instead of decoding on."""
+        """Closing the connection aborts the request: it leaves the batch and frees its blocks instead of decoding
+        on."""
         # 15,000 tokens: about 2 s of decoding at this time scale, far longer than the test needs.
         body = {"model": "m", "messages": [{"role": "user", "content": LONG}], "max_tokens": 15000, "stream": stream}
         _leave_early(emulator, body, read_first_event=stream)

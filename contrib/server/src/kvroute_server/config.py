@@ -83,7 +83,8 @@ class BackendConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(
-                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
+                f"(expected some of: {', '.join(sorted(known))})."
             )
         url = _check_url(data.get("url"), where)
         backend_id = data.get("id") or default_backend_id(url)

@@ -230,7 +230,8 @@ class ProxyMetrics:
             self._worker_requests.inc()
 
     def in_flight_child(self, backend: str) -> Any:
-        """The shared in-flight gauge of ``backend`` (``shared=True`` only): inc when a lease starts, dec when it ends."""
+        """The shared in-flight gauge of ``backend`` (``shared=True`` only): inc when a lease starts, dec when it
+        ends."""
         return self.child(self.in_flight, backend)
 
     def render(self) -> bytes:

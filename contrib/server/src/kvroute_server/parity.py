@@ -583,8 +583,8 @@ async def _run(
 
                 if not (isinstance(root, str) and (Path(root) / "tokenizer.json").is_file()):
                     raise ConfigError(
-                        f"give --tokenizer (a tokenizer.json, a model directory or a cached Hub id): the engine at {url} "
-                        f"serves {root!r}, which is not a model directory on this machine."
+                        "give --tokenizer (a tokenizer.json, a model directory or a cached Hub id): "
+                        f"the engine at {url} serves {root!r}, which is not a model directory on this machine."
                     )
                 local["tokenizer"] = root
             tokenizer, fixed = _build_tokenizer(strategy_name, local)
@@ -609,7 +609,10 @@ async def _run(
 )
 @click.option(
     "--tokenizer",
-    help="The router's tokenizer: tokenizer.json, model directory or cached Hub id [default: the engine's model directory when it is on this machine].",
+    help=(
+        "The router's tokenizer: tokenizer.json, model directory or cached Hub id "
+        "[default: the engine's model directory when it is on this machine]."
+    ),
 )
 @click.option("--chat-template", help="A chat template file or text overriding the tokenizer's.")
 @click.option(

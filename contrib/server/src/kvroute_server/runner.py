@@ -155,7 +155,8 @@ def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "war
 def run_server(
     app: Any, host: str, port: int, *, log_level: str = "warning", shutdown_timeout: float | None = None
 ) -> None:
-    """Serve ``app`` until interrupted (blocking); a stop waits at most ``shutdown_timeout`` s for requests in flight."""
+    """Serve ``app`` until interrupted (blocking); a stop waits at most ``shutdown_timeout`` s for requests in
+    flight."""
     extra = {} if shutdown_timeout is None else {"timeout_graceful_shutdown": shutdown_timeout}
     uvicorn.Server(make_uvicorn_config(app, host, port, log_level=log_level, **extra)).run()
 

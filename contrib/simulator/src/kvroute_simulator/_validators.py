@@ -42,7 +42,8 @@ _NUMBER = (v.instance_of((int, float)), _NOT_BOOL, v.gt(-math.inf), v.lt(math.in
 
 
 def expect(what: str, *checks: Any, error: type[Exception] = ConfigError) -> Validator:
-    """A validator running the attrs ``checks`` in order; the first that fails raises ``error("'<field>' must be <what> (got <value>).")``."""
+    """A validator running the attrs ``checks`` in order; the first that fails raises
+    ``error("'<field>' must be <what> (got <value>).")``."""
     check = v.and_(*checks)
 
     def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -55,7 +56,8 @@ def expect(what: str, *checks: Any, error: type[Exception] = ConfigError) -> Val
 
 
 def optional(validator: Validator) -> Validator:
-    """``validator``, letting ``None`` through (``attrs.validators.optional``, typed for fields with a non-None default)."""
+    """``validator``, letting ``None`` through (``attrs.validators.optional``, typed for fields with a non-None
+    default)."""
     return v.optional(validator)
 
 

@@ -122,7 +122,8 @@ def _caption(comparison: Comparison) -> str:
     lines = [
         f"upper bound hit rate (one instance with an infinite cache serving every request): "
         f"{comparison.upper_bound_hit_rate * 100:.1f}%",
-        f"changes are against {_BASELINE}; a fair share is {fair:.1f}% per instance; routing cost is wall clock per pick",
+        f"changes are against {_BASELINE}; a fair share is {fair:.1f}% per instance; "
+        "routing cost is wall clock per pick",
     ]
     if comparison.baseline(_BASELINE) is None:
         lines[1] = f"{_BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"

@@ -696,6 +696,7 @@ def make_workload(name: str, **options: Any) -> Workload:
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(
-            f"workload {name!r} has no option {', '.join(map(repr, unknown))}; expected some of {', '.join(sorted(known))}."
+            f"workload {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"expected some of {', '.join(sorted(known))}."
         )
     return cls(**options)

@@ -290,7 +290,8 @@ class TensorRTLLMAdapter(OpenAIAdapter):
     async def run_events(
         self, http: HttpGetter, sink: KvEventSink, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Poll ``kv_events_path`` into ``sink`` until cancelled (see `kvroute.adapters` and `kvroute_tensorrt_llm.events`)."""
+        """Poll ``kv_events_path`` into ``sink`` until cancelled (see `kvroute.adapters` and
+        `kvroute_tensorrt_llm.events`)."""
         task_status.started()
         if not self.kv_events:
             return

@@ -246,7 +246,8 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
         rank = data[2] if len(data) == 3 else None
     else:
         raise EventFormatError(
-            f"{where}: expected an array [ts, events, data_parallel_rank] or a map with 'ts' and 'events', got {str(data)[:80]}."
+            f"{where}: expected an array [ts, events, data_parallel_rank] or a map with 'ts' and 'events', "
+            f"got {str(data)[:80]}."
         )
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise EventFormatError(f"{where}: expected a timestamp first, got {ts!r}.")
@@ -288,7 +289,8 @@ def decode_replay_reply(frames: Sequence[bytes], topic: bytes | None = None) -> 
     else:
         got = f"{len(frames)} frame(s) starting with {bytes(frames[0])[:16]!r}" if frames else "no frames"
         raise EventFormatError(
-            f"expected a replay reply [b'', topic, seq, payload] (vLLM 0.26+) or [b'', seq, payload] (earlier), got {got}."
+            "expected a replay reply [b'', topic, seq, payload] (vLLM 0.26+) or [b'', seq, payload] (earlier), "
+            f"got {got}."
         )
     if bytes(seq_bytes) == END_SEQ:
         return None

@@ -51,7 +51,8 @@ _WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0"})
 
 
 def engine_binds(endpoint: str) -> bool:
-    """Whether vLLM binds the *configured* ``endpoint`` (wildcard, IPv6 any, ipc, inproc) rather than connecting to it."""
+    """Whether vLLM binds the *configured* ``endpoint`` (wildcard, IPv6 any, ipc, inproc) rather than connecting to
+    it."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 

@@ -248,7 +248,8 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
             self.exact_flag.update(self)
 
     def engine_cleared(self, reason: str) -> None:
-        """The engine dropped every cached block (``reason``: how we know): so does the sink, and the feed is complete."""
+        """The engine dropped every cached block (``reason``: how we know): so does the sink, and the feed is
+        complete."""
         self.sink.all_cleared(self.backend)
         self.stats.cleared += 1
         self._complete(reason)
@@ -337,7 +338,8 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
             getattr(self.logger, level)(event, **self._where(), **context)
 
     def report(self) -> dict[str, Any]:
-        """The counters, as an adapter's ``stats()`` exports them: `FeedStats`, ``holding``, ``exact``, ``lost_reason``."""
+        """The counters, as an adapter's ``stats()`` exports them: `FeedStats`, ``holding``, ``exact``,
+        ``lost_reason``."""
         return {
             **attrs.asdict(self.stats),
             "holding": self.holding,

@@ -154,7 +154,8 @@ class Loads:
         return self._total_weight
 
     def capacity(self, state: BackendState) -> int | None:
-        """The ``load_factor`` cap of one candidate, at least ``min_capacity`` (``None`` when ``load_factor`` is unset)."""
+        """The ``load_factor`` cap of one candidate, at least ``min_capacity`` (``None`` when ``load_factor`` is
+        unset)."""
         lf = self.bound.load_factor
         if lf is None:
             return None

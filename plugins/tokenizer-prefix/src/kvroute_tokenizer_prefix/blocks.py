@@ -140,7 +140,8 @@ class PieceCodec(Protocol):
     fine_bytes: int
 
     def cut(self, data: bytes, start: int, size: int) -> int:
-        """The end of the piece that starts at ``start``: a boundary at or after ``start + size``, else ``len(data)``."""
+        """The end of the piece that starts at ``start``: a boundary at or after ``start + size``, else
+        ``len(data)``."""
         ...
 
     def encode(self, data: bytes, start: int, end: int) -> bytes:

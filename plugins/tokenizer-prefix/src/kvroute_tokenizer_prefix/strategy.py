@@ -1,4 +1,5 @@
-"""The ``tokenizer-prefix`` strategy: send a request to the backend that holds most of the prompt's KV blocks, within the load cap.
+"""The ``tokenizer-prefix`` strategy: send a request to the backend that holds most of the prompt's KV blocks,
+within the load cap.
 
 Per request (``pick``, under the router's lock, no I/O):
 

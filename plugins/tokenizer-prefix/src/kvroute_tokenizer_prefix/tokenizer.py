@@ -561,7 +561,8 @@ class ModelTokenizer:
     # -- prefetching ---------------------------------------------------------------------
 
     def warm(self, data: bytes, start: int = 0, max_tokens: int = 1 << 62) -> int:
-        """Tokenize and cache the fine pieces of ``data`` from ``start`` (a piece boundary), many per call; returns ids seen.
+        """Tokenize and cache the fine pieces of ``data`` from ``start`` (a piece boundary), many per call;
+        returns ids seen.
 
         Thread-safe; used by the strategy's prefetch thread. Stops after about ``max_tokens`` ids.
         """
