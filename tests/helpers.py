@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["BLOCKER", "blocking_env", "free_port", "free_ports", "help_commands", "installed", "run_kvroute"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,3 +31,72 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+# -- running the `kvroute` command as a user would ------------------------------------------
+
+#: A ``sitecustomize`` module that makes the modules in BLOCKED (and their submodules)
+#: unimportable, as if their distributions were not installed.
+BLOCKER = """
+import sys
+
+BLOCKED = {blocked!r}
+
+
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def blocking_env(directory: Path, *, entry_points: Sequence[str], modules: Sequence[str]) -> dict[str, str]:
+    """An environment in which the ``kvroute`` entry points ``entry_points`` are not loaded and ``modules``
+    cannot be imported (a ``sitecustomize`` written into ``directory``)."""
+    (directory / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(modules)))
+    env = dict(os.environ)
+    env["KVROUTE_BLOCK_PLUGINS"] = ",".join(entry_points)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(directory), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_kvroute(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvroute`` console script installed next to this interpreter, as a user would."""
+    script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
+    assert script is not None, f"no kvroute script next to {sys.executable}"
+    return subprocess.run(
+        [script, *args],
+        capture_output=True,
+        text=True,
+        env=None if env is None else dict(env),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def help_commands(help_text: str) -> dict[str, str]:
+    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
+    rows: dict[str, str] = {}
+    name = ""
+    for line in help_text.partition("Commands:")[2].splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            rows[name] = text.strip()
+        elif line.strip() and name:
+            rows[name] += " " + line.strip()
+    return rows
+
+
+def installed(distribution: str) -> bool:
+    """Whether ``distribution`` is installed in this environment."""
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

@@ -27,6 +27,8 @@ from click.testing import CliRunner
 from kvroute import cli
 from kvroute.cli import main
 from kvroute.plugins import BLOCK_ENV, PluginManager
+from tests.helpers import help_commands as _listed
+from tests.helpers import installed as _installed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,27 +39,6 @@ APPLICATIONS = {"kvroute-server": ("contrib/server", "server"), "kvroute-simulat
 
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _installed(distribution: str) -> bool:
-    try:
-        metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def _listed(help_text: str) -> dict[str, str]:
-    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
-    rows: dict[str, str] = {}
-    name = ""
-    for line in help_text.partition("Commands:")[2].splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            name, _, text = line.strip().partition(" ")
-            rows[name] = text.strip()
-        elif line.strip() and name:
-            rows[name] += " " + line.strip()
-    return rows
 
 
 def fresh_main() -> click.Group:

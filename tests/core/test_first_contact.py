@@ -16,33 +16,17 @@ log lines, ``kvroute emulate`` without kvroute-server) is tested in tests/server
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-BLOCKER = """
-import sys
-
-BLOCKED = {blocked!r}
-
-
-class _NotInstalled:
-    \"\"\"Make BLOCKED top-level packages unimportable, as if their distributions were not installed.\"\"\"
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _NotInstalled())
-"""
+from tests.helpers import blocking_env
+from tests.helpers import help_commands as _commands
+from tests.helpers import installed as _installed
+from tests.helpers import run_kvroute as _kvroute
 
 
 def _run(
@@ -51,42 +35,10 @@ def _run(
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
-def _kvroute(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvroute`` console script installed next to this interpreter, as a user would."""
-    script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
-    assert script is not None, f"no kvroute script next to {sys.executable}"
-    return _run([script, *args], env=env)
-
-
-def _installed(distribution: str) -> bool:
-    try:
-        metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def _commands(help_text: str) -> dict[str, str]:
-    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
-    rows: dict[str, str] = {}
-    name = ""
-    for line in help_text.partition("Commands:")[2].splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            name, _, text = line.strip().partition(" ")
-            rows[name] = text.strip()
-        elif line.strip() and name:
-            rows[name] += " " + line.strip()
-    return rows
-
-
 def _without(tmp_path_factory: pytest.TempPathFactory, entry_points: list[str], packages: list[str]) -> dict[str, str]:
     """An environment in which ``entry_points`` are not loaded and ``packages`` cannot be imported."""
     directory = tmp_path_factory.mktemp("without-" + "-".join(entry_points))
-    (directory / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(packages)))
-    env = dict(os.environ)
-    env["KVROUTE_BLOCK_PLUGINS"] = ",".join(entry_points)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(directory), env.get("PYTHONPATH", "")]))
-    return env
+    return blocking_env(directory, entry_points=entry_points, modules=packages)
 
 
 @pytest.fixture(scope="module")

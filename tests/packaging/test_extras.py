@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import help_commands as _commands
+
 #: What the applications bring and the library must not: their packages and their dependencies.
 APPLICATION_MODULES = (
     "uvicorn",
@@ -40,19 +42,6 @@ def _kvroute(*args: str) -> subprocess.CompletedProcess[str]:
     script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
     assert script is not None, f"no kvroute script next to {sys.executable}"
     return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, check=False)
-
-
-def _commands(help_text: str) -> dict[str, str]:
-    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
-    rows: dict[str, str] = {}
-    name = ""
-    for line in help_text.partition("Commands:")[2].splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            name, _, text = line.strip().partition(" ")
-            rows[name] = text.strip()
-        elif line.strip() and name:
-            rows[name] += " " + line.strip()
-    return rows
 
 
 class TestExtras:

@@ -7,8 +7,6 @@ package unimportable, as after ``pip install "kvroute[simulator]"``.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,59 +14,14 @@ from pathlib import Path
 import pytest
 
 from kvroute_simulator.commands import EMULATE_NEEDS_SERVER
-
-BLOCKER = """
-import sys
-
-BLOCKED = {blocked!r}
-
-
-class _NotInstalled:
-    \"\"\"Make the BLOCKED modules (and their submodules) unimportable, as if their distributions were not
-    installed.\"\"\"
-
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _NotInstalled())
-"""
+from tests.helpers import blocking_env as _env
+from tests.helpers import help_commands as _commands
+from tests.helpers import run_kvroute as _kvroute
 
 EMULATE_HINT = (
     "Error: 'kvroute emulate' needs kvroute-server (missing module 'kvroute_server'). "
     'Install it with: pip install "kvroute[emulator]"\n'
 )
-
-
-def _env(directory: Path, *, entry_points: list[str], modules: list[str]) -> dict[str, str]:
-    """An environment in which ``entry_points`` are not loaded and ``modules`` cannot be imported."""
-    (directory / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(modules)))
-    env = dict(os.environ)
-    env["KVROUTE_BLOCK_PLUGINS"] = ",".join(entry_points)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(directory), env.get("PYTHONPATH", "")]))
-    return env
-
-
-def _kvroute(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvroute`` console script installed next to this interpreter, as a user would."""
-    script = shutil.which("kvroute", path=str(Path(sys.executable).parent))
-    assert script is not None, f"no kvroute script next to {sys.executable}"
-    return subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=120, check=False)
-
-
-def _commands(help_text: str) -> dict[str, str]:
-    """The ``Commands:`` section of a help text: name -> its help, wrapped lines joined."""
-    rows: dict[str, str] = {}
-    name = ""
-    for line in help_text.partition("Commands:")[2].splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            name, _, text = line.strip().partition(" ")
-            rows[name] = text.strip()
-        elif line.strip() and name:
-            rows[name] += " " + line.strip()
-    return rows
 
 
 @pytest.fixture(scope="module")
