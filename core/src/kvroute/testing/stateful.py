@@ -61,10 +61,8 @@ from __future__ import annotations
 import unittest
 from collections import Counter
 from collections.abc import Callable, Mapping
-from fractions import Fraction
 from typing import Any, ClassVar
 
-import attrs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -82,96 +80,13 @@ from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Strategy, build_strategy
-from kvroute.testing.measure import Movement, Tolerance, assign, exact, load_factor_cap, sample_requests
+from kvroute.testing.claims import ClaimChecks, Claims, Coverage
+from kvroute.testing.measure import Movement, Tolerance, assign, sample_requests
 
 __all__ = ["Claims", "Coverage", "ScalingStateMachine"]
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789-"
 _WEIGHTS = (0.5, 1.0, 1.0, 1.0, 2.0, 3.0)
-
-
-@attrs.frozen
-class Claims:
-    """Which invariants of `ScalingStateMachine` a strategy promises (see the module docs)."""
-
-    deterministic: bool = True
-    minimal_disruption: bool = True
-    returns: bool = True
-    balance: bool = True
-    load_factor: float | None = None
-    concurrency_threshold: int | None = None
-    #: A floor under the ``load_factor`` cap (bounded-load's ``min_capacity``).
-    min_capacity: int = 0
-    #: Every start goes to a candidate with the fewest requests in flight per unit of weight.
-    least_loaded: bool = False
-
-    @classmethod
-    def none(cls) -> Claims:
-        """No placement claim: only that picks are candidates and in-flight counts are conserved."""
-        return cls(deterministic=False, minimal_disruption=False, returns=False, balance=False)
-
-    @property
-    def bounded(self) -> bool:
-        return self.load_factor is not None or self.concurrency_threshold is not None
-
-    @property
-    def live_checks(self) -> tuple[str, ...]:
-        """The claimed checks that must meet a case able to fail them at least once per run."""
-        names = []
-        if self.load_factor is not None:
-            names.append("load_factor")
-        if self.concurrency_threshold is not None:
-            names.append("concurrency_threshold")
-        if self.least_loaded:
-            names.append("least_loaded")
-        return tuple(names)
-
-
-@attrs.define
-class Coverage:
-    """What one run of a `ScalingStateMachine` exercised.
-
-    ``live`` counts, per load check, the starts at which it could have failed: some candidate
-    was full under ``load_factor`` (``concurrency_threshold``), or, for ``least_loaded``, the
-    candidates' loads per unit of weight were not all equal. ``at_cap`` counts the starts at
-    which some candidate sat exactly at its ``load_factor`` cap (the case an off-by-one
-    misses).
-    """
-
-    examples: int = 0
-    starts: int = 0
-    live: Counter[str] = attrs.field(factory=Counter)
-    at_cap: int = 0
-
-    def require(self, claims: Claims, name: str) -> None:
-        """Raise ``AssertionError`` for each claimed load check that never met a case it could fail."""
-        why = {
-            "load_factor": "a candidate full under load_factor",
-            "concurrency_threshold": "a candidate at the concurrency threshold",
-            "least_loaded": "candidates with unequal loads per unit of weight",
-        }
-        dead = [check for check in claims.live_checks if not self.live[check]]
-        assert not dead, "; ".join(
-            f"{name}: the {check} check never met {why[check]} in {self.starts} starts over {self.examples} "
-            f"examples (expected at least one such start, got 0): raise burst, steps or max_examples, or lower "
-            f"min_capacity, until the check can fail"
-            for check in dead
-        )
-
-
-def _per_weight(loads: Mapping[str, int], weights: Mapping[str, float]) -> dict[str, Fraction]:
-    """Each candidate's requests in flight per unit of weight, exactly."""
-    return {b: Fraction(loads[b]) / exact(weights[b]) for b in loads}
-
-
-def _assert_least_loaded(
-    chosen: str, per_weight: Mapping[str, Fraction], loads: Mapping[str, int], weights: Mapping[str, float], what: str
-) -> None:
-    best = min(per_weight.values())
-    assert per_weight[chosen] == best, (
-        f"{what} expected a least loaded candidate ({float(best):.3f} in flight per unit of weight), got {chosen!r} "
-        f"with {loads[chosen]} in flight at weight {weights[chosen]}; loads {dict(loads)}, weights {dict(weights)}"
-    )
 
 
 def _new_test_case(machine: type[ScalingStateMachine]) -> type[unittest.TestCase]:
@@ -312,6 +227,8 @@ class ScalingStateMachine(RuleBasedStateMachine):
         self.leases: list[Lease] = []
         self.assignment: tuple[str, ...] = ()
         self.seen: dict[frozenset[tuple[str, float]], tuple[str, ...]] = {}
+        #: The checks of what the strategy claims (`kvroute.testing.claims`).
+        self._checks = ClaimChecks(self.claims, self.tolerance, self.strategy_name)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -359,30 +276,9 @@ class ScalingStateMachine(RuleBasedStateMachine):
         allowed = {s.id for s in candidates}
         strays = Counter(b for b in after if b not in allowed)
         assert not strays, f"{self.strategy_name}: picked backends that are not candidates: {dict(strays)}"
-        claims, tol, k = self.claims, self.tolerance, len(after)
-        if claims.balance:
-            counts = Counter(after)
-            for backend_id, p in self._shares().items():
-                share = counts[backend_id] / k
-                assert tol.allows(share, p, k), (
-                    f"balance: {backend_id} got {share:.4f} of {k} keys, expected {p:.4f} "
-                    f"+/- {tol.bound(p, k):.4f} (weight share; {tol.z} binomial deviations)"
-                )
-        if claims.deterministic:
-            replica = self._replica_assignment()
-            differ = sum(a != b for a, b in zip(after, replica, strict=True))
-            assert differ == 0, (
-                f"determinism: a fresh {self.strategy_name} over the same members placed {differ} of {k} keys "
-                f"differently from the one that saw the history of changes"
-            )
-        if claims.returns:
-            signature = self._signature()
-            previous = self.seen.setdefault(signature, after)
-            differ = sum(a != b for a, b in zip(after, previous, strict=True))
-            assert differ == 0, (
-                f"return: the routable membership {sorted(signature)} was seen before, "
-                f"but {differ} of {k} keys are now placed differently"
-            )
+        self._checks.balance(after, self._shares)
+        self._checks.deterministic(after, self._replica_assignment)
+        self._checks.returns(after, self._signature, self.seen)
         self.assignment = after
         return after
 
@@ -397,40 +293,6 @@ class ScalingStateMachine(RuleBasedStateMachine):
             return assign(router.strategy, self.requests, fleet.candidates(self.model))
         finally:
             router.close()
-
-    def _check_gain(self, backend_id: str, before: tuple[str, ...], after: tuple[str, ...], what: str) -> None:
-        """Keys may only move to ``backend_id``, about its weight share of them."""
-        if not self.claims.minimal_disruption:
-            return
-        movement = Movement(before, after)
-        wrong = {b: n for b, n in movement.destinations().items() if b != backend_id}
-        assert not wrong, f"{what} {backend_id!r}: keys moved to other backends too: {wrong}"
-        moved_from = movement.origins()
-        if what in ("add", "restore"):
-            p, k = self._shares()[backend_id], len(after)
-            assert self.tolerance.allows(movement.fraction, p, k), (
-                f"{what} {backend_id!r}: {movement.fraction:.4f} of {k} keys moved, expected {p:.4f} "
-                f"+/- {self.tolerance.bound(p, k):.4f} (its weight share; from {dict(moved_from)})"
-            )
-
-    def _check_loss(self, backend_id: str, before: tuple[str, ...], after: tuple[str, ...], what: str) -> None:
-        """Keys may only move away from ``backend_id``, spread over the others by weight."""
-        if not self.claims.minimal_disruption:
-            return
-        movement = Movement(before, after)
-        wrong = {b: n for b, n in movement.origins().items() if b != backend_id}
-        assert not wrong, f"{what} {backend_id!r}: keys of other backends moved too: {wrong}"
-        if what == "down-weight":
-            return
-        orphans = len(movement.moved)
-        if orphans:
-            for survivor, p in self._shares().items():
-                got = movement.destinations().get(survivor, 0)
-                limit = self.tolerance.max_count(p, orphans)
-                assert got <= limit + 1e-9, (
-                    f"{what} {backend_id!r}: survivor {survivor!r} took {got} of {orphans} orphaned keys; "
-                    f"its fair share is {orphans * p:.1f}, allowed at most {limit:.1f}"
-                )
 
     # -- rules: membership -------------------------------------------------------------
 
@@ -447,7 +309,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
         backend = self._draw_new_backend(data)
         before = self.assignment
         self._add_to_both(backend)
-        self._check_gain(backend.id, before, self._measure(), "add")
+        self._checks.gain(backend.id, before, self._measure(), "add", self._shares)
 
     @precondition(lambda self: len(self.probe_fleet) >= 2)
     @rule(data=st.data())
@@ -460,7 +322,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
         self._both(lambda fleet: fleet.remove(backend_id))
         after = self._measure()
         if was_routable:
-            self._check_loss(backend_id, before, after, "remove")
+            self._checks.loss(backend_id, before, after, "remove", self._shares)
         elif self.claims.minimal_disruption:
             moved = Movement(before, after).moved
             assert not moved, f"removing unroutable {backend_id!r} moved {len(moved)} keys"
@@ -498,9 +360,9 @@ class ScalingStateMachine(RuleBasedStateMachine):
         after = self._measure()
         now_routable = self.probe_fleet.get(backend_id).routable
         if now_routable and backend_id not in routable:
-            self._check_gain(backend_id, before, after, "restore")
+            self._checks.gain(backend_id, before, after, "restore", self._shares)
         elif backend_id in routable and not now_routable:
-            self._check_loss(backend_id, before, after, how)
+            self._checks.loss(backend_id, before, after, how, self._shares)
         elif self.claims.minimal_disruption:
             assert before == after, f"{how} of {backend_id!r} changed no routability but moved keys"
 
@@ -517,9 +379,9 @@ class ScalingStateMachine(RuleBasedStateMachine):
             if self.claims.minimal_disruption:
                 assert before == after, f"re-weighting unroutable {backend_id!r} moved keys"
         elif new > old:
-            self._check_gain(backend_id, before, after, "up-weight")
+            self._checks.gain(backend_id, before, after, "up-weight", self._shares)
         else:
-            self._check_loss(backend_id, before, after, "down-weight")
+            self._checks.loss(backend_id, before, after, "down-weight", self._shares)
 
     # -- rules: requests ---------------------------------------------------------------
 
@@ -533,12 +395,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
         lease = self.primary.acquire(request)
         self.leases.append(lease)
         type(self).coverage.starts += 1
-        if self.claims.bounded:
-            self._check_bounded(lease.backend.id, loads, weights)
-        if self.claims.least_loaded:
-            per_weight = _per_weight(loads, weights)
-            type(self).coverage.live["least_loaded"] += len(set(per_weight.values())) > 1
-            _assert_least_loaded(lease.backend.id, per_weight, loads, weights, "least loaded:")
+        self._checks.start(lease.backend.id, loads, weights, type(self).coverage)
 
     @rule(data=st.data())
     def route(self, data: st.DataObject) -> None:
@@ -568,38 +425,6 @@ class ScalingStateMachine(RuleBasedStateMachine):
         assert not wrong, f"in-flight conservation: (in_flight, leases held) per backend differ: {wrong}"
         probe = {s.id: s.in_flight for s in self.probe_fleet if s.in_flight}
         assert not probe, f"in-flight conservation: the probe never starts a request, but has in_flight {probe}"
-
-    def _check_bounded(self, chosen: str, loads: Mapping[str, int], weights: Mapping[str, float]) -> None:
-        claims = self.claims
-        lf, threshold = claims.load_factor, claims.concurrency_threshold
-        total = sum(loads.values())
-        caps = (
-            {b: load_factor_cap(lf, weights[b], total, weights.values(), claims.min_capacity) for b in loads}
-            if lf is not None
-            else {}
-        )
-        full_lf = {b for b in caps if loads[b] + 1 > caps[b]}
-        full_threshold = {b for b in loads if threshold is not None and loads[b] >= threshold}
-        coverage = type(self).coverage
-        coverage.live["load_factor"] += bool(full_lf)
-        coverage.live["concurrency_threshold"] += bool(full_threshold)
-        coverage.at_cap += any(loads[b] == caps[b] for b in caps)
-        with_room = sorted(b for b in loads if b not in full_lf and b not in full_threshold)
-        if with_room:
-            limits = []
-            if chosen in full_lf:
-                limits.append(f"load_factor cap {caps[chosen]}")
-            if chosen in full_threshold:
-                limits.append(f"concurrency_threshold {threshold}")
-            assert not limits, (
-                f"bounded load: placed on {chosen!r} (load {loads[chosen]}, weight {weights[chosen]}), full under "
-                f"{' and '.join(limits)}, while {with_room} had room; expected a backend with room. Loads "
-                f"{dict(loads)}, weights {dict(weights)}, caps {caps}, load_factor {lf}, min_capacity "
-                f"{claims.min_capacity}, threshold {threshold}"
-            )
-        else:
-            what = "bounded load: every candidate was full, so"
-            _assert_least_loaded(chosen, _per_weight(loads, weights), loads, weights, what)
 
     def teardown(self) -> None:
         for lease in self.leases:
