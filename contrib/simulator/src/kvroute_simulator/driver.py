@@ -18,6 +18,10 @@ time, earliest first (at equal times: scale events, then arrivals, then engine s
 Before each routing decision every backend's `EngineLoad` is refreshed from its engine
 (running, waiting, KV usage, prefix-cache counters, block size), as an adapter would.
 :func:`compare` runs several strategies over the same arrivals.
+
+A run's settings (:class:`SimulationConfig`, scale events) live in
+:mod:`~kvroute_simulator.simulation_config` and its figures (:class:`StrategyResult`,
+:class:`Comparison`) in :mod:`~kvroute_simulator.results`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import heapq
 import inspect
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,15 +37,19 @@ import attrs
 import structlog
 
 from kvroute.backend import Backend, EngineLoad
-from kvroute.errors import ConfigError, NoBackendAvailable
+from kvroute.errors import NoBackendAvailable
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Status
-from kvroute_simulator._validators import positive_integer, positive_number
-from kvroute_simulator.engine import CostModel, Engine, EngineConfig, EngineRequest, EngineSequence, ideal_hit_tokens
-from kvroute_simulator.workloads import Arrival
+from kvroute_simulator.arrivals import Arrival
+from kvroute_simulator.bound import ideal_hit_tokens
+from kvroute_simulator.engine import Engine
+from kvroute_simulator.engine_config import EngineConfig
+from kvroute_simulator.results import Comparison, InstanceResult, StrategyResult, quantile
+from kvroute_simulator.sequences import EngineRequest, EngineSequence
+from kvroute_simulator.simulation_config import ScaleEvent, SimulationConfig, parse_scale
 
 __all__ = [
     "NO_BACKEND",
@@ -58,146 +65,8 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-_SCALE_ITEM = re.compile(r"^\s*(?P<time>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h)?\s*:\s*(?P<delta>[+-]\d+)\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
 #: The rejection reason of a request that arrived while the fleet had no member.
 NO_BACKEND = "no instance in the fleet"
-
-
-@attrs.frozen
-class ScaleEvent:
-    """At ``time`` seconds, add (``delta`` > 0) or remove (``delta`` < 0) instances."""
-
-    time: float
-    delta: int
-
-
-def parse_scale(spec: str) -> tuple[ScaleEvent, ...]:
-    """Parse ``"300s:+1,600s:-2"`` (units ms, s, m, h; seconds by default) into scale events."""
-    events = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        match = _SCALE_ITEM.match(item)
-        if match is None or int(match["delta"]) == 0:
-            raise ConfigError(
-                f"'scale' items must look like TIME:+N or TIME:-N, for example 300s:+1 or 10m:-2 (got {item!r})."
-            )
-        events.append(ScaleEvent(float(match["time"]) * _UNITS[match["unit"]], int(match["delta"])))
-    return tuple(sorted(events, key=lambda e: e.time))
-
-
-@attrs.frozen(kw_only=True)
-class SimulationConfig:
-    """The simulated fleet: how many instances, each engine's settings and costs, scale events."""
-
-    instances: int = attrs.field(default=7, validator=positive_integer)
-    engine: EngineConfig = attrs.field(factory=EngineConfig)
-    cost: CostModel = attrs.field(factory=CostModel)
-    scale: tuple[ScaleEvent, ...] = ()
-    #: Seed given to strategies that take a ``seed`` option (unless the options set one).
-    seed: int = 0
-    #: Send a conversation's next turn ``think_time`` after the previous one finished.
-    closed_loop: bool = True
-    #: Width in seconds of the windows of the hit-rate and load time series.
-    sample_interval: float = attrs.field(default=10.0, validator=positive_number)
-
-
-@attrs.frozen
-class InstanceResult:
-    """One instance's share of a run."""
-
-    id: str
-    requests: int
-    share: float
-    prompt_tokens: int
-    hit_tokens: int
-    output_tokens: int
-    busy_time: float
-    preemptions: int
-    added_at: float
-    removed_at: float | None
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over prompt tokens on this instance."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@attrs.frozen
-class StrategyResult:
-    """The figures of one strategy over one workload (times in seconds)."""
-
-    strategy: str
-    options: Mapping[str, Any]
-    requests: int
-    completed: int
-    rejected: int
-    #: Rejected requests per reason (an engine's limit, or an empty fleet).
-    rejected_reasons: Mapping[str, int]
-    ttft_p50: float
-    ttft_p90: float
-    ttft_p99: float
-    ttft_mean: float
-    hit_rate: float
-    output_tokens: int
-    makespan: float
-    output_throughput: float
-    share_min: float
-    share_max: float
-    spills: int
-    route_cost_p50: float
-    route_cost_p99: float
-    preemptions: int
-    wall_time: float
-    instances: tuple[InstanceResult, ...]
-    decisions: Mapping[str, int]
-    #: (window start s, hit rate in the window, requests in flight per instance id at the window's end)
-    timeline: tuple[tuple[float, float, Mapping[str, int]], ...] = attrs.field(repr=False)
-    ttfts: tuple[float, ...] = attrs.field(repr=False)
-
-    def to_json(self, *, include_samples: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict (TTFT samples only with ``include_samples``)."""
-        data = attrs.asdict(self, recurse=True, filter=lambda a, _v: a.name not in ("ttfts", "timeline"))
-        data["options"] = dict(self.options)
-        data["rejected_reasons"] = dict(self.rejected_reasons)
-        data["instances"] = [dict(attrs.asdict(i), hit_rate=i.hit_rate) for i in self.instances]
-        data["timeline"] = [{"t": t, "hit_rate": h, "in_flight": dict(f)} for t, h, f in self.timeline]
-        if include_samples:
-            data["ttfts"] = list(self.ttfts)
-        return data
-
-
-@attrs.frozen
-class Comparison:
-    """Several strategies over the same arrivals, with the hit-rate upper bound.
-
-    ``prompt_tokens`` and the bound cover the requests the engines accept; ``rejected``
-    counts the others (per reason in ``rejected_reasons``), which every strategy sees refused.
-    """
-
-    workload: str
-    requests: int
-    prompt_tokens: int
-    upper_bound_hit_rate: float
-    config: SimulationConfig
-    results: tuple[StrategyResult, ...]
-    scale: tuple[ScaleEvent, ...] = ()
-    rejected: int = 0
-    rejected_reasons: Mapping[str, int] = attrs.field(factory=dict)
-
-    def baseline(self, name: str = "random") -> StrategyResult | None:
-        """The result of ``name`` if it ran."""
-        return next((r for r in self.results if r.strategy == name), None)
-
-
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of already sorted values (NaN when empty)."""
-    if not sorted_values:
-        return math.nan
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def _takes_seed(factory: Callable[..., Any]) -> bool:
@@ -459,9 +328,9 @@ class _Run:
             completed=self.completed,
             rejected=sum(self.rejected.values()),
             rejected_reasons=dict(sorted(self.rejected.items())),
-            ttft_p50=_quantile(ttfts, 0.50),
-            ttft_p90=_quantile(ttfts, 0.90),
-            ttft_p99=_quantile(ttfts, 0.99),
+            ttft_p50=quantile(ttfts, 0.50),
+            ttft_p90=quantile(ttfts, 0.90),
+            ttft_p99=quantile(ttfts, 0.99),
             ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
             hit_rate=hits / prompt if prompt else 0.0,
             output_tokens=output,
@@ -470,8 +339,8 @@ class _Run:
             share_min=min(shares) if shares else 0.0,
             share_max=max(shares) if shares else 0.0,
             spills=self.spills,
-            route_cost_p50=_quantile(costs, 0.50),
-            route_cost_p99=_quantile(costs, 0.99),
+            route_cost_p50=quantile(costs, 0.50),
+            route_cost_p99=quantile(costs, 0.99),
             preemptions=sum(i.preemptions for i in instances),
             wall_time=wall,
             instances=tuple(instances),

@@ -27,7 +27,10 @@ content, not with the number of requests.
 * ``trace``: replay of a JSONL file, either the Mooncake format (``timestamp`` in ms,
   ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks, equal ids meaning
   equal content) or a simple format with ``prompt`` or ``messages``, ``timestamp`` (ms) and
-  ``output_length``.
+  ``output_length`` (:mod:`~kvroute_simulator.traces`).
+
+:class:`Arrival` and the :class:`Workload` protocol live in :mod:`~kvroute_simulator.arrivals`;
+this module re-exports them with the trace replay, so every workload is importable from here.
 """
 
 from __future__ import annotations
@@ -35,19 +38,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import json
-import math
 import random
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 import attrs
 
-from kvroute.errors import ConfigError, KvrouteError
+from kvroute.errors import ConfigError
+from kvroute_simulator._content import draw_words, is_int, seeded_rng
 from kvroute_simulator._validators import (
-    expect,
     integer,
     non_negative_number,
     optional,
@@ -55,8 +54,9 @@ from kvroute_simulator._validators import (
     positive_number,
     share,
 )
-from kvroute_simulator.engine import EngineRequest
+from kvroute_simulator.arrivals import DEFAULT_MODEL, Arrival, Workload
 from kvroute_simulator.tokens import ASSISTANT, END, SYSTEM, USER, TokenSeq, Vocabulary, vocabulary
+from kvroute_simulator.traces import Trace, TraceFormatError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -72,68 +72,11 @@ __all__ = [
     "make_workload",
 ]
 
-#: The model named in generated request bodies.
-DEFAULT_MODEL = "meta-llama/Llama-3.1-70B-Instruct"
-
 Length = tuple[int, int]
 
 
-class TraceFormatError(KvrouteError, ValueError):
-    """A trace file line is not in a supported format; the message names the file, line, expectation and value."""
-
-
-@attrs.frozen
-class Arrival:
-    """One request of a workload, ready for the router (``body``) and for an engine (``engine_request``)."""
-
-    time: float
-    request_id: str
-    body: Mapping[str, Any] = attrs.field(repr=False)
-    prompt: TokenSeq = attrs.field(repr=False)
-    output_len: int
-    output_tokens: tuple[int, ...] | None = attrs.field(default=None, repr=False)
-    extra_key: str | None = None
-    session_id: str | None = None
-    follows: str | None = None
-    think_time: float = 0.0
-
-    @property
-    def endpoint(self) -> Literal["chat", "completions"]:
-        """Which OpenAI endpoint the body is for."""
-        return "chat" if "messages" in self.body else "completions"
-
-    @property
-    def prompt_len(self) -> int:
-        """Prompt tokens."""
-        return len(self.prompt)
-
-    def engine_request(self) -> EngineRequest:
-        """Return what an engine needs to serve this arrival."""
-        return EngineRequest(
-            self.request_id, self.prompt, self.output_len, output_tokens=self.output_tokens, extra_key=self.extra_key
-        )
-
-
-class Workload(Protocol):
-    """A named, seeded generator of arrivals."""
-
-    name: ClassVar[str]
-
-    def arrivals(self) -> Iterator[Arrival]:
-        """Return a new iterator over the arrivals, in order of ``time``."""
-        ...
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _length(_inst: object, attr: attrs.Attribute[Any], value: Length) -> None:
-    if not (isinstance(value, tuple) and len(value) == 2 and all(map(_is_int, value)) and 1 <= value[0] <= value[1]):
+    if not (isinstance(value, tuple) and len(value) == 2 and all(map(is_int, value)) and 1 <= value[0] <= value[1]):
         raise ConfigError(
             f"'{attr.name}' must be a number of tokens N or a range LO..HI with 1 <= LO <= HI (got {value!r})."
         )
@@ -141,20 +84,11 @@ def _length(_inst: object, attr: attrs.Attribute[Any], value: Length) -> None:
 
 def _to_length(value: Any) -> Any:
     """Turn N into (N, N) and a pair into a tuple; anything else is left for the validator to refuse."""
-    if _is_int(value):
+    if is_int(value):
         return (value, value)
     if isinstance(value, tuple | list) and len(value) == 2:
         return tuple(value)
     return value
-
-
-def _rng(seed: int, *parts: object) -> random.Random:
-    """Return an independent random stream for one purpose (seeding with a string is stable across runs)."""
-    return random.Random(":".join(map(str, (seed, *parts))))
-
-
-def _draw(rng: random.Random, vocab: Vocabulary, n: int) -> tuple[int, ...]:
-    return tuple(rng.choices(vocab.word_ids(), k=n))
 
 
 def _uniform(rng: random.Random, length: Length) -> int:
@@ -193,7 +127,7 @@ class _Piece:
 
 
 def _system_piece(vocab: Vocabulary, rng: random.Random, tokens: int) -> _Piece:
-    ids = _draw(rng, vocab, tokens)
+    ids = draw_words(rng, vocab, tokens)
     return _Piece(vocab.decode(ids), TokenSeq.of((SYSTEM, *ids, END)))
 
 
@@ -230,7 +164,7 @@ class LongPrefix(_Open):
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the arrivals, in order of ``time``."""
         vocab = vocabulary()
-        rng = _rng(self.seed, self.name)
+        rng = seeded_rng(self.seed, self.name)
         prefixes: dict[int, _Piece] = {}
         closed = self.concurrency
         last: dict[int, str] = {}  # closed loop: each user's previous request
@@ -244,9 +178,9 @@ class LongPrefix(_Open):
             piece = prefixes.get(group)
             if piece is None:
                 piece = prefixes[group] = _system_piece(
-                    vocab, _rng(self.seed, self.name, "prefix", group), self.prefix_tokens
+                    vocab, seeded_rng(self.seed, self.name, "prefix", group), self.prefix_tokens
                 )
-            question = _draw(rng, vocab, _uniform(rng, self.question_tokens))
+            question = draw_words(rng, vocab, _uniform(rng, self.question_tokens))
             output_len = _uniform(rng, self.output_tokens)
             messages = [{"role": "system", "content": piece.text}, {"role": "user", "content": vocab.decode(question)}]
             request_id = f"{self.name}-{i:06d}"
@@ -320,8 +254,8 @@ class MultiTurn(_Open):
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the turns, in order of ``time`` (see the module docstring)."""
         vocab = vocabulary()
-        rng = _rng(self.seed, self.name)
-        system = _system_piece(vocab, _rng(self.seed, self.name, "system"), self.system_tokens)
+        rng = seeded_rng(self.seed, self.name)
+        system = _system_piece(vocab, seeded_rng(self.seed, self.name, "system"), self.system_tokens)
         p_stop = min(1.0, 1.0 / self.mean_turns)
         heap: list[tuple[float, int, _Conversation]] = []
         next_start = rng.expovariate(self.rate)
@@ -331,7 +265,7 @@ class MultiTurn(_Open):
         while True:
             while not heap or next_start <= heap[0][0]:
                 index = next(started)
-                conv_rng = _rng(self.seed, self.name, "conversation", index)
+                conv_rng = seeded_rng(self.seed, self.name, "conversation", index)
                 turns = 1
                 while turns < self.max_turns and conv_rng.random() >= p_stop:
                     turns += 1
@@ -351,8 +285,8 @@ class MultiTurn(_Open):
     def _turn(self, vocab: Vocabulary, conv: _Conversation, t: float) -> Arrival:
         """Return the conversation's next turn and advance it."""
         rng = conv.rng
-        user = _draw(rng, vocab, _uniform(rng, self.user_tokens))
-        answer = (*_draw(rng, vocab, _uniform(rng, self.answer_tokens)), END)
+        user = draw_words(rng, vocab, _uniform(rng, self.user_tokens))
+        answer = (*draw_words(rng, vocab, _uniform(rng, self.answer_tokens)), END)
         messages = [*conv.messages, {"role": "user", "content": vocab.decode(user)}]
         prompt = conv.node.extend((USER, *user, END, ASSISTANT))
         request_id = f"{self.name}-c{conv.index:05d}-t{conv.turn:02d}"
@@ -408,8 +342,8 @@ class Rag(_Open):
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the arrivals, in order of ``time``."""
         vocab = vocabulary()
-        rng = _rng(self.seed, self.name)
-        system = _system_piece(vocab, _rng(self.seed, self.name, "system"), self.system_tokens)
+        rng = seeded_rng(self.seed, self.name)
+        system = _system_piece(vocab, seeded_rng(self.seed, self.name, "system"), self.system_tokens)
         cumulative = list(itertools.accumulate(1.0 / (rank**self.zipf_s) for rank in range(1, self.documents + 1)))
         total = cumulative[-1]
         docs: dict[int, tuple[tuple[int, ...], str]] = {}
@@ -425,8 +359,8 @@ class Rag(_Open):
             for depth, doc in enumerate(chosen):
                 found = docs.get(doc)
                 if found is None:
-                    doc_rng = _rng(self.seed, self.name, "document", doc)
-                    ids = _draw(doc_rng, vocab, _uniform(doc_rng, self.doc_tokens))
+                    doc_rng = seeded_rng(self.seed, self.name, "document", doc)
+                    ids = draw_words(doc_rng, vocab, _uniform(doc_rng, self.doc_tokens))
                     found = docs[doc] = (ids, vocab.decode(ids))
                 texts.append(found[1])
                 path = chosen[: depth + 1]
@@ -434,7 +368,7 @@ class Rag(_Open):
                 if child is None:
                     child = nodes[path] = node.extend((USER, *found[0]) if depth == 0 else found[0])
                 node = child
-            question = _draw(rng, vocab, _uniform(rng, self.question_tokens))
+            question = draw_words(rng, vocab, _uniform(rng, self.question_tokens))
             texts.append(vocab.decode(question))
             output_len = _uniform(rng, self.output_tokens)
             messages = [{"role": "system", "content": system.text}, {"role": "user", "content": "\n\n".join(texts)}]
@@ -459,222 +393,6 @@ class Rag(_Open):
         fill = (d for d in range(self.documents) if d not in chosen)
         chosen.extend(itertools.islice(fill, self.docs_per_request - len(chosen)))
         return tuple(chosen)
-
-
-TraceFormat = Literal["auto", "mooncake", "simple"]
-#: The values of Trace.format.
-_FORMATS: tuple[TraceFormat, ...] = ("auto", "mooncake", "simple")
-
-
-def _shown(value: object) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-@attrs.frozen(kw_only=True)
-class Trace:
-    """Replay of a JSONL trace (Mooncake or simple format, see the module docstring).
-
-    Parameters: ``path``; ``format`` (``auto`` picks per line: ``hash_ids`` or
-    ``input_length`` means Mooncake, ``prompt`` or ``messages`` means simple);
-    ``block_tokens`` (tokens per Mooncake hash id, 512); ``time_scale`` (multiplies the
-    time between arrivals: 0.5 replays twice as fast); ``requests``/``duration`` (optional
-    cut-offs); ``seed`` (the generated content of each hash id); ``model``;
-    ``cache_blocks`` (how many generated hash-id blocks to keep for reuse).
-
-    Times are relative to the first line's timestamp and must not decrease. Hash id ``h``
-    stands for the same ``block_tokens`` generated words wherever it appears; a last block
-    shorter than ``block_tokens`` (``input_length`` not a multiple) uses the first words of
-    that block; tokens not covered by ``hash_ids`` are unique to the request.
-    """
-
-    name: ClassVar[str] = "trace"
-
-    path: Path = attrs.field(converter=Path)
-    format: TraceFormat = attrs.field(
-        default="auto", validator=expect("auto, mooncake or simple", attrs.validators.in_(_FORMATS))
-    )
-    block_tokens: int = attrs.field(default=512, validator=positive_integer)
-    time_scale: float = attrs.field(default=1.0, validator=positive_number)
-    requests: int | None = attrs.field(default=None, validator=optional(positive_integer))
-    duration: float | None = attrs.field(default=None, validator=optional(positive_number))
-    seed: int = attrs.field(default=0, validator=integer)
-    model: str = DEFAULT_MODEL
-    cache_blocks: int = attrs.field(default=65_536, validator=positive_integer)
-
-    def arrivals(self) -> Iterator[Arrival]:
-        """Return a new iterator over the trace's requests; raises :class:`TraceFormatError` on a bad line."""
-        if not self.path.is_file():
-            raise ConfigError(f"'path' must be an existing trace file (got {str(self.path)!r}).")
-        vocab = vocabulary()
-        state = _MooncakeState(self, vocab)
-        first: float | None = None
-        last = -math.inf
-        emitted = 0
-        try:
-            lines = self.path.open("rb")
-        except OSError as exc:
-            raise ConfigError(
-                f"'path' must be a readable trace file (got {str(self.path)!r}: {exc.strerror})."
-            ) from None
-        with lines:
-            for lineno, raw in enumerate(lines, 1):
-                where = f"{self.path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise TraceFormatError(
-                        f"{where}: expected UTF-8 text (got byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})."
-                    ) from None
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceFormatError(
-                        f"{where}: expected a JSON object (got invalid JSON at column {exc.colno}: {exc.msg})."
-                    ) from None
-                if not isinstance(record, dict):
-                    raise TraceFormatError(f"{where}: expected a JSON object (got {type(record).__name__}).")
-                stamp = record.get("timestamp")
-                if not _is_number(stamp) or stamp < 0:
-                    raise TraceFormatError(
-                        f"{where}: 'timestamp' must be a number of milliseconds >= 0 (got {_shown(stamp)})."
-                    )
-                if stamp < last:
-                    raise TraceFormatError(
-                        f"{where}: 'timestamp' must not decrease (got {_shown(stamp)} after {_shown(last)})."
-                    )
-                last = stamp
-                if first is None:
-                    first = stamp
-                t = (stamp - first) / 1000.0 * self.time_scale
-                if (self.requests is not None and emitted >= self.requests) or (
-                    self.duration is not None and t > self.duration
-                ):
-                    return
-                kind = self._kind(record, where)
-                request_id = f"{self.name}-{lineno:06d}"
-                if kind == "mooncake":
-                    yield state.arrival(record, where, t, request_id, lineno)
-                else:
-                    yield self._simple(vocab, record, where, t, request_id)
-                emitted += 1
-
-    def _kind(self, record: dict[str, Any], where: str) -> Literal["mooncake", "simple"]:
-        if self.format != "auto":
-            return self.format
-        if "hash_ids" in record or "input_length" in record:
-            return "mooncake"
-        if "prompt" in record or "messages" in record:
-            return "simple"
-        raise TraceFormatError(
-            f"{where}: expected Mooncake fields (input_length, output_length, hash_ids) or 'prompt'/'messages' "
-            f"(got keys {sorted(record)})."
-        )
-
-    def _simple(self, vocab: Vocabulary, record: dict[str, Any], where: str, t: float, request_id: str) -> Arrival:
-        output_len = _output_length(record, where)
-        salt = record.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise TraceFormatError(f"{where}: 'cache_salt' must be a string (got {_shown(salt)}).")
-        model = record.get("model", self.model)
-        if not isinstance(model, str):
-            raise TraceFormatError(f"{where}: 'model' must be a string (got {_shown(model)}).")
-        body: dict[str, Any] = {"model": model, "max_tokens": output_len}
-        if salt is not None:
-            body["cache_salt"] = salt
-        if "messages" in record:
-            messages = record["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise TraceFormatError(f"{where}: 'messages' must be a non-empty list (got {_shown(messages)}).")
-            for i, message in enumerate(messages):
-                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                    raise TraceFormatError(
-                        f"{where}: 'messages[{i}]' must be an object with a string 'role' (got {_shown(message)})."
-                    )
-                content = message.get("content")
-                if not (content is None or isinstance(content, str | list)):
-                    raise TraceFormatError(
-                        f"{where}: 'messages[{i}].content' must be a string or a list of parts (got {_shown(content)})."
-                    )
-            ids = vocab.render_chat(messages)
-            body["messages"] = messages
-        else:
-            prompt = record.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise TraceFormatError(f"{where}: 'prompt' must be a non-empty string (got {_shown(prompt)}).")
-            ids = vocab.encode(prompt)
-            body["prompt"] = prompt
-        return Arrival(
-            time=t, request_id=request_id, body=body, prompt=TokenSeq.of(ids), output_len=output_len, extra_key=salt
-        )
-
-
-def _output_length(record: dict[str, Any], where: str) -> int:
-    value = record.get("output_length")
-    if not _is_int(value) or value < 1:
-        raise TraceFormatError(f"{where}: 'output_length' must be an integer >= 1 (got {_shown(value)}).")
-    return int(value)
-
-
-class _MooncakeState:
-    """Shared content of a Mooncake replay: generated blocks per hash id and the trie of prefixes."""
-
-    def __init__(self, trace: Trace, vocab: Vocabulary) -> None:
-        self.trace = trace
-        self.vocab = vocab
-        self.blocks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
-        self.nodes: OrderedDict[tuple[TokenSeq | None, int, int], TokenSeq] = OrderedDict()
-
-    def _lru(self, table: OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-        found = table.get(key)
-        if found is not None:
-            table.move_to_end(key)
-            return found
-        found = table[key] = make()
-        if len(table) > self.trace.cache_blocks:
-            table.popitem(last=False)
-        return found
-
-    def _block(self, hash_id: int) -> tuple[int, ...]:
-        size, seed = self.trace.block_tokens, self.trace.seed
-        return self._lru(  # type: ignore[no-any-return]
-            self.blocks, hash_id, lambda: _draw(_rng(seed, "trace", "block", hash_id), self.vocab, size)
-        )
-
-    def arrival(self, record: dict[str, Any], where: str, t: float, request_id: str, lineno: int) -> Arrival:
-        size = self.trace.block_tokens
-        length = record.get("input_length")
-        if not _is_int(length) or length < 1:
-            raise TraceFormatError(f"{where}: 'input_length' must be an integer >= 1 (got {_shown(length)}).")
-        output_len = _output_length(record, where)
-        hash_ids = record.get("hash_ids", [])
-        if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
-            raise TraceFormatError(f"{where}: 'hash_ids' must be a list of integers (got {_shown(hash_ids)}).")
-        blocks = -(-length // size)
-        if len(hash_ids) > blocks:
-            raise TraceFormatError(
-                f"{where}: 'hash_ids' must hold at most ceil(input_length / {size}) = {blocks} ids "
-                f"for input_length={length} (got {len(hash_ids)})."
-            )
-        node: TokenSeq | None = None
-        for i, hash_id in enumerate(hash_ids):
-            take = min(size, length - i * size)
-            parent = node
-
-            def make(parent: TokenSeq | None = parent, hash_id: int = hash_id, take: int = take) -> TokenSeq:
-                return TokenSeq(parent, self._block(hash_id)[:take])
-
-            node = self._lru(self.nodes, (parent, hash_id, take), make)
-        covered = min(length, len(hash_ids) * size)
-        if covered < length:
-            unique = _draw(_rng(self.trace.seed, "trace", "line", lineno), self.vocab, length - covered)
-            node = TokenSeq(node, unique)
-        assert node is not None
-        text = self.vocab.decode(node.to_tuple())
-        body = {"model": self.trace.model, "prompt": text, "max_tokens": output_len}
-        return Arrival(time=t, request_id=request_id, body=body, prompt=node, output_len=output_len)
 
 
 #: Workload classes by name (the names ``kvroute simulate --workload`` accepts).
