@@ -118,6 +118,35 @@ class _ResponseGuard:
         await self.send(message)
 
 
+async def _internal_error(metrics: ProxyMetrics, scope: Scope, guard: _ResponseGuard, exc: Exception) -> None:
+    """Last resort for a bug: log it once, answer 500 in OpenAI's shape unless the response has started.
+
+    When it has, returning leaves it incomplete and the ASGI server closes the connection,
+    which is all a client can be told mid-response.
+    """
+    request_id = scope.get(_SCOPE_REQUEST_ID)
+    _events.error(
+        "request_failed",
+        request_id=request_id,
+        method=scope.get("method"),
+        path=scope.get("path"),
+        response_started=guard.started,
+        error=f"{type(exc).__name__}: {exc}",
+        exc_info=exc,
+    )
+    if guard.started:
+        return
+    headers = [(_REQUEST_ID, request_id.encode("latin-1"))] if request_id else []
+    await reject(
+        metrics,
+        guard.send,
+        500,
+        f"The proxy failed to handle this request ({type(exc).__name__}); the error is in its log.",
+        code="internal_error",
+        headers=headers,
+    )
+
+
 class ProxyApp:
     """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan).
 
@@ -206,7 +235,7 @@ class ProxyApp:
             try:
                 await self._dispatch(scope, receive, guard)
             except Exception as exc:
-                await self._internal_error(scope, guard, exc)
+                await _internal_error(self.metrics, scope, guard, exc)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -232,34 +261,6 @@ class ProxyApp:
             )
             return
         await handler(scope, receive, send)
-
-    async def _internal_error(self, scope: Scope, guard: _ResponseGuard, exc: Exception) -> None:
-        """Last resort for a bug: log it once, answer 500 in OpenAI's shape unless the response has started.
-
-        When it has, returning leaves it incomplete and the ASGI server closes the connection,
-        which is all a client can be told mid-response.
-        """
-        request_id = scope.get(_SCOPE_REQUEST_ID)
-        _events.error(
-            "request_failed",
-            request_id=request_id,
-            method=scope.get("method"),
-            path=scope.get("path"),
-            response_started=guard.started,
-            error=f"{type(exc).__name__}: {exc}",
-            exc_info=exc,
-        )
-        if guard.started:
-            return
-        headers = [(_REQUEST_ID, request_id.encode("latin-1"))] if request_id else []
-        await reject(
-            self.metrics,
-            guard.send,
-            500,
-            f"The proxy failed to handle this request ({type(exc).__name__}); the error is in its log.",
-            code="internal_error",
-            headers=headers,
-        )
 
     async def _parse_request(
         self, raw: bytes, endpoint: Endpoint | None, headers: dict[str, str], request_id: str

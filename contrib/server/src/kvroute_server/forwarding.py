@@ -189,7 +189,7 @@ class Forwarder:
                         lease.fail(failure.message)
             except NoBackendAvailable as exc:
                 if last is None:
-                    await self._no_backend(request, send, ex, id_header, exc)
+                    await _no_backend(self, request, send, ex, id_header, exc)
                     return
                 break
             if failure is None:
@@ -220,33 +220,6 @@ class Forwarder:
             await send({"type": "http.response.body", "body": last.body, "more_body": False})
         else:
             await reject(self.metrics, send, last.status, last.message, code=last.reason, headers=[id_header])
-
-    async def _no_backend(
-        self, request: RouteRequest, send: Send, ex: Exchange, id_header: Header, exc: NoBackendAvailable
-    ) -> None:
-        """No backend could take the first attempt: 404 when none serves the model, else 503."""
-        if not self.backends.serves_anywhere(request.model):
-            served = ", ".join(self.backends.all_models()) or "none"
-            await reject(
-                self.metrics,
-                send,
-                404,
-                f"The model {request.model!r} does not exist (served: {served}).",
-                code="model_not_found",
-                param="model",
-                headers=[id_header],
-                ex=ex,
-            )
-            return
-        ex.status, ex.outcome, ex.error = 503, "no_backend", str(exc)
-        await reject(
-            self.metrics,
-            send,
-            503,
-            str(exc),
-            code="no_backend_available",
-            headers=[(b"retry-after", str(self.config.retry_after_s).encode()), id_header],
-        )
 
     async def _attempt(
         self, lease: Lease, raw: bytes, scope: Scope, send: Send, ex: Exchange, id_header: Header
@@ -430,6 +403,34 @@ class Forwarder:
             metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
         if sniffer.cached_tokens is not None:
             metrics.child(metrics.cached_tokens, backend_id).inc(sniffer.cached_tokens)
+
+
+async def _no_backend(
+    forwarder: Forwarder, request: RouteRequest, send: Send, ex: Exchange, id_header: Header, exc: NoBackendAvailable
+) -> None:
+    """No backend could take the first attempt: 404 when none serves the model, else 503."""
+    if not forwarder.backends.serves_anywhere(request.model):
+        served = ", ".join(forwarder.backends.all_models()) or "none"
+        await reject(
+            forwarder.metrics,
+            send,
+            404,
+            f"The model {request.model!r} does not exist (served: {served}).",
+            code="model_not_found",
+            param="model",
+            headers=[id_header],
+            ex=ex,
+        )
+        return
+    ex.status, ex.outcome, ex.error = 503, "no_backend", str(exc)
+    await reject(
+        forwarder.metrics,
+        send,
+        503,
+        str(exc),
+        code="no_backend_available",
+        headers=[(b"retry-after", str(forwarder.config.retry_after_s).encode()), id_header],
+    )
 
 
 async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:
