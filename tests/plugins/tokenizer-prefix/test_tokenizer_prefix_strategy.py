@@ -388,7 +388,7 @@ class TestLazyRecording:
 
     def test_pending_tails_are_bounded(self, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """At most MAX_TAILS prompts (and MAX_TAIL_BYTES of their text) stay pending; the oldest go first."""
-        import kvroute_tokenizer_prefix.strategy as module
+        import kvroute_tokenizer_prefix.tails as module
 
         monkeypatch.setattr(module, "MAX_TAILS", 5)
         strategy = TokenizerPrefix(tokenizer=str(model_dir), prefetch=False)

@@ -24,16 +24,25 @@ Text is walked at two granularities:
 from __future__ import annotations
 
 import functools
-import sys
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
 
 import xxhash
 
-from kvroute.errors import InvalidRequest
 from kvroute.hashing import hash_parts
+
+# The piece memo and the segments live in their own modules; their names stay importable from here.
+from kvroute_tokenizer_prefix.memo import PieceMemo
+from kvroute_tokenizer_prefix.segments import (
+    PieceCodec,
+    Segment,
+    TextSegment,
+    first_difference,
+    ids_from_bytes,
+    iter_pieces,
+    token_array,
+    token_bytes,
+)
 
 __all__ = [
     "PieceCodec",
@@ -50,44 +59,11 @@ __all__ = [
     "token_bytes",
 ]
 
-_BIG_ENDIAN = sys.byteorder == "big"
-_MAX_TOKEN_ID = (1 << 64) - 1
-
 _ROOT_TAG = "kvroute-blocks/1"
 # Id segments chain with another seed than text pieces, so that text bytes equal to some ids' bytes never alias.
 _IDS_SEED = 0x9E37_79B9_7F4A_7C15
 # Token-id segments are hashed this many blocks at a time between two chances to stop.
 _ID_STEP_BLOCKS = 64
-
-
-def token_array(ids: Sequence[int] | array[int]) -> array[int]:
-    """Ids as an unsigned 64-bit array; raises `InvalidRequest` for ids outside 0..2**64-1."""
-    try:
-        return array("Q", ids)
-    except (OverflowError, TypeError):
-        bad = next(
-            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID), None
-        )
-        raise InvalidRequest(
-            f"token ids must be integers between 0 and 2**64-1 (got {bad!r}).", param="prompt"
-        ) from None
-
-
-def token_bytes(ids: array[int]) -> bytes:
-    """The little-endian bytes that block hashes are computed over (the same on every machine)."""
-    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
-        ids = array("Q", ids)
-        ids.byteswap()
-    return ids.tobytes()
-
-
-def ids_from_bytes(data: bytes) -> array[int]:
-    """The inverse of `token_bytes`."""
-    ids = array("Q")
-    ids.frombytes(data)
-    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
-        ids.byteswap()
-    return ids
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,171 +101,6 @@ def block_hashes(
         h = digest(data[offset : offset + step], h)
         out.append(h)
     return out
-
-
-class PieceCodec(Protocol):
-    """How a tokenizer cuts text into pieces and tokenizes them, for `PromptBlocks`.
-
-    Cutting a text at any offset ``cut`` returns, tokenizing the pieces one by one must give
-    exactly the ids of tokenizing the whole text (the tokenizer checks this for itself).
-    """
-
-    #: Least size of a memoized piece (the unit a prefix seen before is skipped by).
-    piece_bytes: int
-    #: Least size of a piece tokenized on its own (the unit of tokenization work).
-    fine_bytes: int
-
-    def cut(self, data: bytes, start: int, size: int) -> int:
-        """The end of the piece that starts at ``start``: a boundary at or after ``start + size``, else
-        ``len(data)``."""
-        ...
-
-    def encode(self, data: bytes, start: int, end: int) -> bytes:
-        """The ids of ``data[start:end]`` as little-endian unsigned 64-bit integers (see `token_bytes`)."""
-        ...
-
-    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
-        """The ids of ``data[start:end]`` if they are at hand without tokenizing, else ``None``."""
-        ...
-
-
-class TextSegment:
-    """UTF-8 text that ``codec`` tokenizes piece by piece."""
-
-    __slots__ = ("codec", "data")
-
-    def __init__(self, data: bytes, codec: PieceCodec) -> None:
-        self.data = data
-        self.codec = codec
-
-    def __repr__(self) -> str:
-        return f"TextSegment({len(self.data)} bytes)"
-
-
-#: What a prompt is made of: token ids as they are, or text to tokenize.
-Segment = "array[int] | TextSegment"
-
-
-class PieceMemo:
-    """Hashed pieces by chain key: ``key -> (hashes of the blocks the piece completes, leftover bytes, ids in it)``.
-
-    Least recently used first out, bounded by the block hashes it holds (8 bytes each, in
-    arrays) and by its number of entries (about 150 bytes each). Not thread-safe: the strategy
-    uses it under its lock.
-    """
-
-    __slots__ = ("_data", "blocks", "max_blocks", "max_entries")
-
-    def __init__(self, max_blocks: int = 1 << 19, max_entries: int = 1 << 16) -> None:
-        self._data: OrderedDict[int, tuple[array[int], bytes, int]] = OrderedDict()
-        #: Block hashes held in all entries.
-        self.blocks = 0
-        self.max_blocks = max_blocks
-        self.max_entries = max_entries
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._data
-
-    def get(self, key: int) -> tuple[array[int], bytes, int] | None:
-        """The entry of ``key`` (now the most recently used), or ``None``."""
-        found = self._data.get(key)
-        if found is not None:
-            self._data.move_to_end(key)
-        return found
-
-    def put(self, key: int, hashes: array[int], tail: bytes, count: int) -> None:
-        """Remember a piece (the oldest entries go when a bound is passed)."""
-        data = self._data
-        if key in data:
-            return
-        data[key] = (hashes, tail, count)
-        self.blocks += len(hashes)
-        while self.blocks > self.max_blocks or len(data) > self.max_entries:
-            _, (old, _, _) = data.popitem(last=False)
-            self.blocks -= len(old)
-
-    def merge(self, other: PieceMemo) -> int:
-        """Add ``other``'s entries (a prefetch's); returns how many were new."""
-        added = 0
-        for key, (hashes, tail, count) in other._data.items():
-            if key not in self._data:
-                self.put(key, hashes, tail, count)
-                added += 1
-        return added
-
-    def clear(self) -> None:
-        """Forget every entry."""
-        self._data.clear()
-        self.blocks = 0
-
-
-def _common_bytes(a: bytes, b: bytes) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (compared 4 KiB at a time, then bisected)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + 4096] == b[i : i + 4096]:
-        i += 4096
-    lo, hi = i, min(i + 4096, n)
-    while lo < hi:  # a[:lo] == b[:lo]; they differ before hi (or hi == n)
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def first_difference(
-    a: Sequence[array[int] | TextSegment], b: Sequence[array[int] | TextSegment]
-) -> tuple[int, int] | None:
-    """The first (segment, byte offset) at which two prompts' segments differ (ids count 8 bytes each).
-
-    When one prompt is a prefix of the other, that is where the shorter one ends. ``None``
-    when bytes cannot tell: a text segment against ids, or one segment a strict prefix of the
-    other while its prompt goes on (the same tokens may follow in another form).
-    """
-    for i in range(min(len(a), len(b))):
-        x, y = a[i], b[i]
-        if isinstance(x, TextSegment) and isinstance(y, TextSegment):
-            if x.data == y.data:
-                continue
-            xb, yb = x.data, y.data
-        elif isinstance(x, TextSegment) or isinstance(y, TextSegment):
-            return None
-        elif x == y:
-            continue
-        else:
-            xb, yb = token_bytes(x), token_bytes(y)
-        common = _common_bytes(xb, yb)
-        if (common == len(xb) and i + 1 < len(a)) or (common == len(yb) and i + 1 < len(b)):
-            return None
-        return i, common
-    return min(len(a), len(b)), 0
-
-
-def iter_pieces(codec: PieceCodec, data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
-    """The fine pieces of ``data`` from ``start`` (a piece boundary) as ``(start, end, piece end)``.
-
-    Exactly the cuts `PromptBlocks` makes: pieces of ``piece_bytes``, each cut into fine
-    pieces of ``fine_bytes`` (the last one ends where its piece ends).
-    """
-    n = len(data)
-    cut = codec.cut
-    coarse, fine = codec.piece_bytes, codec.fine_bytes
-    pos = start
-    while pos < n:
-        end = cut(data, pos, coarse)
-        f = pos
-        while f < end:
-            e = cut(data, f, fine) if fine < end - f else end
-            if e > end:
-                e = end
-            yield f, e, end
-            f = e
-        pos = end
 
 
 class PromptBlocks:

@@ -1,7 +1,7 @@
 """Hashing pending prompts ahead of time, in a background thread.
 
 When the router sends a prompt, the strategy has hashed only as much of it as the decision
-needed; the rest waits as a pending tail (see `kvroute_tokenizer_prefix.strategy`). If the
+needed; the rest waits as a pending tail (see `kvroute_tokenizer_prefix.tails`). If the
 prefix is asked for again, that rest must be tokenized and hashed then, under the router's
 lock. The `Prefetcher` does that work before it is needed: its thread tokenizes the rest of
 the prompt in batches (the ``tokenizers`` library releases the GIL while it works), hashes
@@ -24,7 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvroute.logs import get_logger
-from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, TextSegment
+from kvroute_tokenizer_prefix.blocks import PromptBlocks
+from kvroute_tokenizer_prefix.memo import PieceMemo
+from kvroute_tokenizer_prefix.segments import TextSegment
 
 __all__ = ["Prefetcher"]
 

@@ -29,15 +29,16 @@ matching on. So a prompt's first sighting costs about what its ``pick`` cost, a 
 shared is never tokenized in full, and a burst of siblings still co-locates: the second
 sibling finds the first one's blocks. With ``prefetch`` on, a background thread tokenizes
 pending tails ahead of time, so that extending one usually finds its pieces cached.
+
+The strategy composes the pieces: `kvroute_tokenizer_prefix.match` (step 3),
+`kvroute_tokenizer_prefix.tails` (pending tails), `kvroute_tokenizer_prefix.prefetch`, the
+block index (`kvroute_tokenizer_prefix.index`) and the tokenizers.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import accumulate, repeat
-from operator import and_, or_
 from typing import Any
 
 import attrs
@@ -56,9 +57,16 @@ from kvroute.options import (
     optional_int_option,
     str_option,
 )
-from kvroute_tokenizer_prefix.blocks import PieceMemo, PromptBlocks, first_difference, root_hash
+from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
+from kvroute_tokenizer_prefix.match import match_bisect, match_walk
+from kvroute_tokenizer_prefix.memo import PieceMemo
 from kvroute_tokenizer_prefix.prefetch import Prefetcher
+
+# The pending tails' bounds, importable from here too; `kvroute_tokenizer_prefix.tails` reads them (change them there).
+from kvroute_tokenizer_prefix.tails import MAX_TAIL_BYTES as MAX_TAIL_BYTES
+from kvroute_tokenizer_prefix.tails import MAX_TAILS as MAX_TAILS
+from kvroute_tokenizer_prefix.tails import PendingTail, PendingTails
 from kvroute_tokenizer_prefix.tokenizer import ModelTokenizer, PromptTokenizer, WordTokenizer, load_tokenizer
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "TokenizerPrefix"]
@@ -69,24 +77,6 @@ log = get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
-#: Pending tails kept at most, and the bytes of prompt text they may hold (oldest dropped first).
-MAX_TAILS = 4096
-MAX_TAIL_BYTES = 32 << 20
-#: Pending tails kept per block hash at most (prompts identical up to a block, sent to one backend).
-_MAX_TAILS_PER_BLOCK = 16
-
-
-@attrs.define(eq=False)
-class _Tail:
-    """The part of a prompt not hashed yet when it was sent to ``backend``: extended on demand."""
-
-    blocks: PromptBlocks
-    backend: str
-    bit: int
-    #: For an exact-mode backend: the request whose recent decision gets the blocks (else the index does).
-    request_id: str | None
-    frontier: int
-    size: int
 
 
 @attrs.define
@@ -135,10 +125,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _totals: Counter[str] = attrs.field(factory=Counter, init=False)
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
-    _tails: dict[int, list[_Tail]] = attrs.field(init=False, factory=dict)
-    _tail_lru: OrderedDict[_Tail, None] = attrs.field(init=False, factory=OrderedDict)
-    _tail_of_request: dict[str, _Tail] = attrs.field(init=False, factory=dict)
-    _tail_bytes: int = attrs.field(init=False, default=0)
+    _tails: PendingTails = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.tokenizer is None or self.tokenizer.strip().lower() in _WORDS:
@@ -155,6 +142,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._index = BlockIndex(self.block_size or DEFAULT_BLOCK_SIZE, self.capacity_blocks)
         self._recent = RecentDecisions(self.recent_ttl)
         self._memo = PieceMemo(max_blocks=self.memo_blocks)
+        self._tails = PendingTails(self._index)
         self._placer = BoundedLoad(
             load_factor=self.load_factor,
             concurrency_threshold=self.concurrency_threshold,
@@ -194,10 +182,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             "reuse_chosen_tokens": self._totals["chosen"],
             "index_blocks": len(self._index),
             "recent_requests": len(self._recent),
-            "pending_tails": len(self._tail_lru),
-            "pending_tail_bytes": self._tail_bytes,
-            "tails_extended": self._totals["tails_extended"],
-            "tail_blocks_recorded": self._totals["tail_blocks"],
+            "pending_tails": len(self._tails),
+            "pending_tail_bytes": self._tails.bytes,
+            "tails_extended": self._tails.extended,
+            "tail_blocks_recorded": self._tails.blocks_recorded,
             "memo_pieces": len(self._memo),
             "memo_blocks": self._memo.blocks,
             "prefetched_pieces": self._prefetcher.pieces if self._prefetcher is not None else 0,
@@ -218,101 +206,6 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._memo,
         )
 
-    # -- pending tails -------------------------------------------------------------------
-
-    def _add_tail(self, tail: _Tail) -> None:
-        same = self._tails.setdefault(tail.frontier, [])
-        same.append(tail)
-        if len(same) > _MAX_TAILS_PER_BLOCK:
-            self._drop_tail(same[0])
-        self._tail_lru[tail] = None
-        self._tail_bytes += tail.size
-        if tail.request_id is not None:
-            self._tail_of_request[tail.request_id] = tail
-        while self._tail_lru and (len(self._tail_lru) > MAX_TAILS or self._tail_bytes > MAX_TAIL_BYTES):
-            self._drop_tail(next(iter(self._tail_lru)))
-
-    def _drop_tail(self, tail: _Tail) -> None:
-        if tail not in self._tail_lru:
-            return
-        del self._tail_lru[tail]
-        self._tail_bytes -= tail.size
-        same = self._tails.get(tail.frontier)
-        if same is not None:
-            same.remove(tail)
-            if not same:
-                del self._tails[tail.frontier]
-        if tail.request_id is not None and self._tail_of_request.get(tail.request_id) is tail:
-            del self._tail_of_request[tail.request_id]
-
-    def _clear_tails(self, bit: int | None = None) -> None:
-        for tail in [t for t in self._tail_lru if bit is None or t.bit == bit]:
-            self._drop_tail(tail)
-
-    def _extend_tails(self, blocks: PromptBlocks, at: int, bits: int) -> bool:
-        """Extend the pending tails of ``bits`` that end at block ``at - 1`` of ``blocks`` as far as they agree with it.
-
-        Each is hashed just past the first byte where its prompt and ``blocks``'s differ, and
-        its new blocks are recorded. Returns whether one of them grew past block ``at - 1`` (the
-        index may hold block ``at`` now). Called under the index lock.
-        """
-        found = self._tails.get(blocks.hashes[at - 1])
-        if not found:
-            return False
-        index = self._index
-        progress = False
-        for tail in [t for t in found if t.bit & bits]:
-            self._drop_tail(tail)
-            theirs = tail.blocks
-            exact = index.is_exact(tail.backend)
-            if (
-                len(theirs.hashes) != at
-                or theirs.block_size != blocks.block_size
-                or exact != (tail.request_id is not None)
-            ):
-                continue  # stale: another block size, or the backend switched between exact and approximate mode
-            try:
-                theirs.skip_memoized()
-                limit = first_difference(theirs.segments, blocks.segments)
-                if limit is not None:
-                    # Hash theirs just past where the two prompts first differ; ours then finds the
-                    # pieces theirs completed memoized instead of hashing them again.
-                    theirs.advance_past(limit)
-                else:
-                    self._lockstep(theirs, blocks, at)
-            except InvalidRequest:
-                continue  # cannot happen for text that was tokenized before; forget the tail
-            new = theirs.hashes[at:]
-            if new:
-                self._totals["tails_extended"] += 1
-                self._totals["tail_blocks"] += len(new)
-                if tail.request_id is not None:
-                    if not self._recent.extend(tail.request_id, new):
-                        continue  # the request finished or expired
-                else:
-                    index.record(tail.backend, theirs.hashes)
-            progress = progress or len(theirs.hashes) > at
-            if not theirs.done and theirs.hashes:
-                tail.frontier = theirs.hashes[-1]
-                self._add_tail(tail)
-        return progress
-
-    @staticmethod
-    def _lockstep(theirs: PromptBlocks, ours: PromptBlocks, at: int) -> None:
-        """Hash theirs as long as its blocks equal ours (prompts whose bytes cannot be compared)."""
-        mine = ours.hashes
-        j = at
-        while True:
-            if j >= len(theirs.hashes):
-                if not theirs.grow() and j >= len(theirs.hashes):
-                    return
-                continue
-            while j >= len(mine) and ours.grow():
-                pass
-            if j >= len(mine) or mine[j] != theirs.hashes[j]:
-                return
-            j += 1
-
     # -- callbacks -----------------------------------------------------------------------
 
     def on_fleet_change(self, event: kvroute.FleetEvent, members: Sequence[kvroute.BackendState]) -> None:
@@ -321,7 +214,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             with self._index.lock:
                 bit = self._index.bit(event.backend.id)
                 self._recent.drop_bit(bit)
-                self._clear_tails(bit)
+                self._tails.clear(bit)
                 self._index.remove_backend(event.backend.id)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
@@ -349,8 +242,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 index.record(backend, hashes)
             if blocks.done or not hashes:
                 return
-            self._add_tail(
-                _Tail(
+            self._tails.add(
+                PendingTail(
                     blocks,
                     backend,
                     index.bit(backend),
@@ -367,12 +260,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     def on_request_finish(
         self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome
     ) -> None:
-        if len(self._recent) or self._tail_of_request:
+        if len(self._recent) or self._tails.has_requests:
             with self._index.lock:
                 self._recent.discard(request.request_id)
-                tail = self._tail_of_request.get(request.request_id)
-                if tail is not None:
-                    self._drop_tail(tail)
+                self._tails.finish(request.request_id)
 
     # -- deciding ------------------------------------------------------------------------
 
@@ -387,7 +278,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._recent = RecentDecisions(self.recent_ttl)
             self._pending.clear()
             self._memo.clear()
-            self._clear_tails()
+            self._tails.clear()
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks) -> int:
         if request.affinity_key is not None:
@@ -410,101 +301,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         matched = [0] * len(candidates)
         exact = index.exact_backends
         if exact and any(s.id in exact for s in candidates):
-            self._walk(blocks, bits, matched)
+            match_walk(blocks, bits, matched, index, self._tails, self._recent)
         else:
-            self._bisect(blocks, bits, matched)
+            match_bisect(blocks, bits, matched, index, self._tails, self._recent)
         return matched
-
-    def _bisect(self, blocks: PromptBlocks, bits: list[int], matched: list[int]) -> None:
-        get = self._index.holders.get
-        tails = self._tails
-        hashes = blocks.hashes
-        alive = 0
-        for bit in bits:
-            alive |= bit
-        i = 0  # every candidate in ``alive`` holds hashes[:i]
-        while alive:
-            n = len(hashes)
-            if i >= n:
-                if not blocks.grow() and i >= len(hashes):
-                    break
-                continue
-            last = get(hashes[n - 1], 0) & alive
-            if last == alive:
-                i = n
-                continue
-            # Which candidates stop where, between block i - 1 (all of ``alive``) and block n - 1 (``last``).
-            drops: list[tuple[int, int]] = []
-            stack = [(i - 1, n - 1, alive, last)]
-            while stack:
-                lo, hi, above, below = stack.pop()
-                if above == below:
-                    continue
-                if hi - lo == 1:
-                    drops.append((hi, above & ~below))
-                    continue
-                mid = (lo + hi) // 2
-                middle = get(hashes[mid], 0) & above
-                stack.append((lo, mid, above, middle))
-                stack.append((mid, hi, middle, below & middle))
-            drops.sort()
-            for at, lost in drops:
-                if at and tails and hashes[at - 1] in tails and self._extend_tails(blocks, at, lost):
-                    i = at  # the index changed: bisect again from that block
-                    break
-                for j, bit in enumerate(bits):
-                    if lost & bit:
-                        matched[j] = at
-                alive &= ~lost
-            else:
-                i = n
-        if alive:
-            for j, bit in enumerate(bits):
-                if alive & bit:
-                    matched[j] = len(hashes)
-
-    def _walk(self, blocks: PromptBlocks, bits: list[int], matched: list[int]) -> None:
-        get = self._index.holders.get
-        recent = self._recent.holders
-        tails = self._tails
-        hashes = blocks.hashes
-        alive = 0
-        for bit in bits:
-            alive |= bit
-        i = 0  # every candidate in ``alive`` holds hashes[:i]
-        while alive:
-            if i >= len(hashes):
-                if not blocks.grow() and i >= len(hashes):
-                    break
-                continue
-            part = hashes[i:] if i else hashes
-            masks = map(get, part, repeat(0))
-            if recent:
-                masks = map(or_, masks, map(recent.get, part, repeat(0)))
-            running = list(accumulate(masks, and_, initial=alive))
-            # running[k]: the candidates holding hashes[:i + k]; it only ever loses candidates.
-            k = 0
-            last = running[-1]
-            while running[k] != last:
-                now = running[k]
-                k = bisect_left(running, True, k + 1, key=now.__ne__)  # the next block that loses a candidate
-                at = i + k - 1  # the candidates lost there hold ``at`` leading blocks
-                lost = now & ~running[k]
-                if at and tails and hashes[at - 1] in tails and self._extend_tails(blocks, at, lost):
-                    break  # the index changed: walk on from that block
-                for j, bit in enumerate(bits):
-                    if lost & bit:
-                        matched[j] = at
-            else:
-                alive = last
-                i += len(part)
-                continue
-            alive = now
-            i = at
-        if alive:
-            for j, bit in enumerate(bits):
-                if alive & bit:
-                    matched[j] = len(hashes)
 
     def _ranks(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> list[int]:
         placement = self._placer.placement

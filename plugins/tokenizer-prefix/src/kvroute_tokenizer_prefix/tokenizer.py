@@ -19,6 +19,11 @@ texts) and by the test suite; a tokenizer whose normalizer or pre-tokenizer coul
 depend on its neighbours (SentencePiece ``Prepend``, ``add_prefix_space``...) is tokenized
 whole instead. `ModelTokenizer.warm` tokenizes many pieces per call to the library (which
 releases the GIL meanwhile), for the strategy's background prefetch.
+
+This module holds `ModelTokenizer` and `load_tokenizer`; the word-level fallback is in
+`kvroute_tokenizer_prefix.words`, finding model files in `kvroute_tokenizer_prefix.model_files`,
+where text may be cut in `kvroute_tokenizer_prefix.boundaries`, and the segment types and the
+`PromptTokenizer` interface in `kvroute_tokenizer_prefix.segments` (all importable from here too).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any
 
 import xxhash
 
@@ -41,7 +46,18 @@ from kvroute.errors import ConfigError, InvalidRequest
 from kvroute.logs import get_logger
 from kvroute.request import RouteRequest
 from kvroute_tokenizer_prefix.blocks import TextSegment, ids_from_bytes, iter_pieces, token_array, token_bytes
+from kvroute_tokenizer_prefix.boundaries import (
+    BOUNDARY,
+    cut_is_safe,
+    next_cut,
+    pieces_independent,
+    probe_texts,
+    split_points,
+)
 from kvroute_tokenizer_prefix.chat import ChatTemplate, ContentFormat, select_template
+from kvroute_tokenizer_prefix.model_files import read_json, resolve_model_files, special_tokens
+from kvroute_tokenizer_prefix.segments import PromptTokenizer, chunk_ids, prompt_ids, segment_ids
+from kvroute_tokenizer_prefix.words import WordTokenizer
 
 __all__ = [
     "ModelTokenizer",
@@ -58,381 +74,10 @@ __all__ = [
 
 log = get_logger(__name__)
 
-# Where a piece may end (a zero-width match), on the UTF-8 bytes of the text:
-#   before a space that sits between an ASCII letter/digit and an ASCII letter ("abc| def"), or
-#   after a newline that follows a visible ASCII character and precedes an ASCII letter/digit ("x.\n|Abc").
-# Byte-level BPE regexes (GPT-2, Llama 3, Qwen) and whitespace/metaspace splitters all split there,
-# and the text on either side cannot join into one pre-token. Non-ASCII neighbours never make a
-# boundary (Unicode whitespace such as U+00A0 would change how the regexes group spaces).
-_BOUNDARY = re.compile(rb"(?<=[A-Za-z0-9])(?= [A-Za-z])|(?<=[!-~]\n)(?=[A-Za-z0-9])")
-_BOUNDARY_SEARCH = _BOUNDARY.search
-
-# The word-level fallback splits on whitespace: cutting right before an ASCII whitespace byte
-# never joins or splits a word.
-_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]")
-
-# Normalizers that act on one character at a time, so that cutting the text between two
-# characters cannot change either side.
-_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents"}
+_BOUNDARY_SEARCH = BOUNDARY.search
 
 #: Fine pieces tokenized per call to the ``tokenizers`` library by `ModelTokenizer.warm`.
 _PREFETCH_BATCH = 32
-
-
-def chunk_ids(chunk: Sequence[int] | array[int]) -> array[int]:
-    """The ids of a chunk yielded by ``chunks`` / ``text_chunks`` (kept for callers of the old API)."""
-    return chunk if isinstance(chunk, array) else array("Q", chunk)
-
-
-def segment_ids(segment: array[int] | TextSegment) -> array[int]:
-    """All ids of one segment (text tokenized piece by piece, through its codec's cache)."""
-    if not isinstance(segment, TextSegment):
-        return segment
-    data, codec = segment.data, segment.codec
-    return ids_from_bytes(b"".join(codec.encode(data, s, e) for s, e, _ in iter_pieces(codec, data)))
-
-
-class PromptTokenizer(Protocol):
-    """What the strategy needs: a request's prompt as segments, tokenized lazily."""
-
-    #: A short description for decision details and logs (``model:/path``, ``words``).
-    name: str
-    #: When a prompt is sent, at most this many bytes left to hash are hashed at once instead of kept pending.
-    inline_bytes: int
-
-    def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
-        """The prompt's segments in order: token ids, or text the segment's codec tokenizes."""
-        ...
-
-    def prompt_ids(self, request: RouteRequest) -> list[int]:
-        """All prompt ids at once (parity checks, tests)."""
-        ...
-
-
-def prompt_ids(tokenizer: PromptTokenizer, request: RouteRequest) -> list[int]:
-    """All prompt ids of ``request`` as one list (tests, parity checks)."""
-    out: list[int] = []
-    for segment in tokenizer.segments(request):
-        out.extend(segment_ids(segment))
-    return out
-
-
-# -- word-level fallback ---------------------------------------------------------------
-
-
-class WordTokenizer:
-    """The word-level vocabulary (`kvroute.vocabulary`, shared with the simulator): no model files needed.
-
-    Text splits on whitespace, one token per word; chat renders each message as its role
-    marker, its words and an end marker, then the assistant marker. In ``kvroute simulate`` it
-    gives exactly the simulated engines' token ids; in front of a real engine it is only a
-    proxy for the model's tokens (configure ``tokenizer``). Long texts are cut into pieces at
-    whitespace, so that a message seen before is skipped a piece at a time and a message that
-    differs from one seen before only near its end costs that end.
-    """
-
-    name = "words"
-    #: A prompt with at most this many bytes left to hash when it is sent is hashed at once
-    #: (looking words up is cheap) rather than kept as a pending tail.
-    inline_bytes = 4096
-
-    def __init__(self, piece_bytes: int = 8192, fine_bytes: int = 1024, cache_pieces: int = 4096) -> None:
-        from kvroute.vocabulary import ASSISTANT, END, vocabulary
-
-        self._vocab = vocabulary()
-        self._lookup = self._vocab.index.get
-        self._end = END
-        self._assistant = ASSISTANT
-        self.piece_bytes = piece_bytes
-        self.fine_bytes = fine_bytes
-        self.cache_pieces = cache_pieces
-        # The ids of recent fine pieces: a pending prompt and the request extending it walk the
-        # same pieces in step, and a long message seen again is not looked up word by word.
-        self._cache: OrderedDict[int, bytes] = OrderedDict()
-
-    # -- PieceCodec ----------------------------------------------------------------------
-
-    def cut(self, data: bytes, start: int, size: int) -> int:
-        """The first ASCII whitespace at or after ``start + size``, else the end."""
-        n = len(data)
-        pos = start + size
-        if pos >= n:
-            return n
-        m = _SPACE.search(data, pos)
-        return m.start() if m is not None else n
-
-    def encode(self, data: bytes, start: int, end: int) -> bytes:
-        """The word ids of ``data[start:end]``."""
-        piece = data[start:end]
-        key = xxhash.xxh3_64_intdigest(piece)
-        found = self._cache.get(key)
-        if found is not None:
-            return found
-        words = piece.decode("utf-8", "surrogatepass").split()
-        looked: list[int | None] = list(map(self._lookup, words))  # Vocabulary.encode's ids, looked up at C speed
-        if None in looked:
-            token_id = self._vocab.token_id
-            looked = [t if t is not None else token_id(w) for t, w in zip(looked, words, strict=True)]
-        ids = token_bytes(array("Q", cast("list[int]", looked)))
-        self._cache[key] = ids
-        if len(self._cache) > self.cache_pieces:
-            self._cache.popitem(last=False)
-        return ids
-
-    def cached(self, data: bytes, start: int, end: int) -> bytes | None:
-        """The ids of ``data[start:end]`` if they were looked up recently."""
-        return self._cache.get(xxhash.xxh3_64_intdigest(data[start:end]))
-
-    # -- PromptTokenizer -------------------------------------------------------------------
-
-    def segments(self, request: RouteRequest) -> list[array[int] | TextSegment]:
-        if request.token_ids is not None:
-            return [token_array(request.token_ids)]
-        if request.messages is None:
-            return [TextSegment(request.text.encode("utf-8", "surrogatepass"), self)]
-        # The chat as one text of words: a role marker word, the content, the end marker, ...
-        # Marker words map to the marker ids, so its words are exactly `render_chat`'s ids,
-        # and one text is memoized a piece at a time across message boundaries.
-        vocab = self._vocab
-        words = vocab.words
-        out: list[array[int] | TextSegment] = []
-        parts: list[str] = []
-        for message in request.messages:
-            if not isinstance(message, Mapping):
-                raise InvalidRequest(f"a message must be an object (got {type(message).__name__}).", param="messages")
-            try:
-                text = vocab.content_text(message.get("content"))
-            except ValueError as exc:
-                raise InvalidRequest(f"cannot tokenize the messages: {exc}", param="messages") from None
-            role = vocab.role_id(str(message.get("role", "")))
-            marker = words[role] if role < len(words) else None
-            if marker is None:  # a role without a marker word (its id is a hash of its name): as an id
-                if parts:
-                    out.append(TextSegment(" ".join(parts).encode("utf-8", "surrogatepass"), self))
-                    parts = []
-                out.append(array("Q", [role]))
-            else:
-                parts.append(marker)
-            parts.append(text)
-            parts.append(words[self._end])
-        options = request.prompt_options or {}
-        if options.get("add_generation_prompt", True):
-            parts.append(words[self._assistant])
-        if parts:
-            out.append(TextSegment(" ".join(parts).encode("utf-8", "surrogatepass"), self))
-        return out
-
-    def prompt_ids(self, request: RouteRequest) -> list[int]:
-        return prompt_ids(self, request)
-
-    def chunks(self, request: RouteRequest) -> Iterator[array[int]]:
-        """The prompt's ids, one array per segment (the parity check's interface)."""
-        for segment in self.segments(request):
-            yield segment_ids(segment)
-
-
-# -- model files -----------------------------------------------------------------------
-
-_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-def resolve_model_files(source: str | os.PathLike[str], *, revision: str | None = None) -> dict[str, Path]:
-    """Find a model's tokenizer files: a ``tokenizer.json`` path, a directory, or a Hub id in the local cache.
-
-    Never touches the network: a Hub id (``org/name``) is looked up in the local Hugging Face
-    cache only. Returns the files found by name; ``tokenizer.json`` is required.
-    """
-    path = Path(source).expanduser()
-    found: dict[str, Path] = {}
-    if path.is_file():
-        found["tokenizer.json"] = path
-        folder = path.parent
-        for name in _FILES[1:]:
-            if (folder / name).is_file():
-                found[name] = folder / name
-    elif path.is_dir():
-        for name in _FILES:
-            if (path / name).is_file():
-                found[name] = path / name
-        if "tokenizer.json" not in found:
-            raise ConfigError(
-                f"'tokenizer': the directory {str(path)!r} has no tokenizer.json (a fast tokenizer is required; "
-                "save one with transformers' save_pretrained or the tokenizers library)."
-            )
-    else:
-        text = str(source)
-        if text.count("/") != 1 or text.startswith(("/", ".", "~")):
-            raise ConfigError(
-                f"'tokenizer' must be a tokenizer.json file, a model directory or a Hub model id in the local cache "
-                f"(got {text!r}, which does not exist)."
-            )
-        from huggingface_hub import try_to_load_from_cache
-
-        for name in _FILES:
-            hit = try_to_load_from_cache(text, name, revision=revision)
-            if isinstance(hit, str):
-                found[name] = Path(hit)
-        if "tokenizer.json" not in found:
-            raise ConfigError(
-                f"'tokenizer': model {text!r} has no tokenizer.json in the local Hugging Face cache "
-                "(kvroute never downloads: fetch it once with `huggingface-cli download` or point to a directory)."
-            )
-    return found
-
-
-def _token_text(value: object) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
-
-
-def _special_tokens(config: Mapping[str, Any], special_map: Mapping[str, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
-        text = _token_text(config.get(key))
-        if text is None:
-            text = _token_text(special_map.get(key))
-        if text is not None:
-            out[key] = text
-    return out
-
-
-def _read_json(path: Path | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {str(path)!r}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{str(path)!r} must hold a JSON object (got {type(data).__name__}).")
-    return data
-
-
-# -- the model's tokenizer ---------------------------------------------------------------
-
-
-def split_points(data: bytes, piece_bytes: int, unsafe: re.Pattern[bytes] | None = None) -> Iterator[int]:
-    """Yield the end offsets of the pieces ``data`` is cut into (the last one is ``len(data)``).
-
-    A piece is at least ``piece_bytes`` long unless it is the last one and ends at the first
-    boundary after that; cuts depend only on the bytes before them (and the next two), so two
-    texts that share a prefix are cut the same way up to where they differ.
-    """
-    n = len(data)
-    start = 0
-    while start < n:
-        start = _cut(data, start, piece_bytes, unsafe)
-        yield start
-
-
-def _cut(data: bytes, start: int, size: int, unsafe: re.Pattern[bytes] | None) -> int:
-    n = len(data)
-    pos = start + size
-    search = _BOUNDARY.search
-    while pos < n:
-        m = search(data, pos)
-        if m is None:
-            break
-        cut = m.start()
-        if unsafe is None or _cut_is_safe(data, cut, unsafe):
-            return cut
-        pos = cut + 1
-    return n
-
-
-def _cut_is_safe(data: bytes, cut: int, unsafe: re.Pattern[bytes]) -> bool:
-    """No added token that strips whitespace touches the cut (it would swallow the space or newline)."""
-    for m in unsafe.finditer(data, max(0, cut - 256), min(len(data), cut + 256)):
-        if m.start() <= cut + 1 and m.end() >= cut:
-            return False
-    return True
-
-
-def _splittable(config: Mapping[str, Any]) -> tuple[bool, str]:
-    """Whether tokenizing pieces separately can equal tokenizing the whole text, from tokenizer.json."""
-
-    def parts(node: Any) -> list[Mapping[str, Any]]:
-        if not isinstance(node, Mapping):
-            return []
-        if node.get("type") == "Sequence":
-            inner = node.get("normalizers") or node.get("pretokenizers") or []
-            return [p for sub in inner for p in parts(sub)]
-        return [node]
-
-    for norm in parts(config.get("normalizer")):
-        kind = norm.get("type")
-        if kind == "Replace":
-            pattern = norm.get("pattern", {})
-            literal = pattern.get("String") if isinstance(pattern, Mapping) else None
-            if isinstance(literal, str) and len(literal) == 1 and literal not in "\n ":
-                continue
-        if kind not in _LOCAL_NORMALIZERS:
-            return False, f"normalizer {kind} may act across pieces"
-    pre = parts(config.get("pre_tokenizer"))
-    if not pre:
-        return False, "no pre-tokenizer: the model sees the whole text as one word"
-    for node in pre:
-        kind = node.get("type")
-        if kind == "ByteLevel" and node.get("add_prefix_space"):
-            return False, "ByteLevel add_prefix_space adds a space to every piece"
-        if kind == "Metaspace" and (node.get("prepend_scheme", "always") != "never" or node.get("add_prefix_space")):
-            return False, "Metaspace prepends a marker to every piece"
-    return True, ""
-
-
-def _probe_texts(extra: Sequence[str], rng: random.Random, count: int = 160) -> list[str]:
-    fragments = [
-        "a",
-        "Hello",
-        "world",
-        "the",
-        "s",
-        "x1",
-        "42",
-        "2024",
-        "007",
-        " ",
-        "  ",
-        "\n",
-        "\n\n",
-        " \n",
-        "\t",
-        "\r\n",
-        ".",
-        ",",
-        "!?",
-        "'s",
-        "'t",
-        "(",
-        ")",
-        "-",
-        "_",
-        ":",
-        '"',
-        "#",
-        "```",
-        "é",
-        "Ünïcødé",
-        "中文",
-        "\u00a0",
-        "\u3000",
-        "😀",
-        "a\u0301",
-        "don't",
-        "I'm",
-        "x.\n",
-        "\nItem",
-        " word",
-        "1,234.5",
-    ]
-    fragments.extend(extra)
-    texts = []
-    for _ in range(count):
-        texts.append("".join(rng.choice(fragments) for _ in range(rng.randint(1, 40))))
-    return texts
 
 
 class ModelTokenizer:
@@ -487,7 +132,7 @@ class ModelTokenizer:
         #: Ids the post-processor adds around a single sequence (e.g. Llama's BOS).
         self.prefix_ids: tuple[int, ...] = tuple(with_bos[:at])
         self.suffix_ids: tuple[int, ...] = tuple(with_bos[at + len(plain) :])
-        ok, why = _splittable(config)
+        ok, why = pieces_independent(config)
         #: Whether pieces are tokenized (and cached) separately; otherwise the prompt is tokenized whole.
         self.splittable = ok
         if ok and self_check:
@@ -509,9 +154,9 @@ class ModelTokenizer:
         if m is None:
             return n
         unsafe = self._unsafe
-        if unsafe is None or _cut_is_safe(data, m.start(), unsafe):
+        if unsafe is None or cut_is_safe(data, m.start(), unsafe):
             return m.start()
-        return _cut(data, m.start() + 1, 0, unsafe)
+        return next_cut(data, m.start() + 1, 0, unsafe)
 
     def cached(self, data: bytes, start: int, end: int) -> bytes | None:
         """The cached ids of ``data[start:end]`` (a piece between two cuts), or ``None``."""
@@ -673,7 +318,7 @@ class ModelTokenizer:
     def _self_check(self, extra: Sequence[str]) -> tuple[bool, str]:
         rng = random.Random(0x6B76)
         try:
-            for text in _probe_texts(extra, rng):
+            for text in probe_texts(extra, rng):
                 whole = self.encode_text(text)
                 data = text.encode("utf-8", "surrogatepass")
                 pieces: list[int] = []
@@ -716,8 +361,8 @@ def load_tokenizer(
         tok = Tokenizer.from_file(str(files["tokenizer.json"]))
     except Exception as exc:  # tokenizers raises its own Exception subclass
         raise ConfigError(f"cannot load {str(files['tokenizer.json'])!r} with the tokenizers library: {exc}") from None
-    config = _read_json(files.get("tokenizer_config.json"))
-    special = _special_tokens(config, _read_json(files.get("special_tokens_map.json")))
+    config = read_json(files.get("tokenizer_config.json"))
+    special = special_tokens(config, read_json(files.get("special_tokens_map.json")))
     template_text: str | None
     tool_text: str | None = None
     if chat_template is not None:
