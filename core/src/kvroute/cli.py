@@ -194,9 +194,11 @@ def plugins(as_json: bool) -> None:
 
     try:
         pm = PluginManager()
-        rows = [("strategy", r) for r in pm.strategies.values()] + [
-            ("backend kind", r) for r in pm.backend_kinds.values()
-        ]
+        rows = (
+            [("strategy", r) for r in pm.strategies.values()]
+            + [("backend kind", r) for r in pm.backend_kinds.values()]
+            + [("discovery", r) for r in pm.discovery_kinds.values()]
+        )
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
     rows.sort(key=lambda row: (row[0], row[1].name))

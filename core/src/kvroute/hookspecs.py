@@ -60,6 +60,23 @@ def kvroute_register_backend_kinds(register: Callable[..., None]) -> None:
 
 
 @hookspec
+def kvroute_register_discovery(register: Callable[..., None]) -> None:
+    """Register discovery kinds: sources of backends such as ``dns`` or ``kubernetes``.
+
+    Call ``register(kind, factory)`` once per kind. ``factory(**options)`` returns a
+    `kvroute.discovery.DiscoveryProvider`; options come from the host's configuration (the
+    TOML ``[[discovery]]`` table, or ``--discovery KIND:TARGET``, which passes ``target``).
+    Validate them and raise ``ValueError`` with a clear message.
+
+    Not firstresult: every plugin's implementation is called.
+
+    :param register: ``register(kind: str, factory: Callable[..., DiscoveryProvider]) -> None``.
+
+    Since 0.1.
+    """
+
+
+@hookspec
 def kvroute_register_commands(cli: click.Group) -> None:
     """Add subcommands to the ``kvroute`` command line.
 

@@ -84,6 +84,7 @@ class PluginManager:
         self._info: dict[str, PluginInfo] = {}
         self._strategies: dict[str, Registration] | None = None
         self._kinds: dict[str, Registration] | None = None
+        self._discovery: dict[str, Registration] | None = None
         self._blocked = (blocked if blocked is not None else set()) | _csv_env(BLOCK_ENV)
         from kvroute import _builtin
 
@@ -126,7 +127,7 @@ class PluginManager:
                         "expected a plain @hookimpl (lifecycle hooks take no wrappers)."
                     )
         self._info[registered] = info
-        self._strategies = self._kinds = None
+        self._strategies = self._kinds = self._discovery = None
 
     def load_entrypoints(self, only: set[str] | None = None) -> None:
         """Import every entry point of group ``kvroute`` (or just those in ``only``)."""
@@ -220,6 +221,13 @@ class PluginManager:
         if self._kinds is None:
             self._kinds = self._collect("kvroute_register_backend_kinds", "backend kind")
         return self._kinds
+
+    @property
+    def discovery_kinds(self) -> Mapping[str, Registration]:
+        """Registered discovery kinds by name."""
+        if self._discovery is None:
+            self._discovery = self._collect("kvroute_register_discovery", "discovery kind")
+        return self._discovery
 
     def register_commands(self, cli: Any) -> dict[str, PluginInfo]:
         """Let every plugin add its subcommands to ``cli`` (a `click.Group`); returns who added which.
