@@ -5,7 +5,8 @@ Per request: read and validate the body, build a `RouteRequest`, and hand it to 
 `Forwarder` (`kvroute_server.forwarding`), which asks the `Router` for a lease, forwards the
 original bytes to the chosen backend and passes the answer back, retrying before the first
 byte (see docs/serve.md). The backends themselves (membership, health, adapters' tasks) are the
-`BackendSet` (`kvroute_server.backends`), which the admin API (`kvroute_server.admin`) changes.
+`BackendSet` (`kvroute_server.backends`), which the admin API (`kvroute_server.admin`) and
+discovery (`kvroute_server.discovery`) change.
 
 The rooms import one way: ``app`` -> ``forwarding``, ``admin`` -> ``backends`` -> ``health``;
 nothing imports ``app``, except the entry points that run it (``cli``, ``workers``).
@@ -52,6 +53,7 @@ from kvroute_server._asgi import (
 from kvroute_server.admin import AdminApi
 from kvroute_server.backends import BackendSet
 from kvroute_server.config import ServerConfig
+from kvroute_server.discovery import Discovery
 from kvroute_server.forwarding import Exchange, Forwarder, count_reject, reject
 from kvroute_server.journal import WorkerContext
 from kvroute_server.metrics import CONTENT_TYPE, ProxyMetrics
@@ -177,6 +179,9 @@ class ProxyApp:
             connect_timeout=config.timeouts.connect,
             backends=config.backends,
         )
+        self.discovery = Discovery.create(
+            config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
+        )
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics)
         self.admin = AdminApi(self.backends, config.admin_token, worker=worker) if config.admin_token else None
@@ -202,6 +207,8 @@ class ProxyApp:
         strategy = self.router.strategy
         try:
             async with self.backends.running(kv_event_sink(strategy)), anyio.create_task_group() as tg:
+                if self.discovery is not None:  # each source's first answer, before any request
+                    await tg.start(self.discovery.run)
                 if self.admin is not None and self.admin.journal is not None:
                     # Admin changes made before this worker started (it may be a restart), before any request.
                     await tg.start(self.admin.follow)
@@ -293,7 +300,10 @@ class ProxyApp:
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         members = list(self.fleet)
         routable = sum(s.routable for s in members)
-        body = {"status": "ok" if routable else "unavailable", "backends": len(members), "routable": routable}
+        body: dict[str, object] = {"status": "ok" if routable else "unavailable", "backends": len(members)}
+        body["routable"] = routable
+        if self.discovery is not None:
+            body["discovery"] = self.discovery.describe()
         await send_json(send, 200 if routable else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

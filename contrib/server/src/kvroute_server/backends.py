@@ -1,9 +1,10 @@
 """The backend set: which backends the proxy has, how to reach them, and their adapters' lifetimes.
 
-`BackendSet` is the one place that changes membership: at start from the configuration, then
-through the admin API. Each backend has a `BackendConfig` (URL, credentials), an adapter built by
-its kind's factory, and a state in the `Fleet` (health, draining, in flight, load, and the models
-its engine reports serving, which `HealthChecker` discovers and `Fleet.set_served_models` stores).
+`BackendSet` is the one place that changes membership: at start from the configuration, then through
+the admin API and discovery (`kvroute_server.discovery`), which call the same methods. Each backend
+has a `BackendConfig` (URL, credentials), an adapter built by its kind's factory, and a state in the
+`Fleet` (health, draining, in flight, load, and the models its engine reports serving, which
+`HealthChecker` discovers and `Fleet.set_served_models` stores).
 
 While the proxy runs, the set owns the upstream HTTP session and a task group holding the health
 checker, drains that end in a removal, and one task per backend whose adapter has work of its own:
@@ -164,6 +165,12 @@ class BackendSet:
         if member is not None:
             member.leave()
         self.health.forget(backend_id)
+
+    def set_weight(self, backend_id: str, weight: float) -> None:
+        """Change a member's weight in the fleet (strategies see a ``weight`` event) and in its configuration."""
+        self.fleet.set_weight(backend_id, weight)
+        member = self._members[backend_id]
+        member.config = attrs.evolve(member.config, weight=float(weight))
 
     def drain(self, backend_id: str, *, draining: bool = True, remove_when_idle: bool = False) -> None:
         """Stop (or resume) new requests to a backend; with ``remove_when_idle``, remove it once idle."""

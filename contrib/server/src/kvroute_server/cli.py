@@ -12,11 +12,13 @@ from kvroute.errors import KvrouteError
 from kvroute.plugins import PluginManager
 from kvroute_server.config import (
     DEFAULT_STRATEGY,
+    DiscoveryPolicy,
     HealthConfig,
     ServerConfig,
     TimeoutConfig,
     load_toml,
     parse_backend_flag,
+    parse_discovery_flag,
     parse_option_flags,
 )
 from kvroute_server.sagemaker import load_sagemaker
@@ -32,6 +34,7 @@ def build_config(
     options: tuple[str, ...] = (),
     sagemaker_config: str | None = None,
     sagemaker_variant: str | None = None,
+    discovery: tuple[str, ...] = (),
     **flags: Any,
 ) -> ServerConfig:
     """Combine the TOML file, a SageMaker import and flags (flags win; ``None`` means not given)."""
@@ -45,6 +48,15 @@ def build_config(
         config = attrs.evolve(config, options={**config.options, **parse_option_flags(options)})
     if backends:
         config = attrs.evolve(config, backends=config.backends + tuple(parse_backend_flag(b) for b in backends))
+    if discovery:
+        config = attrs.evolve(config, discovery=config.discovery + tuple(parse_discovery_flag(d) for d in discovery))
+    policy_map = {
+        "max_removal_share": "max_removal_share",
+        "removal_interval": "removal_interval",
+        "on_mass_removal": "on_mass_removal",
+        "discovery_stale_after": "stale_after",
+    }
+    policy = {policy_map[k]: flags.pop(k) for k in list(flags) if k in policy_map and flags[k] is not None}
     timeouts = {k: flags.pop(f"{k}_timeout", None) for k in ("connect", "first_byte", "idle")}
     timeouts = {k: v for k, v in timeouts.items() if v is not None}
     health_map = {
@@ -64,6 +76,7 @@ def build_config(
             config,
             timeouts=attrs.evolve(config.timeouts, **timeouts) if timeouts else config.timeouts,
             health=attrs.evolve(config.health, **health) if health else config.health,
+            discovery_policy=attrs.evolve(config.discovery_policy, **policy) if policy else config.discovery_policy,
         )
     except (TypeError, ValueError) as exc:
         raise KvrouteError(str(exc)) from None
@@ -75,6 +88,8 @@ def describe(config: ServerConfig) -> dict[str, Any]:
     data["admin_token"] = "***" if config.admin_token else None
     for backend in data["backends"]:
         backend["api_key"] = "***" if backend.get("api_key") else None
+    for source in data["discovery"]:
+        source["api_key"] = "***" if source.get("api_key") else None
     return data
 
 
@@ -95,6 +110,7 @@ def _check_default_strategy(config: ServerConfig, plugins: PluginManager) -> Non
 
 _D_TIMEOUT = TimeoutConfig()
 _D_HEALTH = HealthConfig()
+_D_POLICY = DiscoveryPolicy()
 _D = ServerConfig()
 
 
@@ -108,6 +124,36 @@ _D = ServerConfig()
     multiple=True,
     metavar="URL|ID=URL",
     help="An upstream server (repeatable); also id=..,url=..,kind=..,weight=..,models=a;b.",
+)
+@click.option(
+    "--discovery",
+    multiple=True,
+    metavar="KIND:TARGET",
+    help="A discovery source (repeatable): file:PATH, dns:NAME:PORT, dns:_svc._tcp.NAME, kubernetes:NS/SVC:PORT.",
+)
+@click.option(
+    "--max-removal-share",
+    type=float,
+    default=None,
+    help=f"Largest share of discovered backends one update removes at once [default: {_D_POLICY.max_removal_share}].",
+)
+@click.option(
+    "--removal-interval",
+    type=float,
+    default=None,
+    help=f"Seconds between removals of a mass removal [default: {_D_POLICY.removal_interval:g}].",
+)
+@click.option(
+    "--on-mass-removal",
+    type=click.Choice(["gradual", "hold"]),
+    default=None,
+    help=f"Apply a mass removal gradually or hold it [default: {_D_POLICY.on_mass_removal}].",
+)
+@click.option(
+    "--discovery-stale-after",
+    type=float,
+    default=None,
+    help=f"Seconds without a good answer before a source is stale [default: {_D_POLICY.stale_after:g}].",
 )
 @click.option("--strategy", help=f"Routing strategy plugin name [default: {_D.strategy}].")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="A strategy option (repeatable).")
@@ -216,6 +262,7 @@ def serve(
     options: tuple[str, ...],
     sagemaker_config: str | None,
     sagemaker_variant: str | None,
+    discovery: tuple[str, ...],
     log_level: str,
     log_format: str,
     check: bool,
@@ -238,6 +285,7 @@ def serve(
             options=options,
             sagemaker_config=sagemaker_config,
             sagemaker_variant=sagemaker_variant,
+            discovery=discovery,
             **flags,
         )
         configure_logging(log_level, log_format)
@@ -251,7 +299,7 @@ def serve(
     if check:
         click.echo(json.dumps(describe(config), indent=2, sort_keys=True))
         return
-    if not config.backends and config.admin_token is None:
+    if not config.backends and not config.discovery and config.admin_token is None:
         click.echo("warning: no backends and no admin token: every request will get 503.", err=True)
     if config.workers > 1:
         from kvroute_server.workers import Supervisor

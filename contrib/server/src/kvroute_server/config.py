@@ -22,11 +22,14 @@ from kvroute.errors import ConfigError
 __all__ = [
     "DEFAULT_STRATEGY",
     "BackendConfig",
+    "DiscoveryConfig",
+    "DiscoveryPolicy",
     "HealthConfig",
     "ServerConfig",
     "TimeoutConfig",
     "load_toml",
     "parse_backend_flag",
+    "parse_discovery_flag",
     "parse_option_flags",
 ]
 
@@ -221,6 +224,72 @@ class HealthConfig:
         return self.interval > 0
 
 
+_MASS_REMOVAL = ("gradual", "hold")
+
+
+@attrs.frozen
+class DiscoveryConfig:
+    """One discovery source: a registered ``kind`` and the options its factory gets (``target`` among them).
+
+    ``api_key`` (when set) is the key sent to every backend this source finds, like a
+    ``[[backends]]`` table's; it is the host's, never passed to the provider.
+    """
+
+    kind: str
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    api_key: str | None = attrs.field(default=None, repr=False)
+
+    @classmethod
+    def from_mapping(cls, data: object, where: str = "[[discovery]]") -> DiscoveryConfig:
+        """Build from a TOML ``[[discovery]]`` table: ``kind``, then the provider's options."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a table with at least 'kind' (got {type(data).__name__}).")
+        options = dict(data)
+        kind = options.pop("kind", None)
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"{where}: 'kind' must be a non-empty string such as 'dns' or 'file' (got {kind!r}).")
+        api_key = options.pop("api_key", None)
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ConfigError(f"{where}: 'api_key' must be a non-empty string when set.")
+        return cls(kind=kind, options=options, api_key=api_key)
+
+
+def parse_discovery_flag(value: str) -> DiscoveryConfig:
+    """Parse ``--discovery KIND:TARGET`` (``file:fleet.toml``, ``dns:vllm.svc:8000``); the factory gets ``target``."""
+    kind, sep, target = value.strip().partition(":")
+    if not sep or not kind or not target:
+        raise ConfigError(
+            f"--discovery must be KIND:TARGET such as 'dns:vllm.default.svc:8000' or 'file:fleet.toml' (got {value!r})."
+        )
+    return DiscoveryConfig(kind=kind, options={"target": target})
+
+
+def _share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"'{attribute.name}' must be a number in (0, 1] (got {value!r}).")
+
+
+def _mass_removal(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in _MASS_REMOVAL:
+        raise ConfigError(f"'{attribute.name}' must be one of {', '.join(_MASS_REMOVAL)} (got {value!r}).")
+
+
+@attrs.frozen
+class DiscoveryPolicy:
+    """How discovered changes are applied (docs/serve.md, "Discovery").
+
+    An update that would remove more than ``max_removal_share`` of the discovered backends at
+    once is applied one removal per ``removal_interval`` seconds (``on_mass_removal = "gradual"``)
+    or not at all while the answer says so (``"hold"``). A source with no good answer for
+    ``stale_after`` seconds is reported stale even when its provider said nothing.
+    """
+
+    max_removal_share: float = attrs.field(default=0.5, validator=_share)
+    removal_interval: float = attrs.field(default=10.0, validator=_positive_number)
+    on_mass_removal: str = attrs.field(default="gradual", validator=_mass_removal)
+    stale_after: float = attrs.field(default=300.0, validator=_positive_number)
+
+
 @attrs.frozen
 class ServerConfig:
     """Everything ``kvroute serve`` needs; see docs/serve.md for each key."""
@@ -251,6 +320,9 @@ class ServerConfig:
     workers: int = attrs.field(default=1, validator=_positive_int)
     #: Seconds a stop waits for requests in flight before closing their connections.
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    #: Discovery sources (``--discovery``, ``[[discovery]]``), in order: the first wins an id conflict.
+    discovery: tuple[DiscoveryConfig, ...] = ()
+    discovery_policy: DiscoveryPolicy = attrs.field(factory=DiscoveryPolicy)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -319,7 +391,9 @@ def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
 
 def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = None) -> ServerConfig:
     """Build a `ServerConfig` from the parsed TOML document (see docs/serve.md)."""
-    _check_keys(data, {"server", "routing", "timeouts", "health", "backends"}, "top level")
+    _check_keys(
+        data, {"server", "routing", "timeouts", "health", "backends", "discovery", "discovery_policy"}, "top level"
+    )
     config = base or ServerConfig()
     changes: dict[str, Any] = {}
 
@@ -361,6 +435,21 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
     if not isinstance(backends_raw, list):
         raise ConfigError(f"'backends' must be an array of tables ([[backends]]) (got {type(backends_raw).__name__}).")
     backends = tuple(BackendConfig.from_mapping(b, f"[[backends]] #{i + 1}") for i, b in enumerate(backends_raw))
+    discovery_raw = data.get("discovery", [])
+    if not isinstance(discovery_raw, list):
+        raise ConfigError(
+            f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
+        )
+    discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
+    policy = _section(data, "discovery_policy")
+    p_types: dict[str, type] = {
+        "max_removal_share": float,
+        "removal_interval": float,
+        "on_mass_removal": str,
+        "stale_after": float,
+    }
+    _check_keys(policy, set(p_types), "discovery_policy")
+    p_values = {k: _typed(policy, k, p_types[k], "discovery_policy") for k in policy}
     try:
         return attrs.evolve(
             config,
@@ -368,6 +457,8 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             backends=config.backends + backends,
             timeouts=attrs.evolve(config.timeouts, **t_values),
             health=attrs.evolve(config.health, **h_values),
+            discovery=config.discovery + discovery,
+            discovery_policy=attrs.evolve(config.discovery_policy, **p_values),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None

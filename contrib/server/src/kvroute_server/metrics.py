@@ -129,6 +129,27 @@ class ProxyMetrics:
             ["status"],
             registry=r,
         )
+        # Discovery (docs/serve.md#discovery); with several workers, gauges take the max over live workers.
+        self.discovery_stale = Gauge(
+            "kvroute_discovery_stale",
+            "1 while a discovery source has no fresh good answer (the last good set is kept).",
+            ["source"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.discovery_last_success = Gauge(
+            "kvroute_discovery_last_success_timestamp_seconds",
+            "Unix time of a discovery source's last good answer.",
+            ["source"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.discovery_changes = Counter(
+            "kvroute_discovery_changes",
+            "Fleet changes made by discovery, by source and change.",
+            ["source", "change"],
+            registry=r,
+        )
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
         self._fleet = fleet
