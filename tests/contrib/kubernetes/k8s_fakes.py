@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -27,6 +28,9 @@ from kvroute.discovery import Snapshot
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 TOKEN = "kvroute-test-token"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+#: Self-signed for 127.0.0.1 (see fixtures/README.md).
+CA_CERT = FIXTURES / "apiserver.crt"
 
 
 def endpoint(
@@ -268,14 +272,22 @@ def _selected(obj: dict[str, Any], namespace: str, selector: str) -> bool:
 
 
 @asynccontextmanager
-async def fake_api() -> AsyncIterator[FakeApiServer]:
-    """A `FakeApiServer` listening on 127.0.0.1 (an ephemeral port) until the block ends."""
+async def fake_api(*, tls: bool = False) -> AsyncIterator[FakeApiServer]:
+    """A `FakeApiServer` listening on 127.0.0.1 (an ephemeral port) until the block ends.
+
+    With ``tls`` it serves HTTPS with the certificate in fixtures/ (``CA_CERT`` verifies it), as
+    the in-cluster address ``https://KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT`` requires.
+    """
     api = FakeApiServer()
     app = web.Application()
     app.router.add_get(PATH, api.handle)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(CA_CERT, FIXTURES / "apiserver.key")
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
     await site.start()
     api.port = runner.addresses[0][1]
     try:

@@ -12,6 +12,7 @@ import pytest
 from kvroute_kubernetes import KubernetesDiscovery
 
 from tests.contrib.kubernetes.k8s_fakes import (
+    CA_CERT,
     TOKEN,
     FakeApiServer,
     RecordingSink,
@@ -296,10 +297,33 @@ class TestKubernetesDiscovery:
         assert reason.startswith("configuring the Kubernetes client for inference/vllm:8000 failed: ConfigException")
         assert f"{str(tmp_path / 'absent')!r} does not exist" in reason
 
-    async def test_in_cluster_config_is_tried_before_the_default_kubeconfig(
+    async def test_in_cluster_config_wins_over_the_default_kubeconfig(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """Without ``kubeconfig`` and outside a pod, the default kubeconfig location is used."""
+        """In a pod (service host/port set, token and CA mounted) the service account is used over ~/.kube/config."""
+        from kubernetes_asyncio.config import incluster_config, kube_config
+
+        async with fake_api(tls=True) as api, fake_api() as decoy:
+            api.put(two_pods())
+            decoy.put(endpoint_slice("vllm-zzz", [endpoint("decoy-0", "10.9.9.9")]))
+            token = tmp_path / "token"
+            token.write_text("in-cluster-token", encoding="utf-8")
+            monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+            monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+            monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(CA_CERT))
+            default = write_kubeconfig(tmp_path / "default-kubeconfig", decoy.port)
+            monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(default))
+            async with following(api, tmp_path, kubeconfig=None) as sink:
+                watch = await api.next_watch()
+                assert [b.id for b in sink.last.backends] == ["vllm-0", "vllm-1"]
+                assert watch.headers["Authorization"] == "Bearer in-cluster-token"
+            assert decoy.requests == []
+
+    async def test_outside_a_pod_the_default_kubeconfig_is_used(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Without ``kubeconfig`` and outside a pod (no service host), the default kubeconfig is used."""
         from kubernetes_asyncio.config import kube_config
 
         async with fake_api() as api:

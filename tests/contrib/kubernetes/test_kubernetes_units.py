@@ -244,6 +244,7 @@ class TestCreate:
             backoff_max=60,
             jitter=0.1,
             seed=3,
+            interval=10,
         )
         assert provider.source == "kubernetes:inference/vllm:8000"
         assert (provider.kubeconfig, provider.context) == ("/tmp/kc", "prod")
@@ -255,7 +256,8 @@ class TestCreate:
         ("options", "message"),
         [
             ({}, "needs 'target'"),
-            ({"target": "inference/vllm:8000", "interval": 5}, "unknown interval"),
+            ({"target": "inference/vllm:8000", "poll": 5}, "(got unknown poll)"),
+            ({"target": "inference/vllm:8000", "interval": -1}, "'interval' must be a positive number"),
             ({"target": "inference/vllm:8000", "scheme": "tcp"}, "'scheme' must be 'http' or 'https'"),
             ({"target": "inference/vllm:8000", "models": "m"}, "'models' must be a list"),
             ({"target": "inference/vllm:8000", "watch_timeout": 0}, "'watch_timeout' must be a positive number"),

@@ -54,6 +54,7 @@ _OPTIONS = (
     "backoff_max",
     "jitter",
     "seed",
+    "interval",  # the option every kind takes; a watch has no polling interval, so it is accepted and unused
 )
 
 
@@ -93,9 +94,11 @@ class KubernetesDiscovery:
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ValueError(
-                f"kubernetes discovery takes the options {', '.join(_OPTIONS)} (got unknown {', '.join(unknown)}); "
-                "it watches the API, so it has no 'interval'."
+                f"kubernetes discovery takes the options {', '.join(_OPTIONS)} (got unknown {', '.join(unknown)})."
             )
+        interval = options.get("interval")
+        if interval is not None:
+            _number("interval", interval)
         target = options.get("target")
         if not isinstance(target, str):
             raise ValueError(f"kubernetes discovery needs 'target' = 'NAMESPACE/SERVICE:PORT' (got {target!r}).")
@@ -160,8 +163,9 @@ class KubernetesDiscovery:
                     raise ConfigException(
                         f"no in-cluster service account ({in_cluster}) and no usable default kubeconfig ({exc})"
                     ) from exc
-        # Real servers send `"endpoints": null` for a slice with no endpoints; the generated
-        # models refuse None for required fields unless client-side validation is off.
+        # Decode what the server sends as it is: the generated models refuse None in fields their
+        # OpenAPI spec marks required, and those markings have changed across releases (an empty
+        # EndpointSlice's `endpoints` is null on the wire). The server is the authority here.
         configuration.client_side_validation = False
         return ApiClient(configuration)
 
@@ -288,7 +292,7 @@ class _Follower:
         async def connect(**kwargs: Any) -> Any:
             # No docstring on purpose: Watch reads the return type from one; without it, events
             # carry plain dicts, decoded below with this provider's (lenient) client.
-            response = await api.list_namespaced_endpoint_slice(**kwargs)
+            response: Any = await api.list_namespaced_endpoint_slice(**kwargs)  # aiohttp's response, not decoded
             if not 200 <= response.status < 300:
                 body = await response.text()
                 response.release()
@@ -330,7 +334,8 @@ class _Follower:
                 self.resource_version = str(version)
             return
         assert self.client is not None
-        slice_ = self.client.deserialize(SimpleNamespace(data=json.dumps(raw)), "V1EndpointSlice")
+        wire: Any = SimpleNamespace(data=json.dumps(raw))  # what deserialize reads of a response: its body
+        slice_ = self.client.deserialize(wire, "V1EndpointSlice")
         self.state.apply(str(kind), slice_)
         if version:
             self.resource_version = str(version)
