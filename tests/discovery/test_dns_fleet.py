@@ -5,6 +5,7 @@ all on the same port, so one A-record name with that port describes the fleet. T
 through ``[[discovery]] kind = "dns"`` and route with consistent hashing; the test rewrites the hosts file,
 keeps requests flowing, and checks after each change that nothing was lost, that only the expected share of
 prefixes moved (and only to or from the changed engines), and that the replicas agree on every prefix's home.
+Then the name disappears (NXDOMAIN) and dnsmasq stops: the replicas keep the last six and report the source stale.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class Traffic:
 
 
 async def test_fleet_follows_dns_7_8_6(dnsmasq_factory: Callable[..., Dnsmasq], tmp_path: Path) -> None:
-    """Through 7 -> 8 -> 6 engines no request is lost, about 1/8 then 2/8 of prefixes move, and replicas agree."""
+    """Through 7 -> 8 -> 6 engines, NXDOMAIN and a DNS outage: none lost, ~1/8 then 2/8 moved, replicas agree."""
     port = common_port(ADDRESSES)
     dns = dnsmasq_factory(ttl=1, hosts={NAME: SEVEN})
     limits = httpx.Limits(max_connections=64)
@@ -171,6 +172,22 @@ async def test_fleet_follows_dns_7_8_6(dnsmasq_factory: Callable[..., Dnsmasq], 
                     return all([await members(client, r) == want for r in replicas])
 
                 await until(check, within=30)
+
+            async def kept(addresses: Sequence[str], reason: str) -> None:
+                """Wait until every replica reports ``reason`` on /health; check it still routes to ``addresses``."""
+
+                async def check() -> bool:
+                    for replica in replicas:
+                        (source,) = (await client.get(replica.url + "/health")).json()["discovery"]
+                        if not (source["stale"] and reason in (source["last_error"] or "")):
+                            return False
+                    return True
+
+                await until(check, within=30)
+                await anyio.sleep(1.5)  # several more failed lookups (min_interval 0.2 s)
+                for replica in replicas:
+                    assert await members(client, replica) == ids(addresses, port), f"{replica.name} lost backends"
+                figures.append(f"{reason}: {len(addresses)} backends kept, stale on /health")
 
             async def agreed_homes(addresses: Sequence[str]) -> dict[int, str]:
                 seen = [await homes(client, r) for r in replicas]
@@ -204,7 +221,12 @@ async def test_fleet_follows_dns_7_8_6(dnsmasq_factory: Callable[..., Dnsmasq], 
                         figures.append(f"{len(current)} -> {len(addresses)}: moved {share:.3f} (ideal {ideal:.3f})")
                         assert abs(share - ideal) <= TOLERANCE, figures[-1]
                         before, current = after, addresses
-                    await anyio.sleep(1.0)
+                    # The name gone (NXDOMAIN), then dnsmasq stopped: every replica keeps the six, says it is stale.
+                    await dns.set_hosts({})
+                    await kept(SIX, "NXDOMAIN")
+                    dns.stop()
+                    await kept(SIX, "timeout")
+                    assert (await agreed_homes(SIX)) == before, "homes changed while discovery was failing"
                     tg.cancel_scope.cancel()
             figures.append(f"traffic: {traffic.sent} requests, {len(traffic.lost)} lost; replicas agreed on 100 %")
             print("\n".join(figures))
