@@ -180,6 +180,8 @@ class FakeApiServer:
     """EndpointSlices in one store with a resourceVersion counter, served on loopback."""
 
     port: int = 0
+    #: The bearer token the server accepts; any other gets 401 Unauthorized, as the API server answers.
+    token: str = TOKEN
     slices: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     version: int = 100
     #: Every request: ("list" | "watch", query, headers).
@@ -222,6 +224,9 @@ class FakeApiServer:
         is_watch = go_bool(query.get("watch", "false"))
         self.requests.append(("watch" if is_watch else "list", query, headers))
         failures = self.watch_failures if is_watch else self.list_failures
+        if headers.get("Authorization") != f"Bearer {self.token}":
+            status = {"kind": "Status", "status": "Failure", "message": "Unauthorized", "reason": "Unauthorized"}
+            return web.json_response({**status, "code": 401}, status=401)
         if failures:
             code = failures.popleft()
             body = gone_status(query.get("resourceVersion", "")) if code == 410 else {"kind": "Status", "code": code}
@@ -297,7 +302,7 @@ async def fake_api(*, tls: bool = False) -> AsyncIterator[FakeApiServer]:
         await runner.cleanup()
 
 
-def write_kubeconfig(path: Path, port: int) -> Path:
+def write_kubeconfig(path: Path, port: int, token: str = TOKEN) -> Path:
     """A kubeconfig whose current context points at ``http://127.0.0.1:PORT`` with a bearer token."""
     path.write_text(
         "apiVersion: v1\n"
@@ -305,7 +310,7 @@ def write_kubeconfig(path: Path, port: int) -> Path:
         "clusters:\n"
         f"- name: fake\n  cluster:\n    server: http://127.0.0.1:{port}\n"
         "users:\n"
-        f"- name: tester\n  user:\n    token: {TOKEN}\n"
+        f"- name: tester\n  user:\n    token: {token}\n"
         "contexts:\n"
         "- name: fake\n  context:\n    cluster: fake\n    user: tester\n    namespace: inference\n"
         "current-context: fake\n",

@@ -170,6 +170,23 @@ class TestKubernetesDiscovery:
                 await again.send(api.store("DELETED", event["object"]))
                 await sink.wait_for(lambda s: [b.id for b in s.last.backends] == ["vllm-0", "vllm-1"])
 
+    async def test_a_401_reloads_the_credentials_and_resumes(self, tmp_path: Path) -> None:
+        """After a token rotation the 401 is reported, the kubeconfig re-read, and the watch resumes, new token."""
+        async with fake_api() as api:
+            api.put(two_pods())
+            async with following(api, tmp_path) as sink:
+                watch = await api.next_watch()
+                await watch.bookmark("900")
+                api.token = "rotated-token"
+                write_kubeconfig(tmp_path / "kubeconfig", api.port, token="rotated-token")
+                await watch.drop()
+                again = await api.next_watch()
+                assert again.headers["Authorization"] == "Bearer rotated-token"
+                assert again.query["resourceVersion"] == "900"
+                reasons = [r for _, r in sink.failures]
+                assert any("HTTP 401" in r for r in reasons), reasons
+                assert len(api.requests_of("list")) == 1
+
     async def test_a_slow_stream_delivers_events_split_across_chunks(self, tmp_path: Path) -> None:
         """An event whose line arrives in pieces over a second is applied once whole, with no failure or reconnect."""
         async with fake_api() as api:
@@ -305,6 +322,7 @@ class TestKubernetesDiscovery:
 
         async with fake_api(tls=True) as api, fake_api() as decoy:
             api.put(two_pods())
+            api.token = "in-cluster-token"
             decoy.put(endpoint_slice("vllm-zzz", [endpoint("decoy-0", "10.9.9.9")]))
             token = tmp_path / "token"
             token.write_text("in-cluster-token", encoding="utf-8")

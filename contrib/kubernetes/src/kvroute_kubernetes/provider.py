@@ -200,13 +200,16 @@ class _Follower:
         gone = 0  # consecutive 410s without an event in between
         try:
             while True:
+                phase = "configuring the Kubernetes client"
                 try:
                     if self.client is None:
                         self.client = await self.provider.api_client()
                     api = DiscoveryV1Api(self.client)
                     if self.resource_version is None:
+                        phase = "list of EndpointSlices"
                         await self._list(api)
                         failures = 0
+                    phase = "watch of EndpointSlices"
                     events = await self._watch(api)
                     if events:
                         failures = gone = 0
@@ -221,22 +224,24 @@ class _Follower:
                             await anyio.sleep(self.provider.backoff.delay(gone - 1))
                         continue
                     failures += 1
-                    await self._failed(exc, failures)
+                    if exc.status == 401:  # expired or rotated credentials: reload them before the retry
+                        await self._drop_client()
+                    await self._failed(phase, exc, failures)
                 except Exception as exc:
                     failures += 1
-                    await self._failed(exc, failures)
+                    await self._failed(phase, exc, failures)
         finally:
-            if self.client is not None:
-                with anyio.CancelScope(shield=True):
-                    await self.client.close()
+            with anyio.CancelScope(shield=True):
+                await self._drop_client()
 
-    async def _failed(self, exc: BaseException, failures: int) -> None:
+    async def _drop_client(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
+
+    async def _failed(self, phase: str, exc: BaseException, failures: int) -> None:
         delay = self.provider.backoff.delay(failures)
-        if self.client is None:
-            what = "configuring the Kubernetes client"
-        else:
-            what = f"{'list' if self.resource_version is None else 'watch'} of EndpointSlices"
-        reason = f"{what} for {self.provider.target} failed: {_describe(exc)}"
+        reason = f"{phase} for {self.provider.target} failed: {_describe(exc)}"
         log.warning(
             "kubernetes_discovery_failed",
             source=self.source,
