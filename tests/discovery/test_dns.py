@@ -11,6 +11,7 @@ import pytest
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider
 from kvroute.errors import ConfigError
 from kvroute_server.providers.dns import DnsDiscovery
+from tests.discovery import dnsmasq as dnsmasq_module
 from tests.discovery.conftest import RecordingSink
 from tests.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv
 
@@ -286,3 +287,36 @@ class TestDnsDiscoveryRun:
             tg.cancel_scope.cancel()
         assert sink.published == []
         assert sink.failures == [f"dns:{SERVICE}: SRV target of {SERVICE}: NXDOMAIN: gone.{DOMAIN}. does not exist"]
+
+    async def test_unexpected_error_is_reported_not_raised(
+        self, sink: RecordingSink, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An unexpected error in a lookup is reported as a failure and the provider keeps looking."""
+        p = DnsDiscovery.create(target=f"{NAME}:8000", nameserver="127.0.0.1", min_interval=0.05, max_interval=0.05)
+        calls = 0
+
+        async def broken(self: DnsDiscovery) -> tuple[tuple[DiscoveredBackend, ...], float]:
+            nonlocal calls
+            calls += 1
+            raise RuntimeError(f"bug {calls}")
+
+        monkeypatch.setattr(DnsDiscovery, "lookup", broken)
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(WAIT):
+                await tg.start(p.run, sink)
+            await sink.until(lambda s: len(s.failures) >= 3, WAIT, "three reported failures")
+            tg.cancel_scope.cancel()
+        assert sink.failures[:2] == [
+            f"dns:{NAME}:8000: unexpected RuntimeError: bug 1",
+            f"dns:{NAME}:8000: unexpected RuntimeError: bug 2",
+        ]
+
+
+class TestDnsmasqFixture:
+    """The dnsmasq fixture itself: a missing binary is a failure that says how to install it."""
+
+    def test_missing_binary_fails_with_install_hint(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without dnsmasq on PATH or in /usr/sbin the tests fail (not skip), naming `apt-get install -y dnsmasq`."""
+        monkeypatch.setattr(dnsmasq_module.shutil, "which", lambda *args, **kwargs: None)
+        with pytest.raises(pytest.fail.Exception, match=r"apt-get install -y dnsmasq"):
+            dnsmasq_module.dnsmasq_binary()
