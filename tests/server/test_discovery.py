@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from click.testing import CliRunner
 
-from kvroute.discovery import DiscoveredBackend
+from kvroute.discovery import DiscoveredBackend, Snapshot
 from kvroute.errors import ConfigError
 from kvroute_server import ProxyApp
 from kvroute_server.cli import build_config, serve
@@ -195,6 +196,41 @@ class TestFileDiscovery:
             FileDiscovery.create(**options)
 
 
+@pytest.mark.anyio
+class TestFileDiscoveryRun:
+    """`FileDiscovery.run`: what it reports as the file comes and goes."""
+
+    @pytest.fixture
+    def anyio_backend(self) -> str:
+        return "asyncio"
+
+    async def test_missing_file_fails_then_publishes(self, tmp_path: Path) -> None:
+        """A missing file is a failure naming it; once written, the next read publishes it (started told once)."""
+        path = tmp_path / "fleet.json"
+        reports: list[object] = []
+
+        class Sink:
+            def publish(self, snapshot: Snapshot) -> None:
+                reports.append(snapshot)
+
+            def failed(self, source: str, reason: str) -> None:
+                reports.append(reason)
+
+        provider = FileDiscovery.create(target=str(path), interval=0.02)
+        async with anyio.create_task_group() as tg:
+            await tg.start(provider.run, Sink())
+            assert isinstance(reports[0], str) and f"cannot read {path}" in reports[0]
+            write(path, [{"id": "a", "url": "http://127.0.0.1:9"}])
+            with anyio.fail_after(WAIT):
+                while True:
+                    if any(isinstance(r, Snapshot) for r in reports):
+                        break
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        snapshot = next(r for r in reports if isinstance(r, Snapshot))
+        assert [b.id for b in snapshot.backends] == ["a"]
+
+
 def file_proxy(servers: Servers, path: Path, **config: Any) -> ServerThread:
     """A proxy whose only backends come from ``path``, read every 50 ms."""
     source = DiscoveryConfig("file", {"target": str(path), "interval": 0.05})
@@ -310,3 +346,27 @@ class TestFileDiscoveryProxy:
         assert results[0][1].endswith(b"data: [DONE]\n\n")
         time.sleep(0.2)
         assert ids(proxy) == ["e0", "e1"] and fleet.get(busy).draining
+
+    def test_replicas_on_the_same_file_agree_on_every_home(self, servers: Servers, tmp_path: Path) -> None:
+        """Two proxies (replicas, or workers) reading the same list send every prefix to the same home, before and
+        after an edit, whatever order the entries come in."""
+        engines = servers.emulators(4)
+        path = tmp_path / "fleet.json"
+        write(path, [entry(f"e{i}", engines[i]) for i in range(3)])
+        options = {"strategy": "consistent-hash", "options": {"prefix_length": 1024}}
+        replicas = [file_proxy(servers, path, **options), file_proxy(servers, path, **options)]
+
+        def homes(proxy: ServerThread) -> list[str]:
+            return [
+                http("POST", proxy.url + "/v1/chat/completions", chat_body(f"doc {i} " * 300))[1]["x-kvroute-backend"]
+                for i in range(16)
+            ]
+
+        before = homes(replicas[0])
+        assert homes(replicas[1]) == before and len(set(before)) > 1
+        write(path, [entry(f"e{i}", engines[i]) for i in (3, 2, 1, 0)])
+        for proxy in replicas:
+            wait_for(lambda proxy=proxy: "e3" in ids(proxy), "e3 in every replica")
+        after = homes(replicas[0])
+        assert homes(replicas[1]) == after and "e3" in after
+        assert all(a == b for a, b in zip(before, after, strict=True) if a != "e3" and b != "e3")

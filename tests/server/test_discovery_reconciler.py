@@ -22,16 +22,21 @@ WAIT = 5.0
 class FakeProvider:
     """A provider the test drives: publishes ``first`` on start, then whatever the test sends through ``sink``."""
 
-    def __init__(self, source: str, first: list[DiscoveredBackend] | None, *, crash: bool = False) -> None:
+    def __init__(
+        self, source: str, first: list[DiscoveredBackend] | None, *, crash: bool = False, hang: bool = False
+    ) -> None:
         self.source = source
         self.first = first
         self.crash = crash
+        self.hang = hang
         self.runs = 0
         self.sink: DiscoverySink | None = None
 
     async def run(self, sink: DiscoverySink, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self.sink = sink
         self.runs += 1
+        if self.hang:  # a buggy provider that never reports started
+            await anyio.sleep_forever()
         if self.first is None:
             sink.failed(self.source, "lookup timed out")
         else:
@@ -71,13 +76,13 @@ def found(backend_id: str, **fields: Any) -> DiscoveredBackend:
     return DiscoveredBackend(id=backend_id, url=f"http://127.0.0.1:9/{backend_id}", **fields)
 
 
-def make_app(plugin: FakePlugin, *sources: str, **config: Any) -> ProxyApp:
+def make_app(plugin: FakePlugin, *sources: str, api_key: str | None = None, **config: Any) -> ProxyApp:
     plugins = PluginManager()
     plugins.register(plugin, name="fake-discovery")
     config.setdefault("health", HealthConfig(interval=0))
     config.setdefault("strategy", "least-outstanding")
     config.setdefault("access_log", False)
-    discovery = tuple(DiscoveryConfig("fake", {"target": s}) for s in sources)
+    discovery = tuple(DiscoveryConfig("fake", {"target": s}, api_key=api_key) for s in sources)
     return ProxyApp(ServerConfig(discovery=discovery, **config), plugins=plugins)
 
 
@@ -294,6 +299,24 @@ class TestReconciler:
         await until(lambda: "RuntimeError: provider bug" in str(status.last_error), "the crash reported")
         assert status.failing and ids(app) == ["x"]
         await until(lambda: provider.runs >= 2, "a restart")
+
+    async def test_source_api_key_reaches_its_backends(self, plugin: FakePlugin, running: Callable[..., Any]) -> None:
+        """A source's api_key is the key of every backend it finds (the provider never sees it)."""
+        plugin.providers["a"] = FakeProvider("fake:a", [found("x")])
+        app = await running("a", api_key="sk-fleet")
+        assert app.backends.config("x").api_key == "sk-fleet"  # type: ignore[union-attr]
+
+    async def test_a_silent_provider_does_not_block_the_start(
+        self, plugin: FakePlugin, running: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A provider that never reports started is reported failed after the first-answer timeout; others serve."""
+        monkeypatch.setattr("kvroute_server.discovery.FIRST_ANSWER_TIMEOUT", 0.2)
+        plugin.providers["a"] = FakeProvider("fake:a", None, hang=True)
+        plugin.providers["b"] = FakeProvider("fake:b", [found("y")])
+        app = await running("a", "b")
+        assert ids(app) == ["y"] and app.discovery is not None
+        assert app.discovery.status["fake:a"].last_error == "no first answer within 0.2 s of the start"
+        assert metric(app, "kvroute_discovery_stale", source="fake:a") == 1
 
 
 class TestDiscoverySetup:

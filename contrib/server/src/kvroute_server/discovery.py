@@ -47,6 +47,9 @@ __all__ = ["Discovery", "SourceStatus", "build_providers"]
 
 log = structlog.get_logger(__name__)
 
+#: How long the proxy's start waits for each source's first answer (seconds); a source still silent
+#: then is reported failed and the proxy serves without it until it answers.
+FIRST_ANSWER_TIMEOUT = 30.0
 #: How often staleness is re-checked and a gradual removal may be made (seconds).
 _TICK = 0.1
 #: A provider that crashes (a bug: providers must not raise) is restarted after this delay, doubled
@@ -110,16 +113,13 @@ class _Owned:
 
 
 class _Started:
-    """Forwards a provider's first ``started()`` to the host's task status and ignores later ones."""
+    """A provider's task status: sets ``event`` on its first ``started()`` and ignores later ones."""
 
-    def __init__(self, outer: TaskStatus[None]) -> None:
-        self.outer = outer
-        self.done = False
+    def __init__(self) -> None:
+        self.event = anyio.Event()
 
     def started(self, value: object = None) -> None:
-        if not self.done:
-            self.done = True
-            self.outer.started()
+        self.event.set()
 
 
 def _config_of(found: DiscoveredBackend, api_key: str | None) -> BackendConfig:
@@ -208,20 +208,32 @@ class Discovery:
     # -- running ----------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start every provider (each after its first lookup), then keep staleness and gradual removals up to date."""
+        """Run every provider, and keep staleness and gradual removals up to date, until cancelled.
+
+        Reports started once each provider gave its first answer (or failed), or after
+        `FIRST_ANSWER_TIMEOUT`. The providers start together rather than one ``tg.start`` after
+        another, so that the start waits for the slowest source, not their sum, and a provider
+        that never reports started (a bug) cannot keep the proxy from serving.
+        """
         async with anyio.create_task_group() as tg:
+            starts = {provider.source: _Started() for provider in self.providers}
             for provider in self.providers:
-                await tg.start(self._run_provider, provider)
+                tg.start_soon(
+                    self._run_provider, provider, starts[provider.source], name=f"discovery {provider.source}"
+                )
+            with anyio.move_on_after(FIRST_ANSWER_TIMEOUT):
+                for started in starts.values():
+                    await started.event.wait()
+            for source, started in starts.items():
+                if not started.event.is_set():
+                    self.failed(source, f"no first answer within {FIRST_ANSWER_TIMEOUT:g} s of the start")
             task_status.started()
             while True:
                 self._tick()
                 await anyio.sleep(_TICK)
 
-    async def _run_provider(
-        self, provider: DiscoveryProvider, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def _run_provider(self, provider: DiscoveryProvider, started: _Started) -> None:
         """Run one provider; one that raises or returns (a bug) is reported failed and restarted after a delay."""
-        started = _Started(task_status)
         delay = _RESTART_DELAY
         while True:
             try:

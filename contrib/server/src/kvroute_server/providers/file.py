@@ -140,6 +140,7 @@ class FileDiscovery:
     async def run(self, sink: DiscoverySink, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Read, publish (or report the failure), wait ``interval``, repeat until cancelled."""
         last: tuple[bytes, Snapshot] | None = None
+        started = False
         while True:
             try:
                 last = await self.look(last)
@@ -149,5 +150,7 @@ class FileDiscovery:
                 sink.failed(self.source, str(exc))
             else:
                 sink.publish(last[1])
-            task_status.started()
+            if not started:  # after the first look only: a task status may be started once
+                task_status.started()
+                started = True
             await anyio.sleep(self.interval)
