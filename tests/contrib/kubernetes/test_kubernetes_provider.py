@@ -200,6 +200,20 @@ class TestKubernetesDiscovery:
                 assert sink.failures == []
                 assert len(api.requests_of("watch")) == 1
 
+    async def test_a_watch_silent_past_its_timeout_is_treated_as_dropped(self, tmp_path: Path) -> None:
+        """A stream silent (not ended) past timeoutSeconds + request_timeout is left and the watch reopened."""
+        async with fake_api() as api:
+            api.put(two_pods())
+            async with following(api, tmp_path, watch_timeout=1, request_timeout=0.5) as sink:
+                watch = await api.next_watch()
+                assert watch.query["timeoutSeconds"] == "1"
+                await watch.bookmark("4242")
+                again = await api.next_watch()  # the bookmark, then 1.5 s of silence
+                assert again.query["resourceVersion"] == "4242"
+                [(_, reason)] = sink.failures
+                assert reason.startswith("watch of EndpointSlices for inference/vllm:http failed: ")
+                assert len(api.requests_of("list")) == 1
+
     async def test_a_terminating_serving_endpoint_drains_then_goes(self, tmp_path: Path) -> None:
         """Terminating but serving -> draining; then serving false -> absent; a not-ready pod is absent too."""
         async with fake_api() as api:

@@ -260,6 +260,7 @@ class TestCreate:
             ({"target": "inference/vllm:8000", "interval": -1}, "'interval' must be a positive number"),
             ({"target": "inference/vllm:8000", "scheme": "tcp"}, "'scheme' must be 'http' or 'https'"),
             ({"target": "inference/vllm:8000", "models": "m"}, "'models' must be a list"),
+            ({"target": "inference/vllm:8000", "models": 3}, "'models' must be a list"),
             ({"target": "inference/vllm:8000", "watch_timeout": 0}, "'watch_timeout' must be a positive number"),
             ({"target": "inference/vllm:8000", "seed": "x"}, "'seed' must be an integer"),
             ({"target": "inference/vllm:8000", "kubeconfig": ""}, "'kubeconfig' must be a non-empty string"),

@@ -110,7 +110,7 @@ class KubernetesDiscovery:
         if scheme not in ("http", "https"):
             raise ValueError(f"kubernetes discovery: 'scheme' must be 'http' or 'https' (got {scheme!r}).")
         models = options.get("models", [])
-        if isinstance(models, str) or not all(isinstance(m, str) and m for m in models):
+        if not isinstance(models, list | tuple) or not all(isinstance(m, str) and m for m in models):
             raise ValueError(f"kubernetes discovery: 'models' must be a list of model names (got {models!r}).")
         seed = options.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -317,7 +317,7 @@ class _Follower:
                 allow_watch_bookmarks=True,
                 # A server-side timeout also turns off Watch's own hidden reconnects and 410
                 # retries: this loop decides those.
-                timeout_seconds=int(self.provider.watch_timeout),
+                timeout_seconds=max(1, round(self.provider.watch_timeout)),
                 _request_timeout=(
                     self.provider.request_timeout,
                     self.provider.watch_timeout + self.provider.request_timeout,
