@@ -276,6 +276,15 @@ class TestReconciler:
         assert ids(app) == ["c", "d"]
         await until(lambda: ids(app) == ["d"], "the last removal")
 
+    async def test_a_full_swap_is_a_mass_removal(self, plugin: FakePlugin, running: Callable[..., Any]) -> None:
+        """An answer replacing every id adds the new ones at once and lets the old ones go one at a time."""
+        provider = plugin.providers["a"] = FakeProvider("fake:a", [found(i) for i in "abcd"])
+        policy = DiscoveryPolicy(max_removal_share=0.5, removal_interval=0.5, on_mass_removal="gradual")
+        app = await running("a", discovery_policy=policy)
+        provider.publish(*(found(i) for i in "wxyz"))
+        await anyio.sleep(0.1)
+        assert ids(app) == ["b", "c", "d", "w", "x", "y", "z"]
+
     async def test_mass_removal_is_held(self, plugin: FakePlugin, running: Callable[..., Any]) -> None:
         """With on_mass_removal = "hold", such an update removes nothing; a smaller removal later goes through."""
         provider = plugin.providers["a"] = FakeProvider("fake:a", [found(i) for i in "abcd"])

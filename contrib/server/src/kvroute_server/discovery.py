@@ -311,6 +311,8 @@ class Discovery:
             self._leaving.discard(backend_id)
             if backend_id in self._queue:
                 self._queue.remove(backend_id)
+        # The discovered fleet before this answer, against which a mass removal is measured.
+        before = sum(1 for i in self._owned if i not in self._leaving and i not in self._queue)
         desired: dict[str, tuple[str, DiscoveredBackend]] = {}
         for source in self._order:
             for found in self._snapshots.get(source, ()):
@@ -329,7 +331,7 @@ class Discovery:
                 self._add(source, found)
         gone = sorted(i for i in self._owned if i not in desired and i not in self._leaving and i not in self._queue)
         if gone:
-            self._remove(gone)
+            self._remove(gone, before)
         else:  # nothing held any more: a later mass removal is logged again
             self._noted = {k for k in self._noted if k[0] != "discovery_mass_removal_held"}
 
@@ -391,9 +393,8 @@ class Discovery:
             self._count(source, "draining" if found.draining else "undrained")
             log.info("backend_draining" if found.draining else "backend_undrained", source=source, backend=backend_id)
 
-    def _remove(self, gone: list[str]) -> None:
-        active = [i for i in self._owned if i not in self._leaving and i not in self._queue]
-        share = len(gone) / len(active)
+    def _remove(self, gone: list[str], before: int) -> None:
+        share = len(gone) / max(before, 1)
         if share <= self.policy.max_removal_share:
             for backend_id in gone:
                 self._retire(backend_id)
