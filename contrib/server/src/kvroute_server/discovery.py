@@ -236,6 +236,7 @@ class Discovery:
         """Run one provider; one that raises or returns (a bug) is reported failed and restarted after a delay."""
         delay = _RESTART_DELAY
         while True:
+            began = time.monotonic()
             try:
                 await provider.run(self, task_status=started)
                 reason = "the provider stopped"
@@ -244,6 +245,8 @@ class Discovery:
                 log.error("discovery_provider_crashed", source=provider.source, error=reason, exc_info=exc)
             self.failed(provider.source, reason)
             started.started()
+            if time.monotonic() - began > _MAX_RESTART_DELAY:  # it ran a while: not a crash loop
+                delay = _RESTART_DELAY
             await anyio.sleep(delay)
             delay = min(delay * 2, _MAX_RESTART_DELAY)
 
