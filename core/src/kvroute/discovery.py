@@ -18,7 +18,7 @@ Providers do no routing and hold no fleet state; they only look and report.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -30,6 +30,14 @@ __all__ = ["DiscoveredBackend", "DiscoveryProvider", "DiscoverySink", "Snapshot"
 
 def _frozen_options(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return dict(value or {})
+
+
+def _models(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+def _backends(value: Iterable[DiscoveredBackend]) -> tuple[DiscoveredBackend, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
@@ -46,7 +54,7 @@ class DiscoveredBackend:
     url: str = attrs.field(validator=attrs.validators.min_len(1))
     kind: str = "openai"
     weight: float = attrs.field(default=1.0, converter=float, validator=attrs.validators.gt(0))
-    models: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    models: frozenset[str] = attrs.field(factory=frozenset, converter=_models)
     labels: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_options, hash=False)
     draining: bool = False
@@ -61,7 +69,7 @@ class Snapshot:
     """Everything one provider sees right now; ``source`` names the provider (``dns:vllm.svc:8000``)."""
 
     source: str
-    backends: tuple[DiscoveredBackend, ...] = attrs.field(converter=tuple)
+    backends: tuple[DiscoveredBackend, ...] = attrs.field(converter=_backends)
 
     def __attrs_post_init__(self) -> None:
         ids = [b.id for b in self.backends]

@@ -174,7 +174,7 @@ class DnsDiscovery:
                 delay = self.min_interval
             else:
                 # mypy cannot infer through attrs' bare `tuple`/`frozenset` converters in kvroute.discovery.
-                sink.publish(Snapshot(self.source, backends))  # type: ignore[arg-type]
+                sink.publish(Snapshot(self.source, backends))
                 delay = min(max(ttl, self.min_interval), self.max_interval)
                 log.debug("dns_lookup", source=self.source, backends=len(backends), ttl=ttl, next_in=delay)
             if not started:
@@ -206,7 +206,7 @@ class DnsDiscovery:
             url=f"{self.scheme}://{endpoint.id}",
             kind=self.kind,
             weight=endpoint.weight,
-            models=self.models,  # type: ignore[arg-type]  # (same: the bare frozenset converter)
+            models=self.models,
         )
 
     async def _srv_endpoints(self) -> tuple[list[_Endpoint], float]:
