@@ -41,7 +41,7 @@ class FakeProvider:
         if self.first is None:
             sink.failed(self.source, "lookup timed out")
         else:
-            sink.publish(Snapshot(self.source, self.first))  # type: ignore[arg-type]
+            sink.publish(Snapshot(self.source, self.first))
         task_status.started()
         if self.crash:
             raise RuntimeError("provider bug")
@@ -49,7 +49,7 @@ class FakeProvider:
 
     def publish(self, *backends: DiscoveredBackend) -> None:
         assert self.sink is not None
-        self.sink.publish(Snapshot(self.source, backends))  # type: ignore[arg-type]
+        self.sink.publish(Snapshot(self.source, backends))
 
     def fail(self, reason: str) -> None:
         assert self.sink is not None

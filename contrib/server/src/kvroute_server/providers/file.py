@@ -101,8 +101,7 @@ class FileDiscovery:
         if not isinstance(data, list):
             raise ValueError(f"{self.path}: expected a list of backends (got {type(data).__name__}).")
         found = [self._entry(entry, f"{self.path} backend #{i + 1}") for i, entry in enumerate(data)]
-        # kvroute.discovery's generic converters (tuple, frozenset) defeat mypy's attrs plugin: hence the ignores.
-        return Snapshot(self.source, found)  # type: ignore[arg-type]
+        return Snapshot(self.source, found)
 
     def _entry(self, entry: object, where: str) -> DiscoveredBackend:
         if not isinstance(entry, Mapping):
@@ -124,7 +123,7 @@ class FileDiscovery:
             url=config.url,
             kind=config.kind,
             weight=config.weight,
-            models=frozenset(config.models),  # type: ignore[arg-type]
+            models=frozenset(config.models),
             labels=dict(config.labels),
             options=dict(config.adapter_options),
             draining=draining,
