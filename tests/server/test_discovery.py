@@ -67,6 +67,13 @@ class TestDiscoveryConfig:
         """``KIND:TARGET`` splits at the first colon; the factory gets ``target``."""
         assert parse_discovery_flag(flag) == DiscoveryConfig(kind, {"target": target})
 
+    def test_backend_kind_reaches_the_provider_as_kind(self) -> None:
+        """In a [[discovery]] table `kind` is the discovery kind; `backend_kind` becomes the provider's `kind` option."""
+        table = {"kind": "dns", "target": "vllm:8000", "backend_kind": "vllm"}
+        assert DiscoveryConfig.from_mapping(table) == DiscoveryConfig("dns", {"target": "vllm:8000", "kind": "vllm"})
+        with pytest.raises(ConfigError, match="'backend_kind' must be a non-empty string"):
+            DiscoveryConfig.from_mapping({"kind": "dns", "target": "x:1", "backend_kind": ""})
+
     @pytest.mark.parametrize("flag", ["dns", "dns:", ":x", ""])
     def test_bad_flag(self, flag: str) -> None:
         """A flag without a kind or a target is a ConfigError showing the expected shape."""

@@ -241,7 +241,11 @@ class DiscoveryConfig:
 
     @classmethod
     def from_mapping(cls, data: object, where: str = "[[discovery]]") -> DiscoveryConfig:
-        """Build from a TOML ``[[discovery]]`` table: ``kind``, then the provider's options."""
+        """Build from a TOML ``[[discovery]]`` table: ``kind``, then the provider's options.
+
+        ``backend_kind`` sets the backend kind (adapter) of the backends the source finds; it
+        reaches the provider as its ``kind`` option.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be a table with at least 'kind' (got {type(data).__name__}).")
         options = dict(data)
@@ -251,6 +255,14 @@ class DiscoveryConfig:
         api_key = options.pop("api_key", None)
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ConfigError(f"{where}: 'api_key' must be a non-empty string when set.")
+        # `kind` names the discovery kind here, so the backend kind of what it finds is `backend_kind`.
+        if "backend_kind" in options:
+            backend_kind = options.pop("backend_kind")
+            if not isinstance(backend_kind, str) or not backend_kind:
+                raise ConfigError(
+                    f"{where}: 'backend_kind' must be a non-empty string such as 'vllm' (got {backend_kind!r})."
+                )
+            options["kind"] = backend_kind
         return cls(kind=kind, options=options, api_key=api_key)
 
 
