@@ -68,7 +68,7 @@ class TestDiscoveryConfig:
         assert parse_discovery_flag(flag) == DiscoveryConfig(kind, {"target": target})
 
     def test_backend_kind_reaches_the_provider_as_kind(self) -> None:
-        """In a [[discovery]] table `kind` is the discovery kind; `backend_kind` becomes the provider's `kind` option."""
+        """In a [[discovery]] table `kind` is the discovery kind; `backend_kind` becomes the provider's `kind`."""
         table = {"kind": "dns", "target": "vllm:8000", "backend_kind": "vllm"}
         assert DiscoveryConfig.from_mapping(table) == DiscoveryConfig("dns", {"target": "vllm:8000", "kind": "vllm"})
         with pytest.raises(ConfigError, match="'backend_kind' must be a non-empty string"):

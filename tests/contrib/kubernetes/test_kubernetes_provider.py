@@ -204,11 +204,12 @@ class TestKubernetesDiscovery:
         """A stream silent (not ended) past timeoutSeconds + request_timeout is left and the watch reopened."""
         async with fake_api() as api:
             api.put(two_pods())
-            async with following(api, tmp_path, watch_timeout=1, request_timeout=0.5) as sink:
+            # request_timeout 2 s (not less): a list slowed by a busy CI machine must not time out too.
+            async with following(api, tmp_path, watch_timeout=1, request_timeout=2) as sink:
                 watch = await api.next_watch()
                 assert watch.query["timeoutSeconds"] == "1"
                 await watch.bookmark("4242")
-                again = await api.next_watch()  # the bookmark, then 1.5 s of silence
+                again = await api.next_watch()  # the bookmark, then 3 s of silence
                 assert again.query["resourceVersion"] == "4242"
                 [(_, reason)] = sink.failures
                 assert reason.startswith("watch of EndpointSlices for inference/vllm:http failed: ")
