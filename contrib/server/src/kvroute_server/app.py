@@ -57,6 +57,7 @@ from kvroute_server.discovery import Discovery
 from kvroute_server.forwarding import Exchange, Forwarder, count_reject, reject
 from kvroute_server.journal import WorkerContext
 from kvroute_server.metrics import CONTENT_TYPE, ProxyMetrics
+from kvroute_server.status import StatusRoutes
 
 __all__ = ["ProxyApp"]
 
@@ -198,6 +199,12 @@ class ProxyApp:
         }
         for path in config.passthrough_paths:
             self._routes.setdefault(path, {"POST": self._passthrough})
+        # The status page (docs/serve.md, "Status page"); None when off: no routes, no decision log.
+        self.status = StatusRoutes.create(
+            config, self.fleet, self.backends, self.router, self.metrics, self.discovery, worker
+        )
+        if self.status is not None:
+            self._routes.update(self.status.routes())
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -419,6 +426,8 @@ class ProxyApp:
     def _finish(self, ex: Exchange) -> None:
         duration = time.perf_counter() - ex.started
         self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
+        if self.status is not None:
+            self.status.finished(ex, duration)
         if self.config.access_log:
             log.info(
                 "request",

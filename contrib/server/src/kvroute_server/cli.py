@@ -252,6 +252,19 @@ _D = ServerConfig()
     default=None,
     help=f"Seconds a stop waits for requests in flight [default: {_D.shutdown_timeout:g}].",
 )
+@click.option(
+    "--status",
+    type=click.Choice(["on", "admin", "off"]),
+    default=None,
+    help=f"GET /status and /status.json: on, behind the admin token, or off [default: {_D.status}].",
+)
+@click.option(
+    "--status-decisions",
+    type=int,
+    default=None,
+    metavar="N",
+    help=f"Recent routing decisions the status page keeps [default: {_D.status_decisions}].",
+)
 @click.option("--log-level", default="info", show_default=True, help="debug, info, warning or error.")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default="json", show_default=True)
 @click.option("--check", is_flag=True, help="Validate the configuration, print it as JSON and exit.")

@@ -302,6 +302,21 @@ class DiscoveryPolicy:
     stale_after: float = attrs.field(default=300.0, validator=_positive_number)
 
 
+_STATUS_MODES = ("on", "admin", "off")
+#: Most decisions the status page may keep (each is a few hundred bytes of JSON when shown).
+MAX_STATUS_DECISIONS = 10_000
+
+
+def _status_mode(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in _STATUS_MODES:
+        raise ConfigError(f"'{attribute.name}' must be one of {', '.join(_STATUS_MODES)} (got {value!r}).")
+
+
+def _status_decisions(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STATUS_DECISIONS:
+        raise ConfigError(f"'{attribute.name}' must be an integer from 0 to {MAX_STATUS_DECISIONS} (got {value!r}).")
+
+
 @attrs.frozen
 class ServerConfig:
     """Everything ``kvroute serve`` needs; see docs/serve.md for each key."""
@@ -335,6 +350,10 @@ class ServerConfig:
     #: Discovery sources (``--discovery``, ``[[discovery]]``), in order: the first wins an id conflict.
     discovery: tuple[DiscoveryConfig, ...] = ()
     discovery_policy: DiscoveryPolicy = attrs.field(factory=DiscoveryPolicy)
+    #: ``GET /status`` and ``/status.json``: ``on`` (anyone), ``admin`` (the admin token) or ``off`` (404).
+    status: str = attrs.field(default="on", validator=_status_mode)
+    #: How many recent routing decisions the status page keeps (0: none).
+    status_decisions: int = attrs.field(default=100, validator=_status_decisions)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -344,6 +363,10 @@ class ServerConfig:
             seen.add(backend.id)
         if self.backend_header is not None and not _is_token(self.backend_header):
             raise ConfigError(f"'backend_header' must be a valid header name or empty (got {self.backend_header!r}).")
+        if self.status == "admin" and self.admin_token is None:
+            raise ConfigError(
+                "'status' = 'admin' puts the status page behind the admin token, but no admin token is set."
+            )
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError(f"'admin_token' must be at least 16 characters (got {len(self.admin_token)}).")
         for path in self.passthrough_paths:
@@ -373,6 +396,8 @@ _SERVER_KEYS = {
     "passthrough_paths": list,
     "workers": int,
     "shutdown_timeout": float,
+    "status": str,
+    "status_decisions": int,
 }
 
 

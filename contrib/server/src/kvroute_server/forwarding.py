@@ -24,6 +24,7 @@ import structlog
 from kvroute.errors import NoBackendAvailable
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
+from kvroute.strategy import Decision
 from kvroute_server._asgi import Receive, Scope, Send, dumps, openai_error, send_error
 from kvroute_server.backends import BackendSet
 from kvroute_server.config import ServerConfig
@@ -68,6 +69,8 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
+    #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.status).
+    decision: Decision | None = None
 
 
 @attrs.define
@@ -166,6 +169,7 @@ class Forwarder:
                 async with self.router.route(request, exclude=failed) as lease:
                     ex.attempts += 1
                     decision = lease.decision
+                    ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.status): one assignment
                     ex.backend, ex.reason, ex.key, ex.spilled = (
                         decision.backend.id,
                         decision.reason,

@@ -1,0 +1,386 @@
+"""The status view: what ``GET /status.json`` returns and ``GET /status`` shows (docs/serve.md, "Status page").
+
+`StatusView.collect` gathers, at the time of the call, the strategy and its options, every backend
+(identity, health, draining, in flight, the engine's own load when fresh, its share of requests,
+prefix reuse, spills and ejections), where the fleet comes from, and the last decisions that
+`DecisionLog` recorded as requests finished. Prompt text is never recorded: a decision keeps its
+prefix key as a hash, the backend, the explanation and the timings.
+
+Counters (requests, tokens, spills, ejections, in flight) are read from the proxy's own
+``/metrics`` exposition (`ProxyMetrics.render`), so the page and ``/metrics`` agree by
+construction, and under ``kvroute serve --workers N`` they are the values merged over every
+worker. The decision log, the per-backend spill counts and the engine loads are the answering
+worker's own (see docs/serve.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from importlib import resources
+from typing import Any
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.fleet import Fleet
+from kvroute.router import Router
+from kvroute.strategy import Decision
+from kvroute_server._asgi import Receive, Scope, Send, send_bytes, send_json
+from kvroute_server.backends import BackendSet
+from kvroute_server.config import ServerConfig
+from kvroute_server.discovery import Discovery
+from kvroute_server.forwarding import Exchange, reject
+from kvroute_server.journal import WorkerContext
+from kvroute_server.metrics import ProxyMetrics
+
+__all__ = ["DecisionLog", "StatusRoutes", "StatusView", "bearer_matches", "page"]
+#: Version of the ``/status.json`` document's shape; raised when a field changes meaning or goes.
+SCHEMA_VERSION = 1
+
+
+@attrs.frozen
+class DecisionRecord:
+    """One finished request as the status page shows it (never the prompt)."""
+
+    at: float
+    request_id: str
+    model: str | None
+    decision: Decision
+    outcome: str
+    status: int
+    attempts: int
+    ttft_s: float | None
+    duration_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.decision
+        return {
+            "at": round(self.at, 3),
+            "request_id": self.request_id,
+            "model": self.model,
+            "backend": d.backend.id,
+            "key": f"{d.key:016x}" if d.key is not None else None,
+            "reason": d.reason,
+            "spilled": d.spilled,
+            "spill_reason": str(d.spill_reason) if d.spill_reason is not None else None,
+            "explain": d.explain(),
+            "decision_us": round(d.duration_s * 1e6, 1),
+            "outcome": self.outcome,
+            "status": self.status,
+            "attempts": self.attempts,
+            "ttft_ms": round(self.ttft_s * 1000, 2) if self.ttft_s is not None else None,
+            "duration_ms": round(self.duration_s * 1000, 2),
+        }
+
+
+class DecisionLog:
+    """The last ``size`` routed requests, and per backend how many were spilled to it, by reason.
+
+    `record` runs on the request path once per finished request: it appends to a bounded deque
+    and bumps a counter; `Decision.explain` is only called when the status is read.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._records: collections.deque[DecisionRecord] = collections.deque(maxlen=size)
+        self._spills: dict[str, collections.Counter[str]] = {}
+
+    def record(
+        self,
+        request_id: str,
+        model: str | None,
+        decision: Decision,
+        *,
+        outcome: str,
+        status: int,
+        attempts: int,
+        ttft_s: float | None,
+        duration_s: float,
+    ) -> None:
+        if decision.spilled:
+            cause = str(decision.spill_reason or decision.reason)
+            self._spills.setdefault(decision.backend.id, collections.Counter())[cause] += 1
+        if self.size:
+            self._records.append(
+                DecisionRecord(time.time(), request_id, model, decision, outcome, status, attempts, ttft_s, duration_s)
+            )
+
+    def recent(self) -> list[dict[str, Any]]:
+        """The recorded decisions, newest first."""
+        return [r.to_json() for r in reversed(self._records)]
+
+    def spills_to(self, backend_id: str) -> dict[str, int]:
+        """Requests spilled to ``backend_id`` away from their first choice, by reason."""
+        return dict(sorted(self._spills.get(backend_id, {}).items()))
+
+
+class _Samples:
+    """The proxy's exposition text, parsed once: sums of samples by a subset of their labels."""
+
+    def __init__(self, text: str) -> None:
+        self._by_name: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self._by_name.setdefault(sample.name, []).append((sample.labels, sample.value))
+
+    def sum_by(self, name: str, *labels: str, where: Mapping[str, str] | None = None) -> dict[tuple[str, ...], float]:
+        out: dict[tuple[str, ...], float] = collections.defaultdict(float)
+        for sample_labels, value in self._by_name.get(name, ()):
+            if where and any(sample_labels.get(k) != v for k, v in where.items()):
+                continue
+            out[tuple(sample_labels.get(label, "") for label in labels)] += value
+        return dict(out)
+
+    def per_backend(self, name: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
+        return {k[0]: v for k, v in self.sum_by(name, "backend", where=where).items()}
+
+
+def _number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else round(value, 6)
+
+
+def _engine(state: Any, now: float) -> dict[str, Any] | None:
+    load = state.fresh_load(now)
+    if load is None:
+        return None
+    hit_rate = None
+    if load.prefix_cache_queries:
+        hit_rate = round((load.prefix_cache_hits or 0) / load.prefix_cache_queries, 4)
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": load.kv_usage,
+        "prefix_cache_queries": load.prefix_cache_queries,
+        "prefix_cache_hits": load.prefix_cache_hits,
+        "prefix_hit_rate": hit_rate,
+        "age_s": round(load.age(now), 3),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+class StatusView:
+    """Collects the status document from the proxy's parts (it changes nothing)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        fleet: Fleet,
+        backends: BackendSet,
+        router: Router,
+        metrics: ProxyMetrics,
+        discovery: Discovery | None,
+        decisions: DecisionLog,
+        worker: WorkerContext | None = None,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.backends = backends
+        self.router = router
+        self.metrics = metrics
+        self.discovery = discovery
+        self.decisions = decisions
+        self.worker = worker
+        self._static = {b.id for b in config.backends}
+
+    def _origin(self, backend_id: str, owned: Mapping[str, str]) -> str:
+        if backend_id in owned:
+            return f"discovery:{owned[backend_id]}"
+        if backend_id in self._static:
+            return "static"
+        return "admin"
+
+    def collect(self) -> dict[str, Any]:
+        """The status document (docs/serve.md lists its fields)."""
+        now = time.monotonic()
+        samples = _Samples(self.metrics.render().decode())
+        strategy = self.router.strategy_name
+        requests = samples.sum_by("kvroute_requests_total", "backend", "outcome")
+        by_backend: dict[str, dict[str, int | float]] = {}
+        for (backend_id, outcome), value in requests.items():
+            by_backend.setdefault(backend_id, {})[outcome] = _number(value)
+        routed_total = sum(sum(v.values()) for k, v in by_backend.items() if k != "none")
+        prompt = samples.per_backend("kvroute_prompt_tokens_total")
+        cached = samples.per_backend("kvroute_prompt_tokens_cached_total")
+        in_flight = samples.per_backend("kvroute_in_flight")
+        ejections = samples.sum_by("kvroute_ejections_total", "backend", "cause")
+        owned: dict[str, str] = {}
+        if self.discovery is not None:
+            for source in self.discovery.status:
+                owned.update(dict.fromkeys(self.discovery.owned(source), source))
+
+        rows: list[dict[str, Any]] = []
+        for state in self.fleet:
+            backend = state.backend
+            bid = backend.id
+            counts = by_backend.get(bid, {})
+            total = sum(counts.values())
+            p, c = prompt.get(bid, 0.0), cached.get(bid, 0.0)
+            rows.append(
+                {
+                    "id": bid,
+                    "kind": backend.kind,
+                    "url": backend.url,
+                    "weight": backend.weight,
+                    "models": sorted(state.models),
+                    "origin": self._origin(bid, owned),
+                    "healthy": state.healthy,
+                    "draining": state.draining,
+                    "routable": state.routable,
+                    "in_flight": _number(in_flight.get(bid, state.in_flight)),
+                    "engine": _engine(state, now),
+                    "load_stale": state.load_is_stale(now),
+                    "requests": {"total": _number(total), "by_outcome": dict(sorted(counts.items()))},
+                    "share": round(total / routed_total, 4) if routed_total else 0.0,
+                    "reuse": {
+                        "prompt_tokens": _number(p),
+                        "cached_tokens": _number(c),
+                        "cached_ratio": round(c / p, 4) if p else None,
+                    },
+                    "spills_to": self.decisions.spills_to(bid),
+                    "ejections": {cause: _number(v) for (b, cause), v in sorted(ejections.items()) if b == bid and v},
+                }
+            )
+        spills = samples.sum_by("kvroute_spills_total", "reason", where={"strategy": strategy})
+        rejected = samples.sum_by("kvroute_rejected_requests_total", "status")
+        return {
+            "schema": SCHEMA_VERSION,
+            "generated_at": round(time.time(), 3),
+            "worker": self._worker(),
+            "strategy": {"name": strategy, "options": _jsonable(self.config.options)},
+            "totals": {
+                "requests": _number(sum(sum(v.values()) for v in by_backend.values())),
+                "routed": _number(routed_total),
+                "in_flight": _number(sum(r["in_flight"] for r in rows)),
+                "prompt_tokens": _number(sum(prompt.values())),
+                "cached_tokens": _number(sum(cached.values())),
+                "spills": {k[0]: _number(v) for k, v in sorted(spills.items())},
+                "rejected": {k[0]: _number(v) for k, v in sorted(rejected.items())},
+            },
+            "backends": rows,
+            "fleet": self._fleet(rows),
+            "decisions": {"size": self.decisions.size, "recent": self.decisions.recent()},
+        }
+
+    def _worker(self) -> dict[str, Any]:
+        count = self.worker.count if self.worker is not None else 1
+        return {
+            "index": self.worker.index if self.worker is not None else 0,
+            "count": count,
+            # What is merged over every worker, and what is this worker's own.
+            "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected"],
+            "own": ["decisions", "spills_to", "engine", "healthy", "draining"] if count > 1 else [],
+        }
+
+    def _fleet(self, rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        origins = collections.Counter(str(r["origin"]).partition(":")[0] for r in rows)
+        sources: list[dict[str, Any]] = []
+        if self.discovery is not None:
+            sources = self.discovery.describe()
+            for source in sources:
+                source["kind"] = "discovery"
+            stale_after = self.discovery.policy.stale_after
+        else:
+            stale_after = None
+        return {
+            # Backends from --backend flags and [[backends]] tables (both land in the same static list).
+            "static": sorted(self._static),
+            "counts": {"static": origins["static"], "discovery": origins["discovery"], "admin": origins["admin"]},
+            "discovery": sources,
+            "stale_after_s": stale_after,
+        }
+
+
+def bearer_matches(scope: Mapping[str, Any], token: str | None) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` (never true without a token)."""
+    if token is None:
+        return False
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, given = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+    return False
+
+
+def page() -> bytes:
+    """The status page: one self-contained HTML file (inline CSS and script, no external resources)."""
+    return resources.files("kvroute_server").joinpath("static/status.html").read_bytes()
+
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class StatusRoutes:
+    """``GET /status`` and ``GET /status.json``, and the decision log the app feeds as requests finish."""
+
+    def __init__(self, view: StatusView, mode: str, token: str | None) -> None:
+        self.view = view
+        self.decisions = view.decisions
+        self.mode = mode
+        self._token = token
+
+    @classmethod
+    def create(
+        cls,
+        config: ServerConfig,
+        fleet: Fleet,
+        backends: BackendSet,
+        router: Router,
+        metrics: ProxyMetrics,
+        discovery: Discovery | None,
+        worker: WorkerContext | None,
+    ) -> StatusRoutes | None:
+        """The routes for ``config.status``; ``None`` when it is ``off``."""
+        if config.status == "off":
+            return None
+        decisions = DecisionLog(config.status_decisions)
+        view = StatusView(config, fleet, backends, router, metrics, discovery, decisions, worker)
+        return cls(view, config.status, config.admin_token)
+
+    def routes(self) -> dict[str, dict[str, Handler]]:
+        return {"/status": {"GET": self.page}, "/status.json": {"GET": self.json}}
+
+    def finished(self, ex: Exchange, duration: float) -> None:
+        """Record a finished request's last decision (requests refused before routing have none)."""
+        if ex.decision is None:
+            return
+        self.decisions.record(
+            ex.request_id,
+            ex.model,
+            ex.decision,
+            outcome=ex.outcome,
+            status=ex.status,
+            attempts=ex.attempts,
+            ttft_s=ex.ttft,
+            duration_s=duration,
+        )
+
+    async def page(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The page holds no data (its script reads /status.json, sending the token it is given), so it
+        # is served without the token; /status.json is what the token guards.
+        headers = [(b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff")]
+        await send_bytes(send, 200, page(), headers, content_type=b"text/html; charset=utf-8")
+
+    async def json(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.mode == "admin" and not bearer_matches(scope, self._token):
+            await reject(
+                self.view.metrics,
+                send,
+                401,
+                "The status is behind the admin token: send 'Authorization: Bearer <admin token>'.",
+                code="invalid_admin_token",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+            return
+        await send_json(send, 200, self.view.collect(), [(b"cache-control", b"no-store")])

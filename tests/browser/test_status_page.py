@@ -1,0 +1,146 @@
+"""The status page in a real browser, against ``kvroute serve`` and emulated engines with traffic flowing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.browser.conftest import PREFIXES, TOKEN, Proxy, Traffic
+from tests.server.harness import chat_body, http
+
+#: How long the page may take to show a change (it polls every 2 s).
+SHOW_WITHIN = 15.0
+
+
+def status_json(proxy: Proxy) -> dict[str, Any]:
+    code, _, body = http("GET", proxy.url + "/status.json")
+    assert code == 200, f"expected 200 from /status.json, got {code}: {body[:300]!r}"
+    return json.loads(body)  # type: ignore[no-any-return]
+
+
+def requests_metric(proxy: Proxy) -> dict[str, float]:
+    """``kvroute_requests_total`` summed per backend, from /metrics."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http("GET", proxy.url + "/metrics")[2].decode()):
+        for sample in family.samples:
+            if sample.name == "kvroute_requests_total":
+                out[sample.labels["backend"]] = out.get(sample.labels["backend"], 0.0) + sample.value
+    return out
+
+
+def wait_for(predicate: Any, what: str, timeout: float = SHOW_WITHIN) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def open_page(chromium: Any, proxy: Proxy) -> Any:
+    page = chromium.new_page(viewport={"width": 1500, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.errors = errors
+    page.goto(proxy.url + "/status")
+    wait_for(lambda: refreshes(page) >= 1, "the page's first refresh")
+    return page
+
+
+def refreshes(page: Any) -> int:
+    return int(page.evaluate("() => Number(document.body.dataset.refreshes || 0)"))
+
+
+def next_refresh(page: Any) -> None:
+    """Wait until the page has fetched /status.json again (after anything that happened before the call)."""
+    seen = refreshes(page)
+    wait_for(lambda: refreshes(page) >= seen + 2, "two more refreshes of the page")
+
+
+def cell(page: Any, backend: str, field: str) -> str:
+    return str(page.inner_text(f'#backends tr[data-backend="{backend}"] td[data-field="{field}"]')).strip()
+
+
+def quiesce(proxy: Proxy) -> None:
+    wait_for(lambda: status_json(proxy)["totals"]["in_flight"] == 0, "no request in flight")
+
+
+class TestStatusPageInBrowser:
+    """``GET /status`` rendered by headless Chromium while requests flow through the proxy."""
+
+    def test_renders_numbers_matching_json_and_metrics(self, chromium: Any, fleet: Proxy) -> None:
+        """Every backend row shows the request count, share and health that /status.json and /metrics give."""
+        page = open_page(chromium, fleet)
+        with Traffic(fleet.url) as traffic:
+            wait_for(lambda: traffic.sent >= 30, "30 requests through the proxy")
+        quiesce(fleet)
+        next_refresh(page)
+        doc = status_json(fleet)
+        metric = requests_metric(fleet)
+        assert page.inner_text("h1") == "kvroute"
+        assert page.inner_text("#strategy").startswith("bounded-load")
+        assert int(page.inner_text("#total-routed").replace(",", "")) == doc["totals"]["routed"] == sum(metric.values())
+        assert page.locator("#backends tbody tr").count() == 4
+        for row in doc["backends"]:
+            bid = row["id"]
+            shown = int(cell(page, bid, "requests").replace(",", ""))
+            assert shown == row["requests"]["total"] == metric.get(bid, 0), bid
+            assert cell(page, bid, "share") == f"{100 * row['share']:.1f}%"
+            assert cell(page, bid, "state") == "healthy"
+            engine = cell(page, bid, "engine")
+            assert re.fullmatch(r"\d+ / \d+", engine), f"{bid}: the vllm adapter's load should show (got {engine!r})"
+        decisions = page.locator("#decisions tbody tr")
+        assert decisions.count() == len(doc["decisions"]["recent"]) == 25
+        first = doc["decisions"]["recent"][0]
+        assert decisions.first.get_attribute("data-request-id") == first["request_id"]
+        assert decisions.first.locator('td[data-field="explain"]').inner_text() == first["explain"]
+        content = page.content()
+        assert PREFIXES[0][:40] not in content, "prompt text must never reach the page"
+        assert page.errors == []
+
+    def test_updates_as_requests_arrive(self, chromium: Any, fleet: Proxy) -> None:
+        """Requests sent after the page opened show up in its counters and decisions without a reload."""
+        page = open_page(chromium, fleet)
+        before = int(page.inner_text("#total-routed").replace(",", ""))
+        ids = []
+        for i in range(5):
+            code, headers, _ = http("POST", fleet.url + "/v1/chat/completions", chat_body(PREFIXES[1] + str(i)))
+            assert code == 200
+            ids.append(headers["x-request-id"])
+        wait_for(
+            lambda: int(page.inner_text("#total-routed").replace(",", "")) == before + 5,
+            f"the routed count to go from {before} to {before + 5}",
+        )
+        shown = page.eval_on_selector_all("#decisions tbody tr", "rows => rows.map(r => r.dataset.requestId)")
+        assert shown[:5] == list(reversed(ids))
+        assert page.errors == []
+
+    def test_drained_backend_shows_draining(self, chromium: Any, fleet: Proxy) -> None:
+        """A backend drained through the admin API while traffic flows turns to 'draining' on the open page."""
+        page = open_page(chromium, fleet)
+        assert cell(page, "gpu-2", "state") == "healthy"
+        with Traffic(fleet.url, clients=8, max_tokens=64) as traffic:
+            wait_for(lambda: traffic.sent >= 20, "20 requests through the proxy")
+            code, _, body = http(
+                "POST", fleet.url + "/admin/backends/gpu-2/drain", {}, headers={"authorization": f"Bearer {TOKEN}"}
+            )
+            assert code in (200, 202), body
+            wait_for(lambda: cell(page, "gpu-2", "state") == "draining", "gpu-2 to show as draining")
+            row = page.locator('#backends tr[data-backend="gpu-2"]')
+            assert row.get_attribute("data-state") == "draining"
+            assert page.inner_text("#total-routable") == "3 / 4"
+            # The picture in docs/serve.md: taken while requests flow, after a refresh with more of them.
+            sent = traffic.sent
+            wait_for(lambda: traffic.sent >= sent + 20, "20 more requests")
+            next_refresh(page)
+            shot = os.environ.get("KVROUTE_STATUS_SCREENSHOT")
+            if shot:
+                Path(shot).parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=shot)
+        assert page.errors == []
