@@ -259,6 +259,16 @@ SMALL_ARGS = [
 
 
 class TestSimulateCommand:
+    def test_no_strategy_installed_says_what_to_install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """With no strategy plugin loaded, simulate exits 1 naming a pip command instead of printing an empty table."""
+        from kvroute_simulator.cli import simulate as simulate_command
+
+        names = {r.plugin.name for r in PluginManager().strategies.values()}
+        monkeypatch.setenv("KVROUTE_BLOCK_PLUGINS", ",".join(sorted(names)))
+        result = CliRunner().invoke(simulate_command, [*SMALL_ARGS, "--no-progress"])
+        assert result.exit_code == 1, result.output
+        assert "no strategy plugin is installed" in result.output and 'pip install "kvroute[' in result.output
+
     def test_runs_end_to_end_and_writes_every_json_field(self, tmp_path: Path) -> None:
         """The command prints the table and its JSON holds every documented field, for every strategy."""
         out = tmp_path / "results.json"

@@ -200,7 +200,9 @@ def _plot(comparison: Comparison, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise click.ClickException("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+        raise click.ClickException(
+            '--plot needs matplotlib, which is not installed: pip install "kvroute[plot]"'
+        ) from None
     fig, (ax_cdf, ax_hit, ax_load) = plt.subplots(1, 3, figsize=(18, 5.5))
     for r in comparison.results:
         ttfts = sorted(r.ttfts)
@@ -355,10 +357,16 @@ def simulate(
         if strategies is None and _BASELINE in names:
             names.remove(_BASELINE)
             names.insert(0, _BASELINE)
+        if not installed:
+            raise click.ClickException(
+                "no strategy plugin is installed, so there is nothing to compare. Install some, e.g. "
+                'pip install "kvroute[random,bounded-load]" (or "kvroute[all]").'
+            )
         unknown = [n for n in names if n not in plugins.strategies]
         if unknown:
             raise click.BadParameter(
-                f"unknown strategy {', '.join(map(repr, unknown))} (installed: {', '.join(installed) or 'none'}).",
+                f"unknown strategy {', '.join(map(repr, unknown))} (installed: {', '.join(installed)}); "
+                f'others install as pip install "kvroute[NAME]".',
                 param_hint="--strategies",
             )
         for name in per_strategy:
