@@ -74,7 +74,8 @@ class FakePlugin:
 
 def found(backend_id: str, **fields: Any) -> DiscoveredBackend:
     """A discovered backend at an address nothing listens on (health checks are off in these tests)."""
-    return DiscoveredBackend(id=backend_id, url=f"http://127.0.0.1:9/{backend_id}", **fields)
+    fields.setdefault("url", f"http://127.0.0.1:9/{backend_id}")
+    return DiscoveredBackend(id=backend_id, **fields)
 
 
 def make_app(plugin: FakePlugin, *sources: str, api_key: str | None = None, **config: Any) -> ProxyApp:
@@ -173,17 +174,23 @@ class TestReconciler:
     async def test_changes_apply_in_place_or_replace_keeping_counts(
         self, plugin: FakePlugin, running: Callable[..., Any]
     ) -> None:
-        """A new weight keeps the member's state object; new models replace it with its in-flight count carried."""
+        """New weights, models and labels keep the member's state; a new URL replaces it, in-flight count carried."""
         provider = plugin.providers["a"] = FakeProvider("fake:a", [found("x"), found("y")])
         app = await running("a")
         x, y = app.fleet.get("x"), app.fleet.get("y")
         app.fleet.request_started(y)
-        provider.publish(found("x", weight=3), found("y", models={"m"}))
-        assert app.fleet.get("x") is x and x.backend.weight == 3
-        assert app.backends.config("x").weight == 3  # type: ignore[union-attr]
-        assert app.fleet.get("y").backend.models == frozenset({"m"}) and app.fleet.get("y").in_flight == 1
+        provider.publish(
+            found("x", weight=3, models={"m"}, labels={"zone": "b"}), found("y", url="http://127.0.0.1:9/moved")
+        )
+        assert app.fleet.get("x") is x and x.backend.weight == 3 and x.backend.models == frozenset({"m"})
+        assert dict(x.backend.labels) == {"zone": "b"}
+        config = app.backends.config("x")
+        assert config is not None and (config.weight, config.models, dict(config.labels)) == (3, ("m",), {"zone": "b"})
+        assert app.fleet.get("y").backend.url == "http://127.0.0.1:9/moved"  # removed and added again
+        assert app.fleet.get("y").in_flight == 1
         app.fleet.request_finished(app.fleet.get("y"))
-        assert metric(app, "kvroute_discovery_changes_total", source="fake:a", change="replaced") == 1
+        for change in ("weight", "models", "labels", "replaced"):
+            assert metric(app, "kvroute_discovery_changes_total", source="fake:a", change=change) == 1
 
     async def test_draining_flag_drains_without_removing(self, plugin: FakePlugin, running: Callable[..., Any]) -> None:
         """``draining=True`` drains a member and keeps it; the flag going back undrains it."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Literal
 
 import attrs
@@ -17,7 +17,7 @@ __all__ = ["Fleet", "FleetEvent", "FleetEventKind"]
 log = get_logger(__name__)
 
 FleetEventKind = Literal[
-    "attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight", "models"
+    "attached", "added", "removed", "draining", "undrained", "healthy", "unhealthy", "weight", "models", "labels"
 ]
 
 
@@ -187,6 +187,25 @@ class Fleet:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             return self._emit("weight", state.backend)
+
+    def set_models(self, backend_id: str, models: Iterable[str]) -> FleetEvent | None:
+        """Change the models a backend declares (a ``models`` event; its reported ones, when known, still win)."""
+        with self._lock:
+            state = self.get(backend_id)
+            declared = frozenset(models)
+            if state.backend.models == declared:
+                return None
+            state.backend = attrs.evolve(state.backend, models=declared)
+            return self._emit("models", state.backend)
+
+    def set_labels(self, backend_id: str, labels: Mapping[str, str]) -> FleetEvent | None:
+        """Change a backend's labels (a ``labels`` event; routing does not depend on them)."""
+        with self._lock:
+            state = self.get(backend_id)
+            if dict(state.backend.labels) == dict(labels):
+                return None
+            state.backend = attrs.evolve(state.backend, labels=labels)
+            return self._emit("labels", state.backend)
 
     def set_served_models(self, backend_id: str, models: Iterable[str] | None) -> FleetEvent | None:
         """Record the models a backend's engine reports serving (``None``: unknown again, the declared ones count).

@@ -16,7 +16,7 @@ Capabilities are declared protocols, checked with ``isinstance``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import aiohttp
 import anyio
@@ -171,6 +171,19 @@ class BackendSet:
         self.fleet.set_weight(backend_id, weight)
         member = self._members[backend_id]
         member.config = attrs.evolve(member.config, weight=float(weight))
+
+    def set_models(self, backend_id: str, models: Iterable[str]) -> None:
+        """Change a member's declared models in the fleet (a ``models`` event) and in its configuration."""
+        declared = tuple(sorted(models))
+        self.fleet.set_models(backend_id, declared)
+        member = self._members[backend_id]
+        member.config = attrs.evolve(member.config, models=declared)
+
+    def set_labels(self, backend_id: str, labels: Mapping[str, str]) -> None:
+        """Change a member's labels in the fleet (a ``labels`` event) and in its configuration."""
+        self.fleet.set_labels(backend_id, dict(labels))
+        member = self._members[backend_id]
+        member.config = attrs.evolve(member.config, labels=dict(labels))
 
     def drain(self, backend_id: str, *, draining: bool = True, remove_when_idle: bool = False) -> None:
         """Stop (or resume) new requests to a backend; with ``remove_when_idle``, remove it once idle."""

@@ -6,9 +6,9 @@ logged once), and diffs it against what discovery added before:
 
 * a new id is added (`BackendSet.add`), drained at once when the provider says ``draining``;
 * an id gone from every source is drained and removed once idle (requests in flight finish);
-* a changed weight is applied in place (`BackendSet.set_weight`); a changed URL, kind, models,
-  labels or adapter options replaces the member (remove, then add: requests in flight on it
-  keep counting, `Fleet.add` revives their state);
+* a changed weight, models or labels is applied in place (`BackendSet.set_weight`,
+  `set_models`, `set_labels`); a changed URL, kind or adapter options replaces the member
+  (remove, then add: requests in flight on it keep counting, `Fleet.add` revives their state);
 * ``draining`` turning on drains the member without removing it, turning off undrains it.
 
 Changes are made through the same `BackendSet` methods as the admin API, so strategies see
@@ -136,8 +136,8 @@ def _config_of(found: DiscoveredBackend, api_key: str | None) -> BackendConfig:
 
 
 def _identity(found: DiscoveredBackend) -> tuple[object, ...]:
-    """What cannot change in place: a difference here replaces the member."""
-    return (found.url, found.kind, found.models, dict(found.labels), dict(found.options))
+    """What cannot change in place (the adapter is built from it): a difference here replaces the member."""
+    return (found.url, found.kind, dict(found.options))
 
 
 class Discovery:
@@ -391,6 +391,14 @@ class Discovery:
             self.backends.set_weight(backend_id, found.weight)
             self._count(source, "weight")
             log.info("backend_reweighted", source=source, backend=backend_id, weight=found.weight)
+        if before.models != found.models:
+            self.backends.set_models(backend_id, found.models)
+            self._count(source, "models")
+            log.info("backend_models_changed", source=source, backend=backend_id, models=sorted(found.models))
+        if dict(before.labels) != dict(found.labels):
+            self.backends.set_labels(backend_id, found.labels)
+            self._count(source, "labels")
+            log.info("backend_labels_changed", source=source, backend=backend_id)
         if returning or before.draining != found.draining:
             self.backends.drain(backend_id, draining=found.draining)
             self._count(source, "draining" if found.draining else "undrained")
