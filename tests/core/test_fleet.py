@@ -107,6 +107,20 @@ class TestFleet:
         assert fleet.version == 1  # load updates are not membership changes
 
 
+class TestDeclaredChanges:
+    def test_models_and_labels_change_in_place_with_one_event_each(self) -> None:
+        """set_models/set_labels keep the state object, emit `models`/`labels` once, and nothing when unchanged."""
+        fleet = Fleet([Backend("a", models=["m1"])])
+        state, events = fleet.get("a"), []
+        fleet.subscribe(events.append)
+        fleet.set_models("a", ["m2"])
+        fleet.set_labels("a", {"zone": "b"})
+        assert fleet.set_models("a", {"m2"}) is None and fleet.set_labels("a", {"zone": "b"}) is None
+        assert [e.kind for e in events] == ["models", "labels"]
+        assert fleet.get("a") is state and [s.id for s in fleet.candidates("m2")] == ["a"]
+        assert dict(state.backend.labels) == {"zone": "b"}
+
+
 class TestServedModels:
     def test_reported_models_replace_declared_ones(self) -> None:
         """Once a backend's engine reported its models, candidates filter on them; None restores the declared ones."""
