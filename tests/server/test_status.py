@@ -58,6 +58,11 @@ def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def settled(proxy: ServerThread, routed: int) -> None:
+    """Wait until ``routed`` requests are counted (a request is counted just after its answer went out)."""
+    wait_for(lambda: status(proxy)["totals"]["routed"] == routed, f"{routed} requests to be counted")
+
+
 class TestStatusJson:
     """``GET /status.json`` on a proxy in front of emulators."""
 
@@ -67,6 +72,7 @@ class TestStatusJson:
         proxy = servers.proxy(emulators, strategy="bounded-load", options={"prefix_length": 1024})
         for i in range(12):
             chat(proxy, f"conversation {i % 4} " + "context " * 300)
+        settled(proxy, 12)
         doc = status(proxy)
         assert doc["schema"] == 1
         assert doc["strategy"] == {"name": "bounded-load", "options": {"prefix_length": 1024}}
@@ -88,6 +94,7 @@ class TestStatusJson:
         proxy = servers.proxy(servers.emulators(2), strategy="bounded-load", options={"prefix_length": 1024})
         for _ in range(4):
             chat(proxy, "shared system prompt " * 200)
+        settled(proxy, 4)
         doc = status(proxy)
         prompt = metric_by_backend(proxy, "kvroute_prompt_tokens_total")
         cached = metric_by_backend(proxy, "kvroute_prompt_tokens_cached_total")
@@ -107,6 +114,7 @@ class TestStatusJson:
         for i in range(8):
             headers = chat(proxy, f"{SECRET} {i} " + "filler " * 300, stream=i % 2 == 0)
             ids.append(headers["x-request-id"])
+        settled(proxy, 8)
         code, _, raw = http("GET", proxy.url + "/status.json")
         assert code == 200 and SECRET.encode() not in raw
         recent = json.loads(raw)["decisions"]["recent"]
@@ -123,6 +131,7 @@ class TestStatusJson:
         """status_decisions = 0 records no decision but still counts requests."""
         proxy = servers.proxy(servers.emulators(1), status_decisions=0)
         chat(proxy, "hello")
+        settled(proxy, 1)
         doc = status(proxy)
         assert doc["decisions"] == {"size": 0, "recent": []}
         assert doc["totals"]["routed"] == 1
