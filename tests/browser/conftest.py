@@ -167,3 +167,14 @@ def fleet(servers: Servers) -> Iterator[Proxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def guarded(servers: Servers) -> Iterator[Proxy]:
+    """``kvroute serve --status admin`` in front of one emulator."""
+    emulator = servers.emulator()
+    proxy = Proxy([f"id=solo,url={emulator.url}"], "--status", "admin")
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

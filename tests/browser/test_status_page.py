@@ -144,3 +144,14 @@ class TestStatusPageInBrowser:
                 Path(shot).parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=shot)
         assert page.errors == []
+
+    def test_admin_mode_asks_for_the_token(self, chromium: Any, guarded: Proxy) -> None:
+        """With status = admin the page asks for the token, then shows the fleet once it is given."""
+        page = chromium.new_page()
+        page.goto(guarded.url + "/status")
+        page.wait_for_selector("#auth", state="visible", timeout=SHOW_WITHIN * 1000)
+        assert page.locator("#backends tbody tr").count() == 0
+        page.fill("#token", TOKEN)
+        page.click('#auth-form button[type="submit"]')
+        page.wait_for_selector('#backends tr[data-backend="solo"]', timeout=SHOW_WITHIN * 1000)
+        assert page.locator("#auth").is_hidden()
