@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.backend import EngineLoad
 from kvroute.errors import ConfigError
-from kvroute_server import ServerConfig, ServerThread
+from kvroute_server import ProxyApp, ServerConfig, ServerThread
 from kvroute_server.cli import build_config
 from kvroute_server.config import DiscoveryConfig, config_from_mapping
 from kvroute_server.status import page
@@ -80,14 +80,15 @@ class TestStatusJson:
         assert sorted(by_id) == ["e0", "e1", "e2"]
         for i, emulator in enumerate(emulators):
             row = by_id[f"e{i}"]
-            assert (row["kind"], row["url"], row["origin"]) == ("openai", emulator.url, "static")
+            assert (row["kind"], row["url"], row["origin"]) == ("openai", emulator.url, "flag")
             assert (row["healthy"], row["draining"], row["routable"], row["in_flight"]) == (True, False, True, 0)
         requests = metric_by_backend(proxy, "kvroute_requests_total")
         assert {b: r["requests"]["total"] for b, r in by_id.items() if r["requests"]["total"]} == requests
         assert doc["totals"]["routed"] == 12 == sum(requests.values())
         for row in by_id.values():
             assert row["share"] == pytest.approx(row["requests"]["total"] / 12, abs=1e-4)
-        assert doc["fleet"]["static"] == ["e0", "e1", "e2"] and doc["fleet"]["discovery"] == []
+        assert doc["fleet"]["flags"] == ["e0", "e1", "e2"] and doc["fleet"]["discovery"] == []
+        assert (doc["fleet"]["file"], doc["fleet"]["from_file"]) == (None, [])
 
     def test_reuse_matches_cached_tokens_metric(self, servers: Servers) -> None:
         """Per backend, prompt and cached tokens are the proxy's kvroute_prompt_tokens(_cached) counters."""
@@ -195,7 +196,28 @@ class TestStatusJson:
         [src] = doc["fleet"]["discovery"]
         assert row["id"] == "d0" and row["origin"] == f"discovery:{src['source']}"
         assert src["stale"] is False and src["backends"] == 1 and src["last_success_age_s"] is not None
-        assert doc["fleet"]["counts"] == {"static": 0, "discovery": 1, "admin": 0}
+        assert doc["fleet"]["counts"] == {"flag": 0, "file": 0, "discovery": 1, "admin": 0}
+
+    def test_origins_flag_file_and_admin(self, servers: Servers, tmp_path: Path) -> None:
+        """Each backend says whether it came from a --backend flag, the TOML file or the admin API."""
+        a, b, c = servers.emulators(3)
+        path = tmp_path / "kvroute.toml"
+        path.write_text(f'[[backends]]\nid = "f0"\nurl = "{a.url}"\n', encoding="utf-8")
+        config = build_config(config_file=str(path), backends=(f"g0={b.url}",), admin_token=TOKEN, access_log=False)
+        proxy = ServerThread(ProxyApp(config)).start()
+        servers.started.append(proxy)
+        code, _, body = http(
+            "POST",
+            proxy.url + "/admin/backends",
+            {"id": "a0", "url": c.url},
+            headers={"authorization": f"Bearer {TOKEN}"},
+        )
+        assert code in (200, 201), body
+        doc = status(proxy)
+        assert {r["id"]: r["origin"] for r in doc["backends"]} == {"f0": "file", "g0": "flag", "a0": "admin"}
+        fleet = doc["fleet"]
+        assert (fleet["flags"], fleet["file"], fleet["from_file"]) == (["g0"], str(path), ["f0"])
+        assert fleet["counts"] == {"flag": 1, "file": 1, "discovery": 0, "admin": 1}
 
     def test_spills_by_reason(self, servers: Servers) -> None:
         """Spilled requests are counted by reason overall (from /metrics) and per receiving backend."""

@@ -354,6 +354,9 @@ class ServerConfig:
     status: str = attrs.field(default="on", validator=_status_mode)
     #: How many recent routing decisions the status page keeps (0: none).
     status_decisions: int = attrs.field(default=100, validator=_status_decisions)
+    #: The TOML file read (`load_toml`), and the ids of the ``[[backends]]`` it gave (the status page's origins).
+    config_file: str | None = None
+    backends_from_file: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -492,6 +495,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             config,
             **changes,
             backends=config.backends + backends,
+            backends_from_file=config.backends_from_file + tuple(b.id for b in backends),
             timeouts=attrs.evolve(config.timeouts, **t_values),
             health=attrs.evolve(config.health, **h_values),
             discovery=config.discovery + discovery,
@@ -512,4 +516,4 @@ def load_toml(path: str | Path, base: ServerConfig | None = None) -> ServerConfi
         raise ConfigError(f"configuration file {str(path)!r} is not valid TOML: {exc}.") from None
     except UnicodeDecodeError:
         raise ConfigError(f"configuration file {str(path)!r} is not UTF-8 text.") from None
-    return config_from_mapping(data, base)
+    return attrs.evolve(config_from_mapping(data, base), config_file=str(path))

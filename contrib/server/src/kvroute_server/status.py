@@ -193,12 +193,15 @@ class StatusView:
         self.decisions = decisions
         self.worker = worker
         self._static = {b.id for b in config.backends}
+        self._from_file = set(config.backends_from_file)
 
     def _origin(self, backend_id: str, owned: Mapping[str, str]) -> str:
         if backend_id in owned:
             return f"discovery:{owned[backend_id]}"
+        if backend_id in self._from_file:
+            return "file"
         if backend_id in self._static:
-            return "static"
+            return "flag"
         return "admin"
 
     def collect(self) -> dict[str, Any]:
@@ -294,9 +297,10 @@ class StatusView:
         else:
             stale_after = None
         return {
-            # Backends from --backend flags and [[backends]] tables (both land in the same static list).
-            "static": sorted(self._static),
-            "counts": {"static": origins["static"], "discovery": origins["discovery"], "admin": origins["admin"]},
+            "flags": sorted(self._static - self._from_file),
+            "file": self.config.config_file,
+            "from_file": sorted(self._from_file),
+            "counts": {key: origins[key] for key in ("flag", "file", "discovery", "admin")},
             "discovery": sources,
             "stale_after_s": stale_after,
         }
