@@ -20,7 +20,7 @@ import pytest
 
 from kvroute import Backend, Fleet, Router, RouteRequest
 from tests.discovery.dnsmasq import DOMAIN, Dnsmasq
-from tests.replicas.processes import KVROUTE, Process, body, free_port, start_replicas, until
+from tests.replicas.processes import KVROUTE, Process, body, free_port, start_replicas, until, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -66,14 +66,7 @@ async def start_engines(client: httpx.AsyncClient, port: int) -> list[Process]:
         engine = Process(f"engine-{address}", args, port)
         engine.url = f"http://{address}:{port}"
         engines.append(engine)
-    try:
-        for engine in engines:
-            await engine.ready(client, "/health")
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
-    return engines
+    return await wait_ready(client, engines)
 
 
 def config(dns: Dnsmasq, port: int) -> str:

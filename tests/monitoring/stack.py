@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.replicas.processes import KVROUTE, Process, free_port, until
+from tests.replicas.processes import KVROUTE, Process, backend_tables, free_port, until
 
 __all__ = ["DASHBOARD", "MONITORING", "RULES", "RULES_TEST", "Prometheus", "require", "serve_config", "start_proxy"]
 
@@ -65,16 +65,7 @@ def serve_config(fleet_file: Path, options: Mapping[str, Any]) -> str:
 
 def fleet_file(engines: Sequence[Process]) -> str:
     """The discovery file: the engines as ``vllm`` backends e0, e1, ..."""
-    lines = []
-    for i, engine in enumerate(engines):
-        lines += [
-            "[[backends]]",
-            f'id = "e{i}"',
-            f'url = "{engine.url}"',
-            'kind = "vllm"',
-            'adapter_options = { kv_events = "off" }',
-        ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(backend_tables(engines)) + "\n"
 
 
 async def start_proxy(

@@ -23,6 +23,7 @@ from tests.helpers import free_port
 __all__ = [
     "ENGINES",
     "Process",
+    "backend_tables",
     "body",
     "engine_load",
     "free_port",
@@ -31,6 +32,7 @@ __all__ = [
     "start_engines",
     "start_replicas",
     "until",
+    "wait_ready",
 ]
 
 KVROUTE = [sys.executable, "-m", "kvroute"]
@@ -98,6 +100,18 @@ class Process:
         self.log.close()
 
 
+async def wait_ready(client: httpx.AsyncClient, processes: list[Process], path: str = "/health") -> list[Process]:
+    """Wait until every process answers ``path``; if one never does, stop them all and raise."""
+    try:
+        for process in processes:
+            await process.ready(client, path)
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return processes
+
+
 async def start_engines(client: httpx.AsyncClient, count: int, *, time_scale: float) -> list[Process]:
     """``count`` engine emulators serving model ``m``, ready to answer."""
     engines = []
@@ -105,14 +119,21 @@ async def start_engines(client: httpx.AsyncClient, count: int, *, time_scale: fl
         port = free_port()
         args = [*KVROUTE, "emulate", "--port", str(port), "--model", "m", "--time-scale", str(time_scale)]
         engines.append(Process(f"engine-{i}", args, port))
-    try:
-        for engine in engines:
-            await engine.ready(client, "/health")
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
-    return engines
+    return await wait_ready(client, engines)
+
+
+def backend_tables(engines: Sequence[Process]) -> list[str]:
+    """TOML ``[[backends]]`` tables for the engines: ``vllm`` backends e0, e1, ... without KV events."""
+    lines = []
+    for i, engine in enumerate(engines):
+        lines += [
+            "[[backends]]",
+            f'id = "e{i}"',
+            f'url = "{engine.url}"',
+            'kind = "vllm"',
+            'adapter_options = { kv_events = "off" }',
+        ]
+    return lines
 
 
 def _toml_value(value: Any) -> str:
@@ -137,15 +158,8 @@ def serve_config(
         *(f"{k} = {_toml_value(v)}" for k, v in options.items()),
         "[health]",
         f"interval = {health_interval}",
+        *backend_tables(engines),
     ]
-    for i, engine in enumerate(engines):
-        lines += [
-            "[[backends]]",
-            f'id = "e{i}"',
-            f'url = "{engine.url}"',
-            'kind = "vllm"',
-            'adapter_options = { kv_events = "off" }',
-        ]
     return "\n".join(lines) + "\n"
 
 
