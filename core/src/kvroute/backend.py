@@ -60,7 +60,9 @@ class EngineLoad:
     """The latest load an adapter read from the engine itself; every field is optional.
 
     ``observed_at`` is a ``time.monotonic()`` reading. Counters are cumulative as the engine
-    reports them (``prefix_cache_hits`` / ``prefix_cache_queries`` in tokens).
+    reports them (``prefix_cache_hits`` / ``prefix_cache_queries`` in tokens). ``kv_blocks`` is
+    the KV cache's size in blocks of ``block_size`` tokens (vLLM's ``num_gpu_blocks``,
+    TensorRT-LLM's ``maxNumBlocks``): what running requests and cached prefixes share.
     """
 
     running: int | None = None
@@ -69,7 +71,15 @@ class EngineLoad:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     block_size: int | None = None
+    kv_blocks: int | None = None
     observed_at: float = attrs.field(factory=time.monotonic)
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """The KV cache's size in tokens (``kv_blocks * block_size``), ``None`` unless both are known."""
+        if self.kv_blocks is None or not self.block_size:
+            return None
+        return self.kv_blocks * self.block_size
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the engine was read."""

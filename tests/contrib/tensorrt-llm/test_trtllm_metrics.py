@@ -82,6 +82,12 @@ class TestIterationStats:
         load = TrtllmMetrics(running=1, waiting=2, block_size=32).to_load(observed_at=3.0)
         assert (load.running, load.waiting, load.block_size, load.observed_at) == (1, 2, 32, 3.0)
 
+    def test_to_load_carries_the_cache_size(self) -> None:
+        """The EngineLoad's kv_blocks is maxNumBlocks (all ranks), in blocks of tokensPerBlock."""
+        load = merge_iteration_stats(None, _metrics()[0]).to_load()
+        assert (load.kv_blocks, load.block_size, load.kv_tokens) == (101256, 32, 101256 * 32)
+        assert TrtllmMetrics(running=1).to_load().kv_blocks is None
+
     @pytest.mark.parametrize(
         ("data", "message"),
         [

@@ -116,6 +116,13 @@ class TestParseMetrics:
         assert (load.running, load.waiting, load.block_size, load.observed_at) == (5, 5, 16, 12.5)
         assert load.age(now=20.0) == 7.5
 
+    def test_to_load_carries_the_cache_size(self) -> None:
+        """The EngineLoad's kv_blocks is num_gpu_blocks (summed over engines), so placement can see capacity."""
+        assert parse_prometheus(CURRENT).to_load().kv_blocks == 5460
+        load = parse_prometheus(fixture_text("metrics_busy.txt")).to_load()
+        assert (load.kv_blocks, load.block_size, load.kv_tokens) == (72, 128, 72 * 128)
+        assert parse_prometheus("vllm:num_requests_running 1.0\n").to_load().kv_blocks is None
+
     def test_not_vllm(self) -> None:
         """A Prometheus body without vLLM's families is an error naming what was expected."""
         with pytest.raises(ValueError, match="expected vLLM's Prometheus metrics"):

@@ -17,7 +17,7 @@ the rank's earlier value is kept):
 ``block_size``                 ``kvCacheStats.tokensPerBlock``
 ``prefix_cache_hits``          ``kvCacheStats.reusedBlocks`` x tokens per block (cumulative)
 ``prefix_cache_queries``       ``(reusedBlocks + missedBlocks)`` x tokens per block (cumulative)
-``max_blocks``                 ``kvCacheStats.maxNumBlocks``
+``max_blocks``                 ``kvCacheStats.maxNumBlocks`` (the load's ``kv_blocks``)
 =============================  =================================================================
 
 Prometheus: a server started with ``return_perf_metrics`` mounts ``/prometheus/metrics``
@@ -35,6 +35,7 @@ import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.adapters import EngineMetrics, prometheus_subset
+from kvroute.backend import EngineLoad
 
 __all__ = ["ITERATION_GAUGES", "TrtllmMetrics", "merge_iteration_stats", "parse_prometheus"]
 
@@ -59,6 +60,10 @@ class TrtllmMetrics(EngineMetrics):
     iteration: int | None = None
     used_blocks: int | None = None
     ranks: tuple[tuple[int, TrtllmMetrics], ...] = ()
+
+    def to_load(self, observed_at: float | None = None) -> EngineLoad:
+        """`EngineMetrics.to_load`, with the cache's size: ``kv_blocks`` is ``max_blocks`` (all ranks)."""
+        return attrs.evolve(super().to_load(observed_at), kv_blocks=self.max_blocks)
 
     def reported(self) -> dict[str, Any]:
         """The fields the server reported (not ``None``), ``ranks`` aside."""

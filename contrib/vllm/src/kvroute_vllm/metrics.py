@@ -10,7 +10,8 @@ field                              metric                                      o
 ``kv_usage`` (0..1)                ``vllm:kv_cache_usage_perc``                ``vllm:gpu_cache_usage_perc``
 ``prefix_cache_queries`` (tokens)  ``vllm:prefix_cache_queries_total``          ``vllm:gpu_prefix_cache_queries``
 ``prefix_cache_hits`` (tokens)     ``vllm:prefix_cache_hits_total``            ``vllm:gpu_prefix_cache_hits``
-``block_size``, ``num_gpu_blocks`` labels of ``vllm:cache_config_info``
+``block_size``, ``num_gpu_blocks`` labels of ``vllm:cache_config_info`` (``num_gpu_blocks`` is the
+                                   load's ``kv_blocks``)
 ``started_at``                     ``process_start_time_seconds``
 =================================  ==========================================  ==============================
 
@@ -30,6 +31,7 @@ import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.adapters import EngineMetrics, prometheus_subset
+from kvroute.backend import EngineLoad
 
 __all__ = ["VllmMetrics", "parse_prometheus"]
 
@@ -60,6 +62,10 @@ class VllmMetrics(EngineMetrics):
     prefix_caching: bool | None = None
     started_at: float | None = None
     engines: int = 0
+
+    def to_load(self, observed_at: float | None = None) -> EngineLoad:
+        """`EngineMetrics.to_load`, with the cache's size: ``kv_blocks`` is ``num_gpu_blocks``."""
+        return attrs.evolve(super().to_load(observed_at), kv_blocks=self.num_gpu_blocks)
 
 
 def _values(samples: dict[str, list[float]], names: Iterable[str], *, counter: bool = False) -> list[float] | None:
