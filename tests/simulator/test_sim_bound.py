@@ -122,7 +122,9 @@ class TestIdealHitTokens:
 SMALL_WORKLOADS: dict[str, dict[str, Any]] = {
     "long-prefix": {"groups": 12, "prefix_tokens": 1000, "requests": 150, "rate": 15.0},
     "hot-prefix": {"groups": 6, "prefix_tokens": 800, "requests": 150, "rate": 15.0},
+    "short-prefix": {"groups": 8, "requests": 150, "rate": 15.0},
     "multi-turn": {"requests": 150, "rate": 2.0, "think_time": 3.0},
+    "multi-turn-short": {"requests": 150, "rate": 2.0, "think_time": 3.0},
     "rag": {"documents": 40, "requests": 150, "rate": 10.0},
     "trace": {"path": SHARED_TRACE},
 }

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvroute import ConfigError, RouteRequest
+from kvroute.keys import DEFAULT_PREFIX_LENGTH
 from kvroute.request import render_messages
 from kvroute_simulator.tokens import vocabulary
 from kvroute_simulator.workloads import (
@@ -20,7 +21,9 @@ from kvroute_simulator.workloads import (
     HotPrefix,
     LongPrefix,
     MultiTurn,
+    MultiTurnShort,
     Rag,
+    ShortPrefix,
     Trace,
     TraceFormatError,
     make_workload,
@@ -48,7 +51,9 @@ def prompt_tokens_of(arrival: Arrival) -> tuple[int, ...]:
 SMALL = {
     "long-prefix": {"groups": 5, "prefix_tokens": 300, "requests": 40},
     "hot-prefix": {"groups": 5, "prefix_tokens": 300, "requests": 40},
+    "short-prefix": {"groups": 5, "requests": 40},
     "multi-turn": {"system_tokens": 50, "requests": 40, "rate": 2.0},
+    "multi-turn-short": {"requests": 40},
     "rag": {"documents": 30, "doc_tokens": (20, 80), "requests": 40},
 }
 
@@ -181,6 +186,52 @@ class TestMultiTurn:
         """Every conversation starts with the same system prompt node."""
         roots = {id(a.prompt.nodes()[0]) for a in self.arrivals()}
         assert len(roots) == 1
+
+
+class TestShortPrefix:
+    def test_the_shared_prefix_is_shorter_than_the_default_key(self) -> None:
+        """The system prompts are ~2,500 characters and the questions ~2,000, so a 4,096-character key is unique."""
+        arrivals = list(ShortPrefix().arrivals())
+        assert len(arrivals) == 300
+        assert len({a.session_id for a in arrivals}) == 24
+        systems = [len(a.body["messages"][0]["content"]) for a in arrivals]
+        questions = [len(a.body["messages"][1]["content"]) for a in arrivals]
+        assert 2300 < statistics.mean(systems) < 2700 and max(systems) < DEFAULT_PREFIX_LENGTH
+        assert 1800 < statistics.mean(questions) < 2200
+        keys = {RouteRequest.from_openai(a.body).text[:DEFAULT_PREFIX_LENGTH] for a in arrivals}
+        assert len(keys) == len(arrivals)
+
+    def test_a_group_shares_its_system_message(self) -> None:
+        """Requests of one group share the system message object and its token node."""
+        by_group = collections.defaultdict(set)
+        for a in ShortPrefix(requests=60).arrivals():
+            by_group[a.session_id].add(id(a.prompt.parent))
+        assert all(len(nodes) == 1 for nodes in by_group.values())
+
+
+class TestMultiTurnShort:
+    def test_first_turns_are_shorter_than_the_default_key(self) -> None:
+        """Turns 1-3 render shorter than 4,096 characters on average and the fifth longer, so keys change early on."""
+        lengths = collections.defaultdict(list)
+        for a in MultiTurnShort().arrivals():
+            lengths[int(a.request_id[-2:])].append(len(render_messages(a.body["messages"])))
+        assert max(lengths[0]) < DEFAULT_PREFIX_LENGTH
+        assert statistics.mean(lengths[2]) < DEFAULT_PREFIX_LENGTH < statistics.mean(lengths[4])
+
+    def test_conversations_pick_among_the_system_prompts(self) -> None:
+        """Conversations start with one of ``systems`` distinct system prompts, each used by several."""
+        firsts = collections.Counter(
+            a.body["messages"][0]["content"] for a in MultiTurnShort(requests=600).arrivals() if not a.follows
+        )
+        assert len(firsts) == 16
+        assert min(firsts.values()) >= 2
+
+    def test_one_system_prompt_keeps_the_earlier_stream(self) -> None:
+        """``systems=1`` (multi-turn's default) draws exactly what multi-turn drew before the option existed."""
+        arrivals = list(MultiTurn(system_tokens=50, requests=60, rate=2.0).arrivals())
+        assert len({a.body["messages"][0]["content"] for a in arrivals}) == 1
+        assert arrivals[0].request_id == "multi-turn-c00000-t00"
+        assert arrivals[0].prompt.to_tuple()[1:4] == (13610, 11840, 31241)
 
 
 class TestRag:
@@ -331,8 +382,16 @@ class TestTraceErrors:
 
 class TestMakeWorkload:
     def test_every_name_is_registered(self) -> None:
-        """The five workloads are available by name."""
-        assert sorted(WORKLOADS) == ["hot-prefix", "long-prefix", "multi-turn", "rag", "trace"]
+        """The seven workloads are available by name."""
+        assert sorted(WORKLOADS) == [
+            "hot-prefix",
+            "long-prefix",
+            "multi-turn",
+            "multi-turn-short",
+            "rag",
+            "short-prefix",
+            "trace",
+        ]
 
     def test_unknown_name_lists_the_choices(self) -> None:
         """An unknown workload name is refused with the valid names."""

@@ -17,11 +17,18 @@ content, not with the number of requests.
   picks a group uniformly and adds a unique question. Poisson arrivals at ``rate`` per second.
 * ``hot-prefix``: the same shape, but prefix 0 takes ``hot_share`` of the traffic and the rest
   is spread uniformly over the other prefixes.
+* ``short-prefix``: the same shape with a shared prefix shorter than the hash strategies'
+  default ``prefix_length`` (24 system prompts of ~2,500 characters, then a unique question of
+  ~2,000 characters), so a key over the first 4,096 characters includes the question.
 * ``multi-turn``: ShareGPT-like chats under one shared system prompt. Conversations start as
   a Poisson process at ``rate`` per second, have a geometric number of turns, and each turn's
   prompt is the previous prompt plus its answer plus a new user message. A later turn names
   the turn it follows (``follows``) and the user's ``think_time``; ``time`` is the arrival if
   every answer were instant, a closed-loop driver sends it ``think_time`` after the answer.
+  With ``systems`` > 1, each conversation picks one of that many system prompts.
+* ``multi-turn-short``: the same conversations with short first turns (16 system prompts of
+  ~1,000 characters, short user messages and answers), so the first three turns or so are
+  each shorter than 4,096 characters and the history crosses that length later.
 * ``rag``: a pool of ``documents`` with Zipf(``zipf_s``) popularity; a request is a shared
   system prompt, ``docs_per_request`` distinct documents in retrieval order, and a question.
 * ``trace``: replay of a JSONL file, either the Mooncake format (``timestamp`` in ms,
@@ -65,7 +72,9 @@ __all__ = [
     "HotPrefix",
     "LongPrefix",
     "MultiTurn",
+    "MultiTurnShort",
     "Rag",
+    "ShortPrefix",
     "Trace",
     "TraceFormatError",
     "Workload",
@@ -218,6 +227,26 @@ class HotPrefix(LongPrefix):
         return 1 + rng.randrange(self.groups - 1)
 
 
+@attrs.frozen(kw_only=True)
+class ShortPrefix(LongPrefix):
+    """Groups sharing a prefix shorter than the default ``prefix_length``, then a longer unique question.
+
+    Parameters as :class:`LongPrefix`. The defaults are the chat application of issue 15: 24
+    system prompts of 380 tokens (~2,500 characters: a simulated word is 6.5 characters with
+    its space) and a question of 280-330 tokens (~2,000 characters), 300 requests. The
+    routing text of a request is ~4,500 characters, so its first 4,096 hold part of the
+    question: a key over them is unique per request, while the engines could reuse the
+    system prompt's blocks.
+    """
+
+    name: ClassVar[str] = "short-prefix"
+
+    groups: int = attrs.field(default=24, validator=positive_integer)
+    prefix_tokens: int = attrs.field(default=380, validator=positive_integer)
+    question_tokens: Length = attrs.field(default=(280, 330), converter=_to_length, validator=_length)
+    requests: int | None = attrs.field(default=300, validator=optional(positive_integer))
+
+
 @attrs.define
 class _Conversation:
     index: int
@@ -235,10 +264,11 @@ class MultiTurn(_Open):
     """ShareGPT-like conversations whose history grows turn by turn, with think time between turns.
 
     Parameters: ``rate`` (new conversations per second, Poisson), ``mean_turns`` (geometric,
-    at most ``max_turns``), ``system_tokens`` (one system prompt shared by every
-    conversation), ``user_tokens`` and ``answer_tokens`` ranges per turn (an answer is
+    at most ``max_turns``), ``system_tokens`` (the length of the shared system
+    prompt), ``user_tokens`` and ``answer_tokens`` ranges per turn (an answer is
     followed by ``<|end|>``, which counts as an output token), ``think_time`` (mean seconds,
-    exponential), ``requests``/``duration`` (counted in turns), ``seed``.
+    exponential), ``requests``/``duration`` (counted in turns), ``seed``, and ``systems``
+    (distinct system prompts, each conversation picking one uniformly; 1 by default).
     """
 
     name: ClassVar[str] = "multi-turn"
@@ -250,12 +280,17 @@ class MultiTurn(_Open):
     user_tokens: Length = attrs.field(default=(20, 300), converter=_to_length, validator=_length)
     answer_tokens: Length = attrs.field(default=(50, 500), converter=_to_length, validator=_length)
     think_time: float = attrs.field(default=15.0, validator=non_negative_number)
+    systems: int = attrs.field(default=1, validator=positive_integer)
 
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the turns, in order of ``time`` (see the module docstring)."""
         vocab = vocabulary()
         rng = seeded_rng(self.seed, self.name)
-        system = _system_piece(vocab, seeded_rng(self.seed, self.name, "system"), self.system_tokens)
+        # System prompt 0 is drawn as when there was only one, so ``systems=1`` keeps earlier streams.
+        prompts = [
+            _system_piece(vocab, seeded_rng(self.seed, self.name, "system", *([k] if k else [])), self.system_tokens)
+            for k in range(self.systems)
+        ]
         p_stop = min(1.0, 1.0 / self.mean_turns)
         heap: list[tuple[float, int, _Conversation]] = []
         next_start = rng.expovariate(self.rate)
@@ -269,6 +304,7 @@ class MultiTurn(_Open):
                 turns = 1
                 while turns < self.max_turns and conv_rng.random() >= p_stop:
                     turns += 1
+                system = prompts[conv_rng.randrange(self.systems)] if self.systems > 1 else prompts[0]
                 messages = [{"role": "system", "content": system.text}]
                 heapq.heappush(
                     heap, (next_start, next(order), _Conversation(index, conv_rng, turns, system.node, messages))
@@ -307,6 +343,29 @@ class MultiTurn(_Open):
         conv.previous = request_id
         conv.think = rng.expovariate(1.0 / self.think_time) if self.think_time > 0 else 0.0
         return arrival
+
+
+@attrs.frozen(kw_only=True)
+class MultiTurnShort(MultiTurn):
+    """Conversations whose first turns are short: each of them is shorter than the default ``prefix_length``.
+
+    Parameters as :class:`MultiTurn`. The defaults: 16 system prompts of 150 tokens (~1,000
+    characters), user messages of 5-60 tokens, answers of 40-200, 6 turns on average, 2
+    conversations per second, 1,500 turns. Turn 1 is ~1,300 characters and each turn adds
+    ~1,000, so under a 4,096-character key the first three turns or so each hash all
+    their text, and consecutive turns get different keys until the history is long enough.
+    """
+
+    name: ClassVar[str] = "multi-turn-short"
+
+    rate: float = attrs.field(default=2.0, validator=positive_number)
+    requests: int | None = attrs.field(default=1500, validator=optional(positive_integer))
+    mean_turns: float = attrs.field(default=6.0, validator=positive_number)
+    max_turns: int = attrs.field(default=20, validator=positive_integer)
+    system_tokens: int = attrs.field(default=150, validator=positive_integer)
+    user_tokens: Length = attrs.field(default=(5, 60), converter=_to_length, validator=_length)
+    answer_tokens: Length = attrs.field(default=(40, 200), converter=_to_length, validator=_length)
+    systems: int = attrs.field(default=16, validator=positive_integer)
 
 
 @attrs.frozen(kw_only=True)
@@ -399,7 +458,9 @@ class Rag(_Open):
 WORKLOADS: Mapping[str, type[Workload]] = {
     "long-prefix": LongPrefix,
     "hot-prefix": HotPrefix,
+    "short-prefix": ShortPrefix,
     "multi-turn": MultiTurn,
+    "multi-turn-short": MultiTurnShort,
     "rag": Rag,
     "trace": Trace,
 }
