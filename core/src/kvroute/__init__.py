@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvroute._markers import hookimpl
 from kvroute.adapters import BackendAdapter, HttpGetter, HttpReply, OpenAIAdapter
 from kvroute.backend import Backend, BackendState, EngineLoad
+from kvroute.cache_view import CacheView, Reuse
 from kvroute.errors import (
     ConfigError,
     InvalidRequest,
@@ -22,6 +23,7 @@ from kvroute.hashing import hash64, hash_parts
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
+from kvroute.shadow import ShadowSet, Verdict
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "BackendAdapter",
     "BackendState",
     "BaseStrategy",
+    "CacheView",
     "ConfigError",
     "Decision",
     "EngineLoad",
@@ -48,12 +51,15 @@ __all__ = [
     "PluginLoadError",
     "PluginManager",
     "StrategyError",
+    "Reuse",
     "RouteRequest",
     "Router",
+    "ShadowSet",
     "SpillReason",
     "Status",
     "Strategy",
     "UnknownBackend",
+    "Verdict",
     "__version__",
     "hash64",
     "hash_parts",
