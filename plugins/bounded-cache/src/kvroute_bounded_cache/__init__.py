@@ -1,0 +1,203 @@
+"""The ``bounded-cache`` strategy: consistent hashing that places new prefixes where they fit in KV memory.
+
+Bounded-load bounds what a backend *runs* (requests in flight); this strategy also bounds what it
+*keeps*: the KV cache footprint of the prefixes placed on it, relative to its KV capacity. When
+the fleet's working set of prefixes is close to its total KV memory, hashing eight prefixes over
+two engines often puts five on one, whose LRU then thrashes while the other has room.
+
+A request's key and preference order are consistent-hash's (weighted rendezvous). Then:
+
+1. **Held prefixes stay home.** If some candidate holds the key (`Footprints`: the router routed
+   it there and the modelled LRU has not aged it out), those candidates come first, in the key's
+   order.
+2. **A prefix nobody holds goes where it fits.** Otherwise the candidates with *cache room* for
+   its footprint come first, in the key's order: so the rendezvous home when it has room. A
+   backend holding ``held`` tokens has room for ``f`` more when
+
+   * ``cache_factor``: ``held + f <= max(f, cache_factor * capacity * (total held + f) / total capacity)``
+     (totals over the candidates): its share of the footprint stays within ``cache_factor`` of its
+     share of the capacity, as bounded-load's ``load_factor`` keeps its share of requests;
+   * ``cache_fill``: ``held + f <= cache_fill * capacity``, when every candidate reports its KV size;
+     the rest of the cache is left to running requests.
+
+   ``capacity`` is the engine's KV size in tokens (fresh ``EngineLoad.kv_blocks * block_size``) when
+   every candidate reports it, else the backend's weight (then only ``cache_factor`` applies). When
+   no candidate has room the order is the key's own: it goes home, as with consistent hashing.
+3. **Requests in flight are bounded as bounded-load bounds them** (`LoadBound`, `choose`): the first
+   backend of that order with room under ``load_factor`` / ``concurrency_threshold`` takes it.
+
+The footprint of a request is its prompt in tokens: ``len(token_ids)`` when the caller sent tokens,
+else the routing text's length divided by ``chars_per_token``. Decisions: ``resident`` (a holder),
+``hash`` (a cold key's home had room), ``fitted`` (a cold key went to a later backend of its order
+that had room; ``fitted`` counts them), ``spilled`` / ``least_loaded`` (bounded-load's limits).
+``detail`` has ``home`` (the key's rendezvous home), ``footprint`` (tokens) and, off the home, ``rank``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import attrs
+from kvroute_bounded_load import LoadBound, choose
+from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous
+
+import kvroute
+from kvroute.options import bool_option, float_option, int_option, optional_float_option, optional_int_option
+from kvroute_bounded_cache.footprints import Footprints
+
+__all__ = ["BoundedCache", "Footprints"]
+
+
+def _exact(value: float) -> Fraction:
+    """``value`` as the decimal it prints as (``1.1`` is 11/10), so every process rounds the same way."""
+    return Fraction(repr(float(value)))
+
+
+@attrs.define
+class BoundedCache(ConsistentHash):
+    """Consistent hashing with a bounded KV cache footprint per backend, and bounded loads.
+
+    Options (besides consistent-hash's ``prefix_length`` and ``cache_size``):
+
+    * ``cache_factor`` (1.0-100.0 or ``off``, default 1.1): a backend's share of the placed
+      footprint may exceed its share of the KV capacity by this factor before a new prefix
+      goes elsewhere.
+    * ``cache_fill`` (0.05-1.0 or ``off``, default 0.8): the fraction of a backend's KV cache
+      that placed prefixes may fill (needs ``kv_blocks`` telemetry from every candidate).
+    * ``chars_per_token`` (0.5-64.0, default 4.0): turns routing text into a token estimate.
+    * ``index_keys`` (1-16,777,216, default 65536): keys remembered per backend when its KV
+      size is unknown.
+    * ``load_factor``, ``concurrency_threshold``, ``min_capacity``, ``engine_load``: as bounded-load.
+    """
+
+    cache_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
+    cache_fill: float | None = optional_float_option(0.8, min=0.05, max=1.0)
+    chars_per_token: float = float_option(4.0, min=0.5, max=64.0)
+    index_keys: int = int_option(65536, min=1, max=1 << 24)
+    load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
+    concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
+    engine_load: bool = bool_option(False)
+    min_capacity: int = int_option(16, min=0, max=1024)
+    fitted: int = attrs.field(default=0, init=False)
+    _bound: LoadBound = attrs.field(init=False)
+    _footprints: Footprints = attrs.field(init=False)
+    _members: dict[str, kvroute.BackendState] = attrs.field(factory=dict, init=False)
+    _factor: Fraction | None = attrs.field(default=None, init=False)
+    _fill: Fraction | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load, self.min_capacity)
+        self._footprints = Footprints(max_keys=self.index_keys)
+        self._factor = None if self.cache_factor is None else _exact(self.cache_factor)
+        self._fill = None if self.cache_fill is None else _exact(self.cache_fill)
+
+    @property
+    def footprints(self) -> Footprints:
+        """Which keys each backend holds, as this strategy models it."""
+        return self._footprints
+
+    # -- callbacks ---------------------------------------------------------------------
+
+    def on_fleet_change(self, event: kvroute.FleetEvent, members: Sequence[kvroute.BackendState]) -> None:
+        super().on_fleet_change(event, members)
+        self._members = {s.id: s for s in members}
+        self._footprints.keep_only(self._members)
+
+    def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        super().on_request_start(request, decision)
+        if decision.reason == "fitted":
+            self.fitted += 1
+        footprint = decision.detail.get("footprint")
+        if decision.key is None or not isinstance(footprint, int):
+            return
+        state = self._members.get(decision.backend.id)
+        load = state.fresh_load() if state is not None else None
+        capacity = load.kv_tokens if load is not None else None
+        self._footprints.record(decision.backend.id, decision.key, footprint, capacity)
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def footprint(self, request: kvroute.RouteRequest) -> int:
+        """The request's prompt in tokens: the tokens it carries, else its text length over ``chars_per_token``."""
+        if request.token_ids is not None:
+            return len(request.token_ids)
+        return math.ceil(len(request.text) / self.chars_per_token)
+
+    def capacities(self, candidates: Sequence[kvroute.BackendState]) -> tuple[dict[str, Fraction], bool]:
+        """Each candidate's capacity, and whether it is KV tokens (every candidate fresh) or else weights."""
+        tokens: dict[str, Fraction] = {}
+        for state in candidates:
+            load = state.fresh_load()
+            size = load.kv_tokens if load is not None else None
+            if not size:
+                return {s.id: _exact(s.backend.weight) for s in candidates}, False
+            tokens[state.id] = Fraction(size)
+        return tokens, True
+
+    def has_room(
+        self, held: int, footprint: int, capacity: Fraction, totals: tuple[int, Fraction], in_tokens: bool
+    ) -> bool:
+        """Whether a backend holding ``held`` tokens, of ``capacity``, has room for ``footprint`` more.
+
+        ``totals`` is (tokens held, capacity) over the candidates; ``in_tokens`` says whether the
+        capacities are KV tokens (``cache_fill`` applies) or weights.
+        """
+        after = held + footprint
+        if self._factor is not None:
+            total_held, total_capacity = totals
+            if after > footprint and after * total_capacity > self._factor * capacity * (total_held + footprint):
+                return False
+        return self._fill is None or not in_tokens or after <= self._fill * capacity
+
+    def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+        key = self.key(request)
+        footprint = self.footprint(request)
+        order = self._order(key, request.model, candidates)
+        held = self._footprints
+        holders = [s for s in order if held.holds(s.id, key)]
+        if holders:
+            first = holders
+        else:
+            capacities, in_tokens = self.capacities(candidates)
+            totals = (sum(held.held(s.id) for s in candidates), sum(capacities.values(), Fraction(0)))
+            first = [s for s in order if self.has_room(held.held(s.id), footprint, capacities[s.id], totals, in_tokens)]
+        chosen_first = {id(s) for s in first}
+        preferred = first + [s for s in order if id(s) not in chosen_first]
+        choice = choose(preferred, self._bound.measure(candidates))
+        home = order[0]
+        detail: dict[str, object] = {"home": home.id, "footprint": footprint}
+        if choice.state is not home:
+            detail["rank"] = next(rank for rank, s in enumerate(order) if s is choice.state)
+        if choice.reason == "first":
+            reason = "resident" if holders else "hash" if choice.state is home else "fitted"
+            return kvroute.Decision(choice.state.backend, reason=reason, key=key, detail=detail)
+        return kvroute.Decision(
+            choice.state.backend,
+            reason=choice.reason,
+            key=key,
+            spilled=True,
+            detail=detail,
+            spill_reason=choice.spill_reason,
+        )
+
+    def _order(
+        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
+    ) -> list[kvroute.BackendState]:
+        """The candidates in the key's preference order (over the candidates alone when the snapshot misses some)."""
+        placement = self._placement
+        view = CandidateView(placement, candidates)
+        if not view.foreign:
+            found = [view.get(index) for index in placement.ranking(key, model)]
+            order = [state for state in found if state is not None]
+            if order:
+                return order
+        placement = Rendezvous(candidates, cache_size=0)
+        return [placement.states[index] for index in placement.ranking(key, None)]
+
+
+@kvroute.hookimpl
+def kvroute_register_strategies(register: Callable[..., None]) -> None:
+    register("bounded-cache", BoundedCache)

@@ -1,0 +1,192 @@
+"""The bounded-cache strategy: new prefixes go where they fit, held ones stay home, loads stay bounded."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from kvroute_bounded_cache import BoundedCache, Footprints
+
+from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
+from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
+
+#: Eight ~2,300-token system prompts (4 characters a token), as in issue 15's capacity-tight case.
+PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
+
+
+def router(backends: list[Backend], **options: object) -> Router:
+    return Router.create(Fleet(backends), "bounded-cache", options)
+
+
+def report_capacity(r: Router, blocks: int, block_size: int = 128) -> None:
+    """Give every backend fresh telemetry of a KV cache of ``blocks`` blocks."""
+    for state in r.fleet:
+        state.load = EngineLoad(kv_blocks=blocks, block_size=block_size)
+
+
+def place_each(r: Router, requests: list[RouteRequest]) -> list[str]:
+    """Route each request once (start and finish) and return where each went."""
+    placed = []
+    for request in requests:
+        lease = r.acquire(request)
+        placed.append(lease.backend.id)
+        r.release(lease)
+    return placed
+
+
+class TestFootprints:
+    def test_lru_ages_out_past_capacity(self) -> None:
+        """Recording past the capacity drops the least recently used keys until the total fits."""
+        fp = Footprints()
+        for key in (1, 2, 3):
+            fp.record("a", key, 40, capacity=100)
+        assert fp.keys("a") == (2, 3) and fp.held("a") == 80
+        fp.record("a", 2, 40, capacity=100)  # touched: now the most recently used
+        fp.record("a", 4, 40, capacity=100)
+        assert fp.keys("a") == (2, 4) and fp.held("a") == 80
+
+    def test_unknown_capacity_keeps_at_most_max_keys(self) -> None:
+        """With no capacity known, a backend remembers at most max_keys keys, the most recent ones."""
+        fp = Footprints(max_keys=2)
+        for key in (1, 2, 3):
+            fp.record("a", key, 10, capacity=None)
+        assert fp.keys("a") == (2, 3) and fp.held("a") == 20
+
+    def test_a_prompt_larger_than_the_cache_is_not_held(self) -> None:
+        """A footprint over the whole capacity is not kept (the engine cannot keep it either)."""
+        fp = Footprints()
+        fp.record("a", 1, 150, capacity=100)
+        assert not fp.holds("a", 1) and fp.held("a") == 0
+
+    def test_keep_only_forgets_departed_backends(self) -> None:
+        """A backend that left the fleet is forgotten: if it returns, it starts cold."""
+        fp = Footprints()
+        fp.record("a", 1, 10, capacity=None)
+        fp.record("b", 1, 10, capacity=None)
+        fp.keep_only(["b"])
+        assert not fp.holds("a", 1) and fp.holds("b", 1) and fp.held("a") == 0
+
+
+class TestBoundedCache:
+    def test_idle_fleet_places_like_consistent_hash(self) -> None:
+        """With nothing placed yet, bounded-cache and consistent-hash agree on every key."""
+        backends = [Backend(f"b{i}", weight=1 + i % 3) for i in range(9)]
+        bc, ch = router(backends), Router.create(Fleet(backends), "consistent-hash")
+        requests = sample_requests(3000, seed=5)
+        assert assign(bc.strategy, requests, bc.fleet.candidates()) == assign(
+            ch.strategy, requests, ch.fleet.candidates()
+        )
+
+    def test_capacity_tight_prefixes_split_by_footprint(self) -> None:
+        """Eight 18-block prefixes over two 100-block engines: four on each, where hashing puts five or more on one."""
+        backends = [Backend("a"), Backend("b")]
+        ch = Router.create(Fleet(backends), "consistent-hash")
+        hashed = Counter(assign(ch.strategy, PROMPTS, ch.fleet.candidates()))
+        assert max(hashed.values()) >= 5  # the case the issue measured: hashing is uneven here
+        r = router(backends)
+        report_capacity(r, blocks=100)
+        assert sorted(Counter(place_each(r, PROMPTS)).values()) == [4, 4]
+
+    def test_held_prefixes_stay_home(self) -> None:
+        """Once placed, every prefix keeps going to the backend that holds it, turn after turn."""
+        r = router([Backend("a"), Backend("b")])
+        report_capacity(r, blocks=100)
+        first = place_each(r, PROMPTS)
+        for _ in range(3):
+            assert place_each(r, PROMPTS) == first
+        assert set(_reasons(r, PROMPTS)) == {"resident"}
+
+    def test_cold_prefix_takes_the_first_backend_of_its_order_with_room(self) -> None:
+        """A new prefix whose home is full goes to the next backend of its own order (reason fitted, counted)."""
+        r = router([Backend(f"b{i}") for i in range(3)], cache_factor="off")
+        report_capacity(r, blocks=40)  # 5,120 tokens: at cache_fill 0.8, room for one 2,300-token prompt, not two
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedCache)
+        first = place_each(r, PROMPTS[:1])[0]
+        order = [s.id for s in strategy.placement.preference(strategy.key(PROMPTS[0]))]
+        assert first == order[0]
+        same_home = next(p for p in PROMPTS[1:] if _home(strategy, p) == first)
+        lease = r.acquire(same_home)
+        assert lease.decision.reason == "fitted" and lease.backend.id != first
+        assert lease.decision.detail["home"] == first and lease.decision.detail["rank"] >= 1
+        r.release(lease)
+        assert strategy.fitted == 1
+
+    def test_no_room_anywhere_goes_home(self) -> None:
+        """When no backend has room for a prefix, it goes to its rendezvous home, as with consistent hashing."""
+        r = router([Backend("a"), Backend("b")])
+        report_capacity(r, blocks=10)  # smaller than one prompt
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedCache)
+        assert place_each(r, PROMPTS) == [_home(strategy, p) for p in PROMPTS]
+
+    def test_stale_telemetry_does_not_steer(self) -> None:
+        """Capacity older than load_max_age is ignored: cache_fill is off and capacities fall back to weights."""
+        r = router([Backend("a"), Backend("b")], cache_factor="off")
+        for state in r.fleet:
+            state.load = EngineLoad(kv_blocks=10, block_size=128, observed_at=0.0)  # long stale, far too small
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedCache)
+        assert place_each(r, PROMPTS) == [_home(strategy, p) for p in PROMPTS]
+        _, in_tokens = strategy.capacities(list(r.fleet))
+        assert not in_tokens
+
+    def test_weights_stand_in_for_unknown_capacity(self) -> None:
+        """Without telemetry the footprint is balanced by weight: a weight-3 backend takes about three times as much."""
+        r = router([Backend("a", weight=3.0), Backend("b")], cache_factor=1.0)
+        prompts = [RouteRequest.from_text(f"p{i} " + "x" * 400) for i in range(40)]
+        counts = Counter(place_each(r, prompts))
+        assert counts["a"] == 30 and counts["b"] == 10
+
+    def test_load_bound_still_applies(self) -> None:
+        """A held prefix whose holder is at the concurrency threshold spills to the next backend with room."""
+        r = router([Backend("a"), Backend("b")], load_factor="off", concurrency_threshold=1)
+        leases = [r.acquire(PROMPTS[0]) for _ in range(2)]
+        assert leases[0].decision.reason == "hash"
+        assert leases[1].decision.reason == "spilled" and leases[1].decision.spill_reason == "concurrency_threshold"
+        assert leases[0].backend.id != leases[1].backend.id
+
+    def test_footprint_counts_tokens_when_given(self) -> None:
+        """The footprint is the token count when the caller sent tokens, else text length over chars_per_token."""
+        strategy = BoundedCache(chars_per_token=2.0)
+        assert strategy.footprint(RouteRequest.from_text("abcde")) == 3
+        assert strategy.footprint(RouteRequest.from_text("abcde", token_ids=[1, 2])) == 2
+
+    def test_removed_backend_is_forgotten(self) -> None:
+        """Removing a backend drops what it held; its prefixes are cold and placed anew."""
+        r = router([Backend("a"), Backend("b")])
+        report_capacity(r, blocks=100)
+        placed = place_each(r, PROMPTS)
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedCache)
+        r.fleet.remove("a")
+        assert strategy.footprints.held("a") == 0
+        assert set(place_each(r, [p for p, b in zip(PROMPTS, placed, strict=True) if b == "a"])) == {"b"}
+
+    @pytest.mark.parametrize(
+        ("option", "value", "message"),
+        [("cache_factor", 0.5, "cache_factor"), ("cache_fill", 1.5, "cache_fill"), ("chars_per_token", 0, "chars")],
+    )
+    def test_bad_options(self, option: str, value: object, message: str) -> None:
+        """Out-of-range options are ConfigErrors naming the option."""
+        with pytest.raises(ConfigError, match=message):
+            router([Backend("a")], **{option: value})
+
+
+def _home(strategy: BoundedCache, request: RouteRequest) -> str:
+    return next(iter(strategy.placement.preference(strategy.key(request)))).id
+
+
+def _reasons(r: Router, requests: list[RouteRequest]) -> list[str]:
+    reasons = []
+    for request in requests:
+        lease = r.acquire(request)
+        reasons.append(lease.decision.reason)
+        r.release(lease)
+    return reasons
+
+
+class TestBoundedCacheConformance(StrategyConformance):
+    strategy = "bounded-cache"
+    deterministic = True
+
