@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +14,7 @@ from kvroute import (
     CacheView,
     ConfigError,
     Decision,
+    EngineLoad,
     Fleet,
     FleetEvent,
     Outcome,
@@ -97,7 +97,7 @@ class TestCacheView:
         """A backend whose load reports kv_blocks and block_size is bounded by them, not by the default."""
         view = CacheView(block_size=4, capacity_tokens=10_000)
         b1 = state("b1")
-        b1.load = SimpleNamespace(kv_blocks=3, block_size=8)  # type: ignore[assignment]
+        b1.load = EngineLoad(kv_blocks=3, block_size=8)
         assert view.capacity_blocks(b1) == 6
         b1.load = None
         assert view.capacity_blocks(b1) == 2500

@@ -21,7 +21,7 @@ Units are grouped in blocks of ``block_size``; block *i*'s hash chains block *i-
 count, at most ``(units - 1) // block_size`` of them (an engine always computes the last token).
 
 Each backend holds an LRU set of block hashes bounded by its capacity: the engine's own when its
-adapter reports it (``EngineLoad.kv_blocks`` x ``EngineLoad.block_size`` tokens), else
+adapter reports it (``EngineLoad.kv_tokens``), else
 ``capacity_tokens``. A prompt's blocks are recorded last block first, so the first block is the
 most recent: a backend then never holds a block without its parent (eviction takes the oldest),
 and the matched length is found by bisection, a few lookups per backend.
@@ -170,13 +170,8 @@ class CacheView:
 
     def capacity_blocks(self, state: BackendState) -> int:
         """``state``'s cache size in this view's blocks: the engine's when reported, else ``capacity_tokens``."""
-        load = state.load
-        # EngineLoad.kv_blocks (total KV blocks, vLLM's num_gpu_blocks) is newer than some adapters.
-        kv_blocks = getattr(load, "kv_blocks", None)
-        engine_block = getattr(load, "block_size", None)
-        if isinstance(kv_blocks, int) and kv_blocks > 0 and isinstance(engine_block, int) and engine_block > 0:
-            tokens = kv_blocks * engine_block
-        else:
+        tokens = state.load.kv_tokens if state.load is not None else None
+        if tokens is None:
             tokens = self.capacity_tokens
         return max(1, tokens // self.block_size)
 

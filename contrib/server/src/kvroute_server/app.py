@@ -57,6 +57,7 @@ from kvroute_server.discovery import Discovery
 from kvroute_server.forwarding import Exchange, Forwarder, count_reject, reject
 from kvroute_server.journal import WorkerContext
 from kvroute_server.metrics import CONTENT_TYPE, ProxyMetrics
+from kvroute_server.shadow import ProxyShadows
 from kvroute_server.status import StatusRoutes
 
 __all__ = ["ProxyApp"]
@@ -184,7 +185,9 @@ class ProxyApp:
             config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
         )
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
-        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics)
+        # Shadow strategies (docs/serve.md, "Shadow strategies"); None when none is configured.
+        self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
+        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
         self.admin = AdminApi(self.backends, config.admin_token, worker=worker) if config.admin_token else None
         self._shared_metrics = shared
         self._parse_limiter: anyio.CapacityLimiter | None = None
@@ -227,6 +230,8 @@ class ProxyApp:
                     tg.cancel_scope.cancel()
         finally:
             self.router.close()
+            if self.shadows is not None:
+                self.shadows.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()

@@ -20,6 +20,7 @@ from kvroute_server.config import (
     parse_backend_flag,
     parse_discovery_flag,
     parse_option_flags,
+    parse_shadow_option_flags,
 )
 from kvroute_server.sagemaker import load_sagemaker
 
@@ -35,6 +36,9 @@ def build_config(
     sagemaker_config: str | None = None,
     sagemaker_variant: str | None = None,
     discovery: tuple[str, ...] = (),
+    shadow: tuple[str, ...] = (),
+    shadow_options: tuple[str, ...] = (),
+    cache_view: tuple[str, ...] = (),
     **flags: Any,
 ) -> ServerConfig:
     """Combine the TOML file, a SageMaker import and flags (flags win; ``None`` means not given)."""
@@ -50,6 +54,18 @@ def build_config(
         config = attrs.evolve(config, backends=config.backends + tuple(parse_backend_flag(b) for b in backends))
     if discovery:
         config = attrs.evolve(config, discovery=config.discovery + tuple(parse_discovery_flag(d) for d in discovery))
+    if shadow:  # --shadow replaces the file's list; --shadow-option and --cache-view add to the file's tables
+        config = attrs.evolve(config, shadow=tuple(n.strip() for s in shadow for n in s.split(",") if n.strip()))
+    if shadow_options:
+        merged = {name: dict(opts) for name, opts in config.shadow_options.items()}
+        for name, opts in parse_shadow_option_flags(shadow_options).items():
+            merged.setdefault(name, {}).update(opts)
+        config = attrs.evolve(config, shadow_options=merged)
+    if cache_view:
+        view = {**config.cache_view}
+        for key, value in parse_option_flags(cache_view).items():
+            view[key] = value if key == "units" else _integer_flag("--cache-view", key, value)
+        config = attrs.evolve(config, cache_view=view)
     policy_map = {
         "max_removal_share": "max_removal_share",
         "removal_interval": "removal_interval",
@@ -80,6 +96,13 @@ def build_config(
         )
     except (TypeError, ValueError) as exc:
         raise KvrouteError(str(exc)) from None
+
+
+def _integer_flag(flag: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise KvrouteError(f"{flag} {key}= must be an integer (got {value!r}).") from None
 
 
 def describe(config: ServerConfig) -> dict[str, Any]:
@@ -157,6 +180,25 @@ _D = ServerConfig()
 )
 @click.option("--strategy", help=f"Routing strategy plugin name [default: {_D.strategy}].")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="A strategy option (repeatable).")
+@click.option(
+    "--shadow",
+    multiple=True,
+    metavar="NAME[,NAME...]",
+    help="Shadow strategies, decided in dry run beside the live one (docs/serve.md, 'Shadow strategies').",
+)
+@click.option(
+    "--shadow-option",
+    "shadow_options",
+    multiple=True,
+    metavar="NAME.KEY=VALUE",
+    help="An option of shadow NAME's strategy (repeatable).",
+)
+@click.option(
+    "--cache-view",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A setting of the cache view scoring strategies: block_size, capacity_tokens, units, chars_per_token.",
+)
 @click.option(
     "--sagemaker-config",
     type=click.Path(dir_okay=False),
@@ -276,6 +318,9 @@ def serve(
     sagemaker_config: str | None,
     sagemaker_variant: str | None,
     discovery: tuple[str, ...],
+    shadow: tuple[str, ...],
+    shadow_options: tuple[str, ...],
+    cache_view: tuple[str, ...],
     log_level: str,
     log_format: str,
     check: bool,
@@ -299,6 +344,9 @@ def serve(
             sagemaker_config=sagemaker_config,
             sagemaker_variant=sagemaker_variant,
             discovery=discovery,
+            shadow=shadow,
+            shadow_options=shadow_options,
+            cache_view=cache_view,
             **flags,
         )
         configure_logging(log_level, log_format)

@@ -31,6 +31,7 @@ __all__ = [
     "parse_backend_flag",
     "parse_discovery_flag",
     "parse_option_flags",
+    "parse_shadow_option_flags",
 ]
 
 _DEFAULT_HOP_BY_HOP = ()
@@ -357,6 +358,12 @@ class ServerConfig:
     #: The TOML file read (`load_toml`), and the ids of the ``[[backends]]`` it gave (the status page's origins).
     config_file: str | None = None
     backends_from_file: tuple[str, ...] = ()
+    #: Shadow strategies (``--shadow``, ``[routing] shadow``): decided in dry run beside the live one.
+    shadow: tuple[str, ...] = ()
+    #: Each shadow's strategy options by name (``--shadow-option NAME.KEY=VALUE``, ``[routing.shadow_options.NAME]``).
+    shadow_options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    #: Settings of the fleet cache view that scores strategies (``[routing.cache_view]``; `kvroute.CacheView`).
+    cache_view: Mapping[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -375,10 +382,44 @@ class ServerConfig:
         for path in self.passthrough_paths:
             if not path.startswith("/"):
                 raise ConfigError(f"'passthrough_paths' entries must start with '/' (got {path!r}).")
+        _check_shadows(self)
 
     def merge(self, **changes: Any) -> ServerConfig:
         """A copy with the given fields replaced (``None`` values are ignored)."""
         return attrs.evolve(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+_CACHE_VIEW_KEYS = {"block_size": int, "capacity_tokens": int, "units": str, "chars_per_token": int}
+
+
+def _check_shadows(config: ServerConfig) -> None:
+    """Shadow names: distinct, not the live strategy; options only for configured shadows; cache view keys known."""
+    if len(set(config.shadow)) != len(config.shadow):
+        raise ConfigError(f"'shadow' names each strategy once (got {list(config.shadow)}).")
+    if config.strategy in config.shadow:
+        raise ConfigError(f"'shadow' must not name the live strategy {config.strategy!r} (got {list(config.shadow)}).")
+    stray = sorted(set(config.shadow_options) - set(config.shadow))
+    if stray:
+        raise ConfigError(
+            f"shadow options for {', '.join(map(repr, stray))}, which is not a shadow (shadows: {list(config.shadow)})."
+        )
+    _check_keys(config.cache_view, set(_CACHE_VIEW_KEYS), "routing.cache_view")
+    for key in config.cache_view:
+        _typed(config.cache_view, key, _CACHE_VIEW_KEYS[key], "routing.cache_view")
+
+
+def parse_shadow_option_flags(values: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Parse repeated ``--shadow-option NAME.KEY=VALUE`` flags into options by shadow name."""
+    out: dict[str, dict[str, str]] = {}
+    for item in values:
+        target, sep, value = item.partition("=")
+        name, dot, key = target.strip().rpartition(".")
+        if not sep or not dot or not name or not key:
+            raise ConfigError(
+                f"--shadow-option must be NAME.KEY=VALUE such as 'bounded-load.load_factor=1.5' (got {item!r})."
+            )
+        out.setdefault(name, {})[key.replace("-", "_")] = value.strip()
+    return out
 
 
 def _is_token(name: str) -> bool:
@@ -450,11 +491,21 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
         changes["passthrough_paths"] = tuple(changes["passthrough_paths"])
 
     routing = _section(data, "routing")
-    _check_keys(routing, {"strategy", "options"}, "routing")
+    _check_keys(routing, {"strategy", "options", "shadow", "shadow_options", "cache_view"}, "routing")
     if "strategy" in routing:
         changes["strategy"] = _typed(routing, "strategy", str, "routing")
     if "options" in routing:
         changes["options"] = dict(_section(routing, "options"))
+    if "shadow" in routing:
+        shadow = _typed(routing, "shadow", list, "routing")
+        if not all(isinstance(name, str) and name for name in shadow):
+            raise ConfigError(f"[routing] 'shadow' must be a list of strategy names (got {shadow!r}).")
+        changes["shadow"] = tuple(shadow)
+    if "shadow_options" in routing:
+        tables = _section(routing, "shadow_options")
+        changes["shadow_options"] = {name: dict(_section(tables, name)) for name in tables}
+    if "cache_view" in routing:
+        changes["cache_view"] = dict(_section(routing, "cache_view"))
 
     timeouts = _section(data, "timeouts")
     _check_keys(timeouts, {"connect", "first_byte", "idle"}, "timeouts")

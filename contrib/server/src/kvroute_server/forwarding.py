@@ -24,11 +24,13 @@ import structlog
 from kvroute.errors import NoBackendAvailable
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
+from kvroute.shadow import ShadowRound
 from kvroute.strategy import Decision
 from kvroute_server._asgi import Receive, Scope, Send, dumps, openai_error, send_error
 from kvroute_server.backends import BackendSet
 from kvroute_server.config import ServerConfig
 from kvroute_server.metrics import ProxyMetrics
+from kvroute_server.shadow import ProxyShadows
 from kvroute_server.upstream import UsageSniffer, filter_request_headers, filter_response_headers
 
 __all__ = ["Exchange", "Forwarder", "reject"]
@@ -71,6 +73,8 @@ class Exchange:
     error: str | None = None
     #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.status).
     decision: Decision | None = None
+    #: Every strategy's verdict on this request when shadows are on (kvroute_server.shadow), else None.
+    shadow: ShadowRound | None = None
 
 
 @attrs.define
@@ -126,11 +130,19 @@ def _stream_error_event(message: str, code: str) -> bytes:
 class Forwarder:
     """Sends requests to the backends the router picks, retrying on another before the first byte."""
 
-    def __init__(self, config: ServerConfig, router: Router, backends: BackendSet, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        router: Router,
+        backends: BackendSet,
+        metrics: ProxyMetrics,
+        shadows: ProxyShadows | None = None,
+    ) -> None:
         self.config = config
         self.router = router
         self.backends = backends
         self.metrics = metrics
+        self.shadows = shadows
         self._shared_metrics = metrics.shared
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
 
@@ -157,6 +169,9 @@ class Forwarder:
             ex.outcome = "cancelled"
         finally:
             watcher.cancel()
+            if ex.shadow is not None:
+                assert self.shadows is not None
+                self.shadows.finished(ex.shadow, ex.outcome, ex.started)
 
     async def _attempts(
         self, request: RouteRequest, raw: bytes, scope: Scope, send: Send, ex: Exchange, id_header: Header
@@ -170,6 +185,8 @@ class Forwarder:
                     ex.attempts += 1
                     decision = lease.decision
                     ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.status): one assignment
+                    if self.shadows is not None and ex.shadow is None:  # shadows score the first attempt
+                        ex.shadow = self.shadows.routed(request, decision, failed)
                     ex.backend, ex.reason, ex.key, ex.spilled = (
                         decision.backend.id,
                         decision.reason,

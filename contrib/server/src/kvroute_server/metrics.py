@@ -15,7 +15,7 @@ path moves the in-flight gauges) instead of being read at scrape time.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,8 +24,9 @@ from prometheus_client.registry import Collector
 
 from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet, FleetEvent
+from kvroute.shadow import Verdict
 
-__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "ShadowMetrics"]
 
 #: The environment variable prometheus-client reads, once, when it is imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -255,6 +256,80 @@ class ProxyMetrics:
         ends."""
         return self.child(self.in_flight, backend)
 
+    def shadow_metrics(self, live: str, shadows: Sequence[str]) -> ShadowMetrics:
+        """Register the shadow comparison's metrics (only when shadows are configured), every series at 0."""
+        return ShadowMetrics(self.registry, live, shadows)
+
     def render(self) -> bytes:
         """The exposition text: this process's registry, or every worker's values merged."""
         return generate_latest(self._merged if self.shared else self.registry)
+
+
+class ShadowMetrics:
+    """Per strategy (the live one, role ``live``, and each shadow, role ``shadow``): decisions, predicted reuse,
+    reuse available anywhere, agreement with the live choice (docs/monitoring.md, "Shadow strategies").
+
+    Token counts are the fleet cache view's (`kvroute.CacheView`): approximate tokens. The engines' own
+    count is ``kvroute_prompt_tokens_cached``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, live: str, shadows: Sequence[str]) -> None:
+        r = registry
+        labels = ["strategy", "role"]
+        self.decisions = Counter(
+            "kvroute_strategy_decisions",
+            "Requests each strategy decided (live, or shadow in dry run).",
+            labels,
+            registry=r,
+        )
+        self.predicted = Counter(
+            "kvroute_predicted_reused_tokens",
+            "Prompt tokens the strategy's chosen backend would find cached, as the cache view predicts.",
+            labels,
+            registry=r,
+        )
+        self.reusable = Counter(
+            "kvroute_reusable_tokens",
+            "Prompt tokens the best candidate held (reusable anywhere), in the strategy's cache view.",
+            labels,
+            registry=r,
+        )
+        self.agreements = Counter(
+            "kvroute_shadow_agreements",
+            "Requests where a shadow picked the live strategy's backend.",
+            ["strategy"],
+            registry=r,
+        )
+        self.errors = Counter("kvroute_shadow_errors", "Requests a shadow failed to decide.", ["strategy"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvroute_cache_view_prompt_tokens",
+            "Prompt length as the cache view counts it (approximate tokens).",
+            registry=r,
+        )
+        # Children made once, in the order of `kvroute.ShadowSet.names`: the request path only indexes them.
+        roles = [(live, "live"), *((name, "shadow") for name in shadows)]
+        self.by_strategy = [
+            (
+                self.decisions.labels(name, role),
+                self.predicted.labels(name, role),
+                self.reusable.labels(name, role),
+                self.agreements.labels(name) if role == "shadow" else None,
+                self.errors.labels(name) if role == "shadow" else None,
+            )
+            for name, role in roles
+        ]
+
+    def observe(self, verdicts: Sequence[Verdict]) -> None:
+        """Count one request's verdicts (the live one first, then the shadows in configured order)."""
+        self.prompt_tokens.inc(verdicts[0].reuse.prompt)
+        for verdict, (decisions, predicted, reusable, agreements, errors) in zip(
+            verdicts, self.by_strategy, strict=True
+        ):
+            if verdict.error is not None:
+                errors.inc()
+                continue
+            decisions.inc()
+            predicted.inc(verdict.reuse.chosen)
+            reusable.inc(verdict.reuse.best)
+            if agreements is not None and verdict.agrees:
+                agreements.inc()

@@ -1,0 +1,80 @@
+"""Shadow strategies in the proxy: a `kvroute.ShadowSet` fed by the forwarder, counted in the metrics.
+
+Off unless ``--shadow`` / ``[routing] shadow`` names at least one strategy: then `ProxyShadows.create`
+returns ``None`` and the forwarder's only cost is one ``is not None`` check per request.
+
+A request is scored on its first attempt: the live decision, the candidates it was made from (the
+same event-loop step, so the same fleet state) and each shadow's pick among them. A request retried
+on another backend still counts where its first attempt went. It ends for every shadow when the
+live request ends. What each shadow keeps is described in `kvroute.shadow` and docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Collection
+
+from kvroute.cache_view import CacheView
+from kvroute.errors import ConfigError
+from kvroute.fleet import Fleet
+from kvroute.plugins import PluginManager
+from kvroute.request import RouteRequest
+from kvroute.shadow import ShadowRound, ShadowSet
+from kvroute.strategy import Decision, Outcome, Status
+from kvroute_server.config import ServerConfig
+from kvroute_server.metrics import ProxyMetrics, ShadowMetrics
+
+__all__ = ["ProxyShadows", "cache_view_factory"]
+
+_STATUS = {"ok": Status.OK, "cancelled": Status.CANCELLED}
+
+
+def cache_view_factory(config: ServerConfig) -> Callable[[], CacheView]:
+    """A function making one `CacheView` with ``config.cache_view``'s settings; `ConfigError` if they are invalid."""
+    settings = dict(config.cache_view)
+    try:
+        CacheView(**settings)
+    except ValueError as exc:
+        raise ConfigError(f"[routing.cache_view]: {exc}") from None
+    return functools.partial(CacheView, **settings)
+
+
+class ProxyShadows:
+    """The shadow set of one proxy process and the metrics it feeds."""
+
+    def __init__(self, shadows: ShadowSet, metrics: ShadowMetrics) -> None:
+        self.set = shadows
+        self.metrics = metrics
+        self._candidates = shadows.fleet.candidates
+
+    @classmethod
+    def create(
+        cls, config: ServerConfig, fleet: Fleet, metrics: ProxyMetrics, plugins: PluginManager
+    ) -> ProxyShadows | None:
+        """The shadows ``config`` names, or ``None`` when it names none."""
+        if not config.shadow:
+            return None
+        shadows = ShadowSet.create(
+            fleet,
+            config.strategy,
+            config.shadow,
+            config.shadow_options,
+            plugins=plugins,
+            view_factory=cache_view_factory(config),
+        )
+        return cls(shadows, metrics.shadow_metrics(config.strategy, config.shadow))
+
+    def routed(self, request: RouteRequest, decision: Decision, exclude: Collection[str]) -> ShadowRound:
+        """Score the live decision and ask every shadow; call right after the lease, before any ``await``."""
+        round_ = self.set.routed(request, decision, self._candidates(request.model, exclude))
+        self.metrics.observe(round_.verdicts)
+        return round_
+
+    def finished(self, round_: ShadowRound, outcome: str, started: float) -> None:
+        """The live request ended with ``outcome`` (the exchange's word); it ends for the shadows too."""
+        status = _STATUS.get(outcome, Status.ERROR)
+        self.set.finished(round_, Outcome(status, time.perf_counter() - started))
+
+    def close(self) -> None:
+        self.set.close()
