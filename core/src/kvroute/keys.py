@@ -10,6 +10,11 @@ characters of the canonical routing text (`RouteRequest.text`). So:
   a session can be pinned whatever its prompts say;
 * a request shorter than ``prefix_length`` hashes all the text it has.
 
+How much text goes into the key is the caller's choice: a fixed ``prefix_length`` (SageMaker's
+``PrefixLength``), or a cut at a message boundary from `message_cuts`, which needs no knowledge
+of how long the shared part of the prompts is. A cut key is the same function of fewer
+characters, so the layout (and the version tag) is unchanged.
+
 Keys are computed with `kvroute.hashing` (xxh3), never Python's salted ``hash()``, so every
 process and every router replica computes the same key for the same request.
 """
@@ -18,15 +23,18 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import xxhash
 
 from kvroute.hashing import hash_parts
-from kvroute.request import RouteRequest
+from kvroute.request import RouteRequest, render_messages
 
 __all__ = [
     "DEFAULT_PREFIX_LENGTH",
     "MAX_PREFIX_LENGTH",
     "MIN_PREFIX_LENGTH",
+    "Cuts",
+    "message_cuts",
     "prefix_key",
 ]
 
@@ -61,3 +69,58 @@ def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH
         return _xxh3(affinity.encode("utf-8", "surrogatepass"), seed)
     seed = _scope(request.model, request.lora, request.cache_salt, "text")
     return _xxh3(request.text[:prefix_length].encode("utf-8", "surrogatepass"), seed)
+
+
+@attrs.frozen
+class Cuts:
+    """Two places to cut a request's routing text for its key, in characters (``group <= conversation``).
+
+    ``group`` ends the part that many conversations may share (the system prompt); ``conversation``
+    ends the part that every later turn of this conversation repeats (through its first user
+    message). Both are at most ``prefix_length``, and both are the same for every turn of one
+    conversation, so either gives turn N+1 the key of turn N.
+    """
+
+    group: int
+    conversation: int
+
+
+def message_cuts(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> Cuts:
+    """Where to cut ``request.text`` for a group key and a conversation key (see `Cuts`).
+
+    Chat: ``group`` is the end of the *preamble* (tool definitions and the messages before the
+    first ``user`` message), ``conversation`` the end of the first ``user`` message; with no
+    preamble, ``group`` equals ``conversation``; with no user message, both are the whole text.
+    Plain completions carry no boundaries: ``group`` is the first `MIN_PREFIX_LENGTH` characters
+    (a head that tells templates and system parts apart in most traffic), ``conversation`` the
+    first ``prefix_length``. Every cut is capped at ``prefix_length`` and the text's length, and
+    is at least 1 unless the text is empty.
+    """
+    if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
+        raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
+    size = len(request.text)
+    cap = min(prefix_length, size)
+    boundaries = _chat_boundaries(request)
+    if boundaries is None:
+        return Cuts(min(MIN_PREFIX_LENGTH, cap), cap)
+    preamble, first_turn = boundaries
+    conversation = min(first_turn, cap)
+    return Cuts(min(preamble, cap) if preamble else conversation, conversation)
+
+
+def _chat_boundaries(request: RouteRequest) -> tuple[int, int] | None:
+    """(end of the preamble, end of the first user message) in ``request.text``; None if not a chat."""
+    messages = request.messages
+    if request.endpoint != "chat" or not messages:
+        return None
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        return len(request.text), len(request.text)
+    tools = request.prompt_options.get("tools") if request.prompt_options else None
+    # Messages render one by one and concatenate (kvroute.request), so the rendering of the
+    # first messages is a prefix of the text: its length is the boundary's offset.
+    preamble = len(render_messages(messages[:first_user], tools))
+    first_turn = preamble + len(render_messages(messages[first_user : first_user + 1]))
+    if first_turn > len(request.text):  # built by hand with text and messages that disagree
+        return None
+    return preamble, first_turn

@@ -1,7 +1,12 @@
 """The ``consistent-hash`` strategy: the same prefix goes to the same backend, on every replica.
 
-A request's key is `kvroute.keys.prefix_key` (model, LoRA adapter, ``cache_salt`` and the
-first ``prefix_length`` characters of the routing text, or the caller's affinity key).
+A request's key is `kvroute.keys.prefix_key` (model, LoRA adapter, ``cache_salt`` and a
+prefix of the routing text, or the caller's affinity key). By default (``prefix=messages``) the
+prefix ends at a message boundary: the system prompt, or for a system prompt that carries more
+than one backend's share of the traffic, the conversation through its first user message
+(`kvroute_consistent_hash.groups`); so affinity works whatever the shared prefix's length, and
+every turn of a conversation has the key of its first turn. ``prefix=fixed`` keys on the first
+``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
 Placement is weighted rendezvous hashing over every member of the fleet (see
 `kvroute_consistent_hash.placement`); when the key's home cannot take requests (unhealthy,
 draining, or already failed for this request) the request goes to the next backend in the
@@ -17,11 +22,15 @@ from collections.abc import Callable, Sequence
 import attrs
 
 import kvroute
-from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, prefix_key
-from kvroute.options import int_option
+from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, message_cuts, prefix_key
+from kvroute.options import int_option, optional_int_option, str_option
+from kvroute_consistent_hash.groups import HotGroups
 from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
 
-__all__ = ["CandidateView", "ConsistentHash", "Rendezvous", "backend_seed", "prefix_key"]
+__all__ = ["CandidateView", "ConsistentHash", "HotGroups", "Rendezvous", "backend_seed", "prefix_key"]
+
+#: Values of the ``prefix`` option: cut the key's text at message boundaries, or after ``prefix_length``.
+PREFIXES = ("messages", "fixed")
 
 #: Fleet events that change placement; the others (health, draining) only change who is routable.
 PLACEMENT_EVENTS = frozenset({"attached", "added", "removed", "weight", "models"})
@@ -33,7 +42,15 @@ class ConsistentHash(kvroute.BaseStrategy):
 
     Options:
 
-    * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key.
+    * ``prefix`` (``messages`` or ``fixed``): where the key's text ends. ``messages`` cuts at a
+      message boundary: the system prompt (tool definitions and the messages before the first
+      user message), or, for a system prompt with more than one backend's share of the recent
+      traffic, the conversation through its first user message; a plain completion is cut after
+      1,024 characters (``prefix_length`` for a hot one). ``fixed`` keys on the first
+      ``prefix_length`` characters (SageMaker's ``PrefixLength``). Default: ``fixed`` when
+      ``prefix_length`` is given, else ``messages``.
+    * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key
+      (``fixed``), or the most a cut may keep (``messages``).
     * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
       membership snapshot (0 disables the cache; it only saves time, never changes a pick).
 
@@ -42,14 +59,25 @@ class ConsistentHash(kvroute.BaseStrategy):
     that were started, by reason in ``spill_reasons``.
     """
 
-    prefix_length: int = int_option(DEFAULT_PREFIX_LENGTH, min=MIN_PREFIX_LENGTH, max=MAX_PREFIX_LENGTH)
+    prefix: str | None = str_option(None, choices=PREFIXES)
+    prefix_length: int | None = optional_int_option(min=MIN_PREFIX_LENGTH, max=MAX_PREFIX_LENGTH)
     cache_size: int = int_option(65536, min=0, max=1 << 24)
     spills: int = attrs.field(default=0, init=False)
     spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
     _placement: Rendezvous = attrs.field(init=False)
+    _length: int = attrs.field(init=False)
+    _hot_groups: HotGroups = attrs.field(factory=HotGroups, init=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.prefix is None:  # SageMaker's PrefixLength, given alone, keeps its meaning
+            self.prefix = "messages" if self.prefix_length is None else "fixed"
+        self._length = DEFAULT_PREFIX_LENGTH if self.prefix_length is None else self.prefix_length
         self._placement = Rendezvous((), cache_size=self.cache_size)
+
+    @property
+    def hot_groups(self) -> HotGroups:
+        """The groups (system prompts) whose requests are keyed by conversation (``prefix=messages``)."""
+        return self._hot_groups
 
     @property
     def placement(self) -> Rendezvous:
@@ -69,6 +97,9 @@ class ConsistentHash(kvroute.BaseStrategy):
         self._placement = Rendezvous(members, cache_size=self.cache_size)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
+        if self.prefix == "messages" and request.affinity_key is None:
+            group = prefix_key(request, max(1, message_cuts(request, self._length).group))
+            self._hot_groups.observe(group, len(self._placement.states))
         if decision.spilled:
             self.spills += 1
             self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
@@ -76,8 +107,14 @@ class ConsistentHash(kvroute.BaseStrategy):
     # -- deciding ----------------------------------------------------------------------
 
     def key(self, request: kvroute.RouteRequest) -> int:
-        """The request's prefix key with this strategy's ``prefix_length``."""
-        return prefix_key(request, self.prefix_length)
+        """The request's prefix key: its group's, or its conversation's when the group is hot (or ``fixed``)."""
+        if self.prefix == "fixed" or request.affinity_key is not None:
+            return prefix_key(request, self._length)
+        cuts = message_cuts(request, self._length)
+        group = prefix_key(request, max(1, cuts.group))
+        if cuts.conversation == cuts.group or not self._hot_groups.is_hot(group):
+            return group
+        return prefix_key(request, max(1, cuts.conversation))
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         return self.place(self.key(request), request.model, candidates)
