@@ -213,6 +213,8 @@ JSON_FIELDS = {
     "rejected_reasons",
     "prompt_tokens",
     "upper_bound_hit_rate",
+    "pooled_hit_rate",
+    "working_set",
     "baseline",
     "strategies",
     "wall_time",

@@ -31,6 +31,7 @@ Examples:
   kvroute simulate --trace mooncake.jsonl -n 16      replay a Mooncake trace on 16 instances
   kvroute simulate --scale "120s:+1,240s:-2" --plot run.png
   kvroute simulate -o bounded-load.load_factor=1.5 --json results.json
+  kvroute simulate --working-set 0.5,0.8,1.0,1.5     hit rate and TTFT as the prefixes outgrow the KV memory
 """
 
 
@@ -127,6 +128,14 @@ def _caption(comparison: Comparison) -> str:
     ]
     if comparison.baseline(_BASELINE) is None:
         lines[1] = f"{_BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"
+    config = comparison.config
+    if config.working_set is not None or comparison.pooled_hit_rate < comparison.upper_bound_hit_rate - 1e-12:
+        sized = "" if config.working_set is None else f", sized for a working set of {config.working_set:.0%}"
+        lines.insert(
+            1,
+            f"pooled LRU reference (one cache of the fleet's {config.fleet_blocks:,} KV blocks{sized}): "
+            f"{comparison.pooled_hit_rate * 100:.1f}%",
+        )
     return "\n".join([*lines, *_rejection_lines(comparison)])
 
 
@@ -187,6 +196,8 @@ def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed
         "rejected_reasons": dict(comparison.rejected_reasons),
         "prompt_tokens": comparison.prompt_tokens,
         "upper_bound_hit_rate": comparison.upper_bound_hit_rate,
+        "pooled_hit_rate": comparison.pooled_hit_rate,
+        "working_set": config.working_set,
         "baseline": _BASELINE if base is not None else None,
         "strategies": strategies,
         "wall_time": wall,
@@ -194,15 +205,7 @@ def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed
 
 
 def _plot(comparison: Comparison, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise click.ClickException(
-            '--plot needs matplotlib, which is not installed: pip install "kvroute[plot]"'
-        ) from None
+    plt = _pyplot()
     fig, (ax_cdf, ax_hit, ax_load) = plt.subplots(1, 3, figsize=(18, 5.5))
     for r in comparison.results:
         ttfts = sorted(r.ttfts)
@@ -282,6 +285,14 @@ def _plot(comparison: Comparison, path: Path) -> None:
 @click.option(
     "-E", "--engine-option", multiple=True, metavar="KEY=VALUE", help="Engine setting, e.g. capacity_blocks=20000."
 )
+@click.option(
+    "--working-set",
+    "working_sets",
+    default=None,
+    metavar="RATIOS",
+    help="Size each engine's KV cache so the reused prefixes fill this share of the fleet's blocks (0.8: 80 %); "
+    "several, comma-separated, print a sweep, e.g. 0.5,0.8,1.0,1.5.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")
@@ -299,6 +310,7 @@ def simulate(
     workload_option: Sequence[str],
     strategy_option: Sequence[str],
     engine_option: Sequence[str],
+    working_sets: str | None,
     json_path: Path | None,
     plot_path: Path | None,
     progress: bool | None,
@@ -350,6 +362,12 @@ def simulate(
         config = SimulationConfig(
             instances=instances, engine=engine, scale=parse_scale(scale) if scale else (), seed=seed
         )
+        ratios = _ratios(working_sets)
+        if ratios and "capacity_blocks" in engine_kwargs:
+            raise click.BadParameter(
+                "--working-set sets the engines' capacity_blocks; give one or the other (got both).",
+                param_hint="--working-set",
+            )
 
         plugins = PluginManager()
         installed = sorted(plugins.strategies)
@@ -379,10 +397,17 @@ def simulate(
         if not arrivals:
             raise click.ClickException("the workload produced no request; raise --requests or --duration.")
         show_progress = sys.stderr.isatty() if progress is None else progress
-        comparison = _run(arrivals, names, config, per_strategy, workload, plugins, show_progress)
+        requests_ = [a.engine_request() for a in arrivals]
+        configs = [config.sized_for(requests_, ratio) for ratio in ratios] or [config]
+        comparisons = [_run(arrivals, names, c, per_strategy, workload, plugins, show_progress) for c in configs]
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
 
+    if len(comparisons) > 1:
+        shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
+        _print_sweep(comparisons, workload, shown, seed, json_path, plot_path, started)
+        return
+    comparison = comparisons[0]
     wall = time.perf_counter() - started
     title = (
         f"kvroute simulate: {workload}, {len(arrivals):,} requests, {instances} instances, seed {seed} ({wall:.1f} s)"
@@ -397,6 +422,71 @@ def simulate(
         json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plot_path is not None:
         _plot(comparison, plot_path)
+
+
+def _ratios(text: str | None) -> list[float]:
+    """Parse --working-set: comma-separated positive numbers (none when not given)."""
+    if text is None:
+        return []
+    ratios = []
+    for item in (part.strip() for part in text.split(",")):
+        try:
+            ratio = float(item)
+        except ValueError:
+            ratio = math.nan
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise click.BadParameter(
+                f"expected positive numbers separated by commas, e.g. 0.5,0.8,1.0,1.5 (got {item!r}).",
+                param_hint="--working-set",
+            )
+        ratios.append(ratio)
+    return ratios
+
+
+def _print_sweep(
+    comparisons: list[Comparison],
+    workload: str,
+    workload_options: Mapping[str, Any],
+    seed: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    started: float,
+) -> None:
+    """Print the sweep table; write {"sweep": [one run's JSON per working set]} and the sweep's plot."""
+    from rich.console import Console
+
+    from kvroute_simulator.sweep import plot_sweep, render_sweep
+
+    wall = time.perf_counter() - started
+    first = comparisons[0]
+    title = (
+        f"kvroute simulate: working-set sweep, {workload}, {first.requests:,} requests, "
+        f"{first.config.instances} instances, seed {seed} ({wall:.1f} s)"
+    )
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=180)
+    console.print(render_sweep(comparisons, title))
+    if json_path is not None:
+        runs = [to_json(c, workload_options=workload_options, seed=seed, wall=wall) for c in comparisons]
+        data = _finite({"sweep": runs})
+        json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if plot_path is not None:
+        plot_sweep(comparisons, plot_path, _pyplot())
+
+
+def _pyplot() -> Any:
+    """Return matplotlib.pyplot on the Agg backend, or say how to install it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException(
+            '--plot needs matplotlib, which is not installed: pip install "kvroute[plot]"'
+        ) from None
+    return plt
 
 
 def _finite(value: Any) -> Any:

@@ -44,7 +44,7 @@ from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
-from kvroute_simulator.bound import ideal_hit_tokens
+from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
 from kvroute_simulator.engine import Engine
 from kvroute_simulator.engine_config import EngineConfig
 from kvroute_simulator.results import Comparison, InstanceResult, StrategyResult, quantile
@@ -391,12 +391,16 @@ def compare(
     plugins: PluginManager | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Comparison:
-    """Run every strategy over the same arrivals; ``options`` maps a strategy name to its options."""
+    """Run every strategy over the same arrivals; ``options`` maps a strategy name to its options.
+
+    The comparison also holds the hit-rate upper bound and the pooled-LRU reference.
+    """
     config = config or SimulationConfig()
     plugins = plugins or PluginManager()
     options = options or {}
     requests = [a.engine_request() for a in arrivals]
     hits, total = ideal_hit_tokens(requests, config.engine)
+    pooled, _ = pooled_lru_hit_tokens(requests, config.fleet_blocks, config.engine)
     refused = _refusals(requests, config.engine)
     results = tuple(
         simulate(arrivals, name, options.get(name), config, plugins=plugins, progress=progress) for name in strategies
@@ -406,6 +410,7 @@ def compare(
         requests=len(arrivals),
         prompt_tokens=total,
         upper_bound_hit_rate=hits / total if total else 0.0,
+        pooled_hit_rate=pooled / total if total else 0.0,
         config=config,
         results=results,
         scale=config.scale,

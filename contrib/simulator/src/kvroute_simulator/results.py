@@ -84,6 +84,8 @@ class Comparison:
 
     ``prompt_tokens`` and the bound cover the requests the engines accept; ``rejected``
     counts the others (per reason in ``rejected_reasons``), which every strategy sees refused.
+    ``pooled_hit_rate`` is the reference of one LRU cache holding the fleet's KV blocks
+    together (the instances at the start), fed the same requests.
     """
 
     workload: str
@@ -95,6 +97,7 @@ class Comparison:
     scale: tuple[ScaleEvent, ...] = ()
     rejected: int = 0
     rejected_reasons: Mapping[str, int] = attrs.field(factory=dict)
+    pooled_hit_rate: float = math.nan
 
     def baseline(self, name: str = "random") -> StrategyResult | None:
         """The result of ``name`` if it ran."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 
 import attrs
 
 from kvroute.errors import ConfigError
-from kvroute_simulator._validators import positive_integer, positive_number
+from kvroute_simulator._validators import optional, positive_integer, positive_number
+from kvroute_simulator.bound import reused_blocks
 from kvroute_simulator.engine_config import CostModel, EngineConfig
+from kvroute_simulator.sequences import EngineRequest
 
 __all__ = ["ScaleEvent", "SimulationConfig", "parse_scale"]
 
@@ -51,3 +55,37 @@ class SimulationConfig:
     closed_loop: bool = True
     #: Width in seconds of the windows of the hit-rate and load time series.
     sample_interval: float = attrs.field(default=10.0, validator=positive_number)
+    #: The working set over the fleet's KV capacity this fleet was sized for (:meth:`sized_for`), if any.
+    working_set: float | None = attrs.field(default=None, validator=optional(positive_number))
+
+    @property
+    def fleet_blocks(self) -> int:
+        """KV blocks of the instances present at the start, together."""
+        return self.instances * self.engine.capacity_blocks
+
+    def sized_for(self, requests: Sequence[EngineRequest], working_set: float) -> SimulationConfig:
+        """Return this fleet with each engine's ``capacity_blocks`` set so the working set is ``working_set`` of it.
+
+        The working set is the distinct blocks an infinite cache would hit at least once
+        (:func:`~kvroute_simulator.bound.reused_blocks`: the shared prefixes' blocks); with
+        ``working_set=0.8`` they fill 80 % of the instances' KV blocks together, with 1.5 they
+        are half as much again as the fleet holds. The engines also need room for what runs,
+        so a fleet can lose hits before 1.0. Raises `ConfigError` when no prefix is reused or
+        when an engine would be too small for the largest request.
+        """
+        if not (isinstance(working_set, int | float) and math.isfinite(working_set) and working_set > 0):
+            raise ConfigError(f"'working_set' must be a positive number (got {working_set!r}).")
+        blocks = reused_blocks(requests, self.engine)
+        if blocks == 0:
+            raise ConfigError("'working_set' needs a workload whose requests share prefixes (got none reused).")
+        capacity = math.ceil(blocks / (working_set * self.instances))
+        size = self.engine.block_size
+        largest = max(-(-(len(r.prompt) + r.output_len) // size) for r in requests)
+        if capacity < largest:
+            raise ConfigError(
+                f"'working_set'={working_set:g} would leave {capacity:,} KV blocks per instance ({blocks:,} reused "
+                f"blocks over {self.instances} instances), fewer than the largest request needs ({largest:,}); "
+                "use a smaller working set, fewer instances or more requests per prefix."
+            )
+        engine = attrs.evolve(self.engine, capacity_blocks=capacity)
+        return attrs.evolve(self, engine=engine, working_set=float(working_set))
