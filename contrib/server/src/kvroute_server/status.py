@@ -10,7 +10,8 @@ Counters (requests, tokens, spills, ejections, in flight) are read from the prox
 ``/metrics`` exposition (`ProxyMetrics.render`), so the page and ``/metrics`` agree by
 construction, and under ``kvroute serve --workers N`` they are the values merged over every
 worker. The decision log, the per-backend spill counts and the engine loads are the answering
-worker's own (see docs/serve.md).
+worker's own (see docs/serve.md). With shadow strategies, the ``shadow`` section compares them with
+the live strategy (from the shadow metrics, so merged too; docs/monitoring.md, "Shadow strategies").
 """
 
 from __future__ import annotations
@@ -274,6 +275,46 @@ class StatusView:
             "backends": rows,
             "fleet": self._fleet(rows),
             "decisions": {"size": self.decisions.size, "recent": self.decisions.recent()},
+            "shadow": self._shadow(samples, strategy, sum(cached.values())) if self.config.shadow else None,
+        }
+
+    def _shadow(self, samples: _Samples, live: str, engine_cached: float) -> dict[str, Any]:
+        """Per strategy (live first): decisions, predicted reuse, reusable anywhere, agreement; and the funnel."""
+        decisions = samples.sum_by("kvroute_strategy_decisions_total", "strategy")
+        predicted = samples.sum_by("kvroute_predicted_reused_tokens_total", "strategy")
+        reusable = samples.sum_by("kvroute_reusable_tokens_total", "strategy")
+        agreements = samples.sum_by("kvroute_shadow_agreements_total", "strategy")
+        errors = samples.sum_by("kvroute_shadow_errors_total", "strategy")
+        prompt = sum(samples.sum_by("kvroute_cache_view_prompt_tokens_total").values())
+        rows = []
+        for name in (live, *self.config.shadow):
+            key = (name,)
+            n, p, r = decisions.get(key, 0.0), predicted.get(key, 0.0), reusable.get(key, 0.0)
+            agreed = n if name == live else agreements.get(key, 0.0)
+            rows.append(
+                {
+                    "name": name,
+                    "role": "live" if name == live else "shadow",
+                    "decisions": _number(n),
+                    "predicted_reused_tokens": _number(p),
+                    "reusable_tokens": _number(r),
+                    "predicted_ratio": round(p / prompt, 4) if prompt else None,
+                    "captured": round(p / r, 4) if r else None,
+                    "agreements": _number(agreed),
+                    "agreement": round(agreed / n, 4) if n else None,
+                    "errors": _number(errors.get(key, 0.0)),
+                }
+            )
+        return {
+            "strategies": rows,
+            # Live strategy: what its candidates held / what its choices held / what the engines said they reused.
+            "funnel": {
+                "prompt_tokens": _number(prompt),
+                "reusable_anywhere": rows[0]["reusable_tokens"],
+                "predicted_at_chosen": rows[0]["predicted_reused_tokens"],
+                "engine_reported": _number(engine_cached),
+            },
+            "cache_view": _jsonable(self.config.cache_view),
         }
 
     def _worker(self) -> dict[str, Any]:
@@ -282,7 +323,7 @@ class StatusView:
             "index": self.worker.index if self.worker is not None else 0,
             "count": count,
             # What is merged over every worker, and what is this worker's own.
-            "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected"],
+            "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow"],
             "own": ["decisions", "spills_to", "engine", "healthy", "draining"] if count > 1 else [],
         }
 
