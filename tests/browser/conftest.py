@@ -147,7 +147,7 @@ def servers() -> Iterator[Servers]:
 
 @pytest.fixture
 def fleet(servers: Servers) -> Iterator[Proxy]:
-    """``kvroute serve`` (bounded-load, vllm kind for engine load) in front of four emulators."""
+    """``kvroute serve`` (bounded-load, vllm kind for engine load, two shadows) in front of four emulators."""
     emulators = servers.emulators(4, time_scale=0.05)
     backends = [f"id=gpu-{i},url={e.url},kind=vllm" for i, e in enumerate(emulators)]
     proxy = Proxy(
@@ -162,6 +162,10 @@ def fleet(servers: Servers) -> Iterator[Proxy]:
         "0.5",
         "--status-decisions",
         "25",
+        "--shadow",
+        "consistent-hash,least-outstanding",
+        "--shadow-option",
+        "consistent-hash.prefix_length=1024",
     )
     try:
         yield proxy

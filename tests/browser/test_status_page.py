@@ -145,6 +145,28 @@ class TestStatusPageInBrowser:
                 page.screenshot(path=shot)
         assert page.errors == []
 
+    def test_shadow_section(self, chromium: Any, fleet: Proxy) -> None:
+        """The shadow section lists the live strategy and its shadows with /status.json's numbers and the funnel."""
+        page = open_page(chromium, fleet)
+        assert page.locator("#shadow").is_visible()
+        with Traffic(fleet.url) as traffic:
+            wait_for(lambda: traffic.sent >= 20, "20 requests through the proxy")
+        quiesce(fleet)
+        next_refresh(page)
+        section = status_json(fleet)["shadow"]
+        rows = page.eval_on_selector_all("#shadows tbody tr", "rows => rows.map(r => r.dataset.strategy)")
+        assert rows == ["bounded-load", "consistent-hash", "least-outstanding"]
+        for row in section["strategies"]:
+            shown = page.locator(f'#shadows tr[data-strategy="{row["name"]}"] td[data-field="decisions"]').inner_text()
+            assert int(shown.replace(",", "")) == row["decisions"] >= 20
+            if row["role"] == "shadow":
+                agreement = page.locator(f'#shadows tr[data-strategy="{row["name"]}"] td[data-field="agreement"]')
+                assert agreement.inner_text().strip() == f"{100 * row['agreement']:.1f}%"
+        for key in ("reusable_anywhere", "predicted_at_chosen", "engine_reported"):
+            label = page.locator(f'#funnel [data-funnel="{key}"] .lbl').inner_text()
+            assert label.startswith(f"{section['funnel'][key]:,}"), (key, label)
+        assert page.errors == []
+
     def test_admin_mode_asks_for_the_token(self, chromium: Any, guarded: Proxy) -> None:
         """With status = admin the page asks for the token, then shows the fleet once it is given."""
         page = chromium.new_page()
