@@ -166,6 +166,8 @@ def fleet(servers: Servers) -> Iterator[Proxy]:
         "consistent-hash,least-outstanding",
         "--shadow-option",
         "consistent-hash.prefix_length=1024",
+        "--cache-view",
+        "units=words",
     )
     try:
         yield proxy

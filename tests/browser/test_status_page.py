@@ -164,7 +164,8 @@ class TestStatusPageInBrowser:
                 assert agreement.inner_text().strip() == f"{100 * row['agreement']:.1f}%"
         for key in ("reusable_anywhere", "predicted_at_chosen", "engine_reported"):
             label = page.locator(f'#funnel [data-funnel="{key}"] .lbl').inner_text()
-            assert label.startswith(f"{section['funnel'][key]:,}"), (key, label)
+            funnel = section["funnel"]
+            assert label == f"{100 * funnel['ratios'][key]:.1f}% · {funnel[key]:,} tokens", (key, label)
         assert page.errors == []
 
     def test_admin_mode_asks_for_the_token(self, chromium: Any, guarded: Proxy) -> None:

@@ -39,6 +39,10 @@ class TestStatusShadow:
         assert funnel["reusable_anywhere"] == live["reusable_tokens"] >= funnel["predicted_at_chosen"]
         assert funnel["predicted_at_chosen"] == live["predicted_reused_tokens"] > 0
         assert funnel["engine_reported"] == doc["totals"]["cached_tokens"] > 0
+        assert funnel["engine_prompt_tokens"] == doc["totals"]["prompt_tokens"]
+        ratios = funnel["ratios"]
+        assert ratios["predicted_at_chosen"] == round(funnel["predicted_at_chosen"] / funnel["prompt_tokens"], 4)
+        assert ratios["engine_reported"] == round(funnel["engine_reported"] / funnel["engine_prompt_tokens"], 4)
 
     def test_page_has_the_section(self) -> None:
         """The page carries the shadow section, its funnel and its table, shown only when the JSON has ``shadow``."""

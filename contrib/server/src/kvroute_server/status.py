@@ -275,11 +275,17 @@ class StatusView:
             "backends": rows,
             "fleet": self._fleet(rows),
             "decisions": {"size": self.decisions.size, "recent": self.decisions.recent()},
-            "shadow": self._shadow(samples, strategy, sum(cached.values())) if self.config.shadow else None,
+            "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
         }
 
-    def _shadow(self, samples: _Samples, live: str, engine_cached: float) -> dict[str, Any]:
-        """Per strategy (live first): decisions, predicted reuse, reusable anywhere, agreement; and the funnel."""
+    def _shadow(
+        self, samples: _Samples, live: str, engine_prompt: Mapping[str, float], engine_cached: Mapping[str, float]
+    ) -> dict[str, Any]:
+        """Per strategy (live first): decisions, predicted reuse, reusable anywhere, agreement; and the funnel.
+
+        The view counts approximate tokens and the engines real ones, so the funnel compares ratios: the
+        view's stages over the view's prompt tokens, the engines' stage over the engines' prompt tokens.
+        """
         decisions = samples.sum_by("kvroute_strategy_decisions_total", "strategy")
         predicted = samples.sum_by("kvroute_predicted_reused_tokens_total", "strategy")
         reusable = samples.sum_by("kvroute_reusable_tokens_total", "strategy")
@@ -305,14 +311,22 @@ class StatusView:
                     "errors": _number(errors.get(key, 0.0)),
                 }
             )
+        engine_p, engine_c = sum(engine_prompt.values()), sum(engine_cached.values())
+        live_row = rows[0]
         return {
             "strategies": rows,
             # Live strategy: what its candidates held / what its choices held / what the engines said they reused.
             "funnel": {
                 "prompt_tokens": _number(prompt),
-                "reusable_anywhere": rows[0]["reusable_tokens"],
-                "predicted_at_chosen": rows[0]["predicted_reused_tokens"],
-                "engine_reported": _number(engine_cached),
+                "reusable_anywhere": live_row["reusable_tokens"],
+                "predicted_at_chosen": live_row["predicted_reused_tokens"],
+                "engine_prompt_tokens": _number(engine_p),
+                "engine_reported": _number(engine_c),
+                "ratios": {
+                    "reusable_anywhere": round(live_row["reusable_tokens"] / prompt, 4) if prompt else None,
+                    "predicted_at_chosen": live_row["predicted_ratio"],
+                    "engine_reported": round(engine_c / engine_p, 4) if engine_p else None,
+                },
             },
             "cache_view": _jsonable(self.config.cache_view),
         }
