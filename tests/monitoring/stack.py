@@ -42,15 +42,22 @@ def require(program: str) -> str:
 
 
 def serve_config(fleet_file: Path, options: Mapping[str, Any]) -> str:
-    """A `kvroute serve` TOML file: fast probes, the fleet read from ``fleet_file`` by file discovery."""
+    """A `kvroute serve` TOML file: fast probes, two shadow strategies, the fleet read from ``fleet_file`` by file
+    discovery."""
     lines = [
         "[server]",
         f'admin_token = "{ADMIN}"',
         "access_log = false",
         "[routing]",
         'strategy = "bounded-load"',
+        # Shadows, so that the dashboard's shadow panels have data (word units: the emulators' tokenizer).
+        'shadow = ["consistent-hash", "least-outstanding"]',
         "[routing.options]",
         *(f"{k} = {json.dumps(v)}" for k, v in options.items()),
+        "[routing.shadow_options.consistent-hash]",
+        "prefix_length = 1024",
+        "[routing.cache_view]",
+        'units = "words"',
         "[health]",
         "interval = 0.2",
         "unhealthy_threshold = 1",

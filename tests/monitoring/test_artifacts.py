@@ -138,6 +138,9 @@ class TestDashboard:
             "kvroute_ejections_total",
             "kvroute_discovery_last_success_timestamp_seconds",
             "kvroute_discovery_stale",
+            "by (strategy, role) (rate(kvroute_predicted_reused_tokens_total",
+            "rate(kvroute_shadow_agreements_total",
+            'rate(kvroute_reusable_tokens_total{instance=~"$instance", role="live"}',
         ],
     )
     def test_covers(self, needle: str) -> None:
