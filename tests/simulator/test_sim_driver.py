@@ -215,6 +215,7 @@ JSON_FIELDS = {
     "upper_bound_hit_rate",
     "pooled_hit_rate",
     "working_set",
+    "warm_join",
     "baseline",
     "strategies",
     "wall_time",
@@ -244,6 +245,7 @@ STRATEGY_FIELDS = {
     "instances",
     "decisions",
     "timeline",
+    "joins",
     "vs_baseline",
 }
 SMALL_ARGS = [

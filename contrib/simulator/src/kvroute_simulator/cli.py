@@ -13,11 +13,12 @@ from typing import Any
 import click
 
 from kvroute.errors import KvrouteError
+from kvroute.warmup import SlowStart
 from kvroute_simulator.driver import Comparison, SimulationConfig, StrategyResult, compare, parse_scale
 from kvroute_simulator.engine import EngineConfig
 from kvroute_simulator.workloads import WORKLOADS, make_workload
 
-__all__ = ["render_table", "simulate", "to_json"]
+__all__ = ["render_joins", "render_table", "simulate", "to_json"]
 
 _BASELINE = "random"
 
@@ -118,6 +119,38 @@ def render_table(comparison: Comparison, title: str) -> Any:
     return table
 
 
+def render_joins(comparison: Comparison) -> Any:
+    """Return a rich Table of each join: the TTFT of the requests that moved to the new instance, and of the others."""
+    from rich.table import Table
+
+    config = comparison.config
+    warm = []
+    if config.prefill:
+        warm.append(f"pre-fill of the {config.prefill} hottest prefixes, {config.prefill_concurrency} at a time")
+    if config.slow_start is not None:
+        warm.append(f"slow start over {config.slow_start.period:g} s")
+    table = Table(
+        title=f"the {config.join_window:g} s after each join ({', '.join(warm) or 'cold join'})",
+        caption="moved: the requests whose home is the new instance (a dry run on the fleet after the join)",
+        caption_justify="left",
+    )
+    for header in ("strategy", "join", "requests", "moved", "moved TTFT p50 / p90", "others p90", "all p90 / mean"):
+        table.add_column(header, justify="left" if header in ("strategy", "join") else "right", no_wrap=True)
+    for r in comparison.results:
+        for j in r.joins:
+            warmed = f", {j.warm_requests} warm-up, serving at {j.serving_from:.1f} s" if j.warm_requests else ""
+            table.add_row(
+                r.strategy,
+                f"{j.backend} at {j.time:g} s{warmed}",
+                f"{j.window_requests:,}",
+                f"{j.moved:,}",
+                f"{_ms(j.moved_ttft_p50)} / {_ms(j.moved_ttft_p90)}",
+                _ms(j.others_ttft_p90),
+                f"{_ms(j.all_ttft_p90)} / {_ms(j.all_ttft_mean)}",
+            )
+    return table
+
+
 def _caption(comparison: Comparison) -> str:
     fair = 100 / comparison.config.instances
     lines = [
@@ -198,6 +231,12 @@ def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed
         "upper_bound_hit_rate": comparison.upper_bound_hit_rate,
         "pooled_hit_rate": comparison.pooled_hit_rate,
         "working_set": config.working_set,
+        "warm_join": {
+            "slow_start": None if config.slow_start is None else config.slow_start.period,
+            "prefill": config.prefill,
+            "prefill_concurrency": config.prefill_concurrency,
+            "join_window": config.join_window,
+        },
         "baseline": _BASELINE if base is not None else None,
         "strategies": strategies,
         "wall_time": wall,
@@ -293,6 +332,21 @@ def _plot(comparison: Comparison, path: Path) -> None:
     help="Size each engine's KV cache so the reused prefixes fill this share of the fleet's blocks (0.8: 80 %); "
     "several, comma-separated, print a sweep, e.g. 0.5,0.8,1.0,1.5.",
 )
+@click.option(
+    "--slow-start",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Warm join: an instance --scale adds ramps from 10 %% of its weight to all of it over SECONDS.",
+)
+@click.option(
+    "--prefill",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Warm join: before an added instance takes traffic, pre-fill it with the N hottest prefixes it will own.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")
@@ -311,6 +365,8 @@ def simulate(
     strategy_option: Sequence[str],
     engine_option: Sequence[str],
     working_sets: str | None,
+    slow_start: float | None,
+    prefill: int,
     json_path: Path | None,
     plot_path: Path | None,
     progress: bool | None,
@@ -360,7 +416,12 @@ def simulate(
         except (TypeError, ValueError) as exc:
             raise click.BadParameter(str(exc), param_hint="--engine-option") from None
         config = SimulationConfig(
-            instances=instances, engine=engine, scale=parse_scale(scale) if scale else (), seed=seed
+            instances=instances,
+            engine=engine,
+            scale=parse_scale(scale) if scale else (),
+            seed=seed,
+            slow_start=SlowStart(slow_start) if slow_start is not None else None,
+            prefill=prefill,
         )
         ratios = _ratios(working_sets)
         if ratios and "capacity_blocks" in engine_kwargs:
@@ -416,6 +477,8 @@ def simulate(
     if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
         console = Console(width=180)
     console.print(render_table(comparison, title))
+    if any(r.joins for r in comparison.results):
+        console.print(render_joins(comparison))
     if json_path is not None:
         shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
         data = _finite(to_json(comparison, workload_options=shown, seed=seed, wall=wall))

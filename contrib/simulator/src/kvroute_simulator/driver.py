@@ -14,6 +14,10 @@ time, earliest first (at equal times: scale events, then arrivals, then engine s
   ``on_request_finish`` and the in-flight counts see them), and a conversation's next turn is
   scheduled ``think_time`` after the turn it follows finished (closed loop);
 * a scale event adds cold instances or removes the newest ones (their requests in flight finish).
+  With a warm join configured, an added instance is first pre-filled with the hottest
+  prefixes it will own (prefix-only requests of one output token, a few at a time, while it
+  is drained) and/or its weight ramps up over ``slow_start.period``
+  (:mod:`kvroute.warmup`); each join's figures are a :class:`JoinResult`.
 
 Before each routing decision every backend's `EngineLoad` is refreshed from its engine
 (running, waiting, KV usage, prefix-cache counters, block size), as an adapter would.
@@ -43,18 +47,21 @@ from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Status
+from kvroute.warmup import HotPrefix, HotPrefixes, warm_plan
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
 from kvroute_simulator.engine import Engine
 from kvroute_simulator.engine_config import EngineConfig
-from kvroute_simulator.results import Comparison, InstanceResult, StrategyResult, quantile
+from kvroute_simulator.results import Comparison, InstanceResult, JoinResult, StrategyResult, quantile
 from kvroute_simulator.sequences import EngineRequest, EngineSequence
 from kvroute_simulator.simulation_config import ScaleEvent, SimulationConfig, parse_scale
+from kvroute_simulator.tokens import TokenSeq, vocabulary
 
 __all__ = [
     "NO_BACKEND",
     "Comparison",
     "InstanceResult",
+    "JoinResult",
     "ScaleEvent",
     "SimulationConfig",
     "StrategyResult",
@@ -85,6 +92,26 @@ class _Instance:
     added_at: float
     removed_at: float | None = None
     requests: int = 0
+    #: Pre-fill requests' tokens, left out of the instance's figures (they are not live traffic).
+    warm_prompt: int = 0
+    warm_hits: int = 0
+    warm_output: int = 0
+
+
+@attrs.define
+class _Join:
+    """One instance's join in progress: its window's requests, its pre-fill queue, its home oracle."""
+
+    instance: _Instance
+    time: float
+    oracle: Router
+    pending: list[HotPrefix] = attrs.field(factory=list)
+    warming: int = 0
+    warm_requests: int = 0
+    serving_from: float | None = None
+    moved: list[float] = attrs.field(factory=list)
+    others: list[float] = attrs.field(factory=list)
+    window_requests: int = 0
 
 
 @attrs.define
@@ -93,6 +120,9 @@ class _Flight:
     lease: Lease
     instance: _Instance
     seq: EngineSequence
+    #: The join whose window the request arrived in, and whether its home is the new instance.
+    join: _Join | None = None
+    moved: bool = False
 
 
 class _Run:
@@ -139,22 +169,101 @@ class _Run:
         self.timeline: list[tuple[float, float, Mapping[str, int]]] = []
         self.window_start = 0.0
         self.window_tokens = (0, 0)
+        self.plugins = plugins
+        self.hot = HotPrefixes() if config.prefill > 0 else None
+        self.joins: list[_Join] = []
+        self.warming: dict[int, _Join] = {}  # id(EngineSequence) of a pre-fill request -> its join
+        self.timers: list[tuple[float, int, Callable[[float], None]]] = []
 
     # -- fleet -----------------------------------------------------------------------------
 
-    def _add(self, now: float) -> None:
+    def _add(self, now: float) -> _Instance:
         backend_id = f"i{self.next_index}"
         self.next_index += 1
         backend = Backend(id=backend_id, url=f"sim://{backend_id}", kind="simulated")
         engine = Engine(self.config.engine, self.config.cost, name=backend_id)
-        self.instances[backend_id] = _Instance(backend, engine, now)
+        instance = self.instances[backend_id] = _Instance(backend, engine, now)
         self.order.append(backend_id)
         self.fleet.add(backend)
+        return instance
+
+    # -- warm join -------------------------------------------------------------------------
+
+    def _join(self, instance: _Instance, now: float) -> None:
+        """Start measuring a join; pre-fill the instance (drained meanwhile) and/or start its slow start."""
+        backend_id = instance.backend.id
+        oracle_fleet = Fleet([attrs.evolve(s.backend, weight=1.0) for s in self.fleet])
+        oracle = Router.create(oracle_fleet, self.strategy, self.options, plugins=self.plugins)
+        join = _Join(instance, now, oracle)
+        self.joins.append(join)
+        plan = [] if self.hot is None else warm_plan(self.router, backend_id, self.hot, self.config.prefill)
+        if not plan:
+            self._serve(join, now)
+            return
+        self.fleet.drain(backend_id)
+        join.pending = plan[::-1]
+        for _ in range(min(self.config.prefill_concurrency, len(plan))):
+            self._warm_next(join, now)
+
+    def _warm_next(self, join: _Join, now: float) -> None:
+        """Send the next pre-fill request of ``join`` to its instance's engine."""
+        entry = join.pending.pop()
+        body = entry.body
+        prompt = TokenSeq.of(vocabulary().render_chat(body["messages"]))
+        request = EngineRequest(
+            f"warm-{join.instance.backend.id}-{join.warm_requests}", prompt, 1, extra_key=body.get("cache_salt")
+        )
+        seq = join.instance.engine.submit(request, now)
+        self.warming[id(seq)] = join
+        join.warming += 1
+        join.warm_requests += 1
+
+    def _warm_done(self, seq: EngineSequence, now: float) -> None:
+        join = self.warming.pop(id(seq))
+        instance = join.instance
+        instance.warm_prompt += len(seq.request.prompt)
+        instance.warm_hits += seq.cached_tokens or 0
+        instance.warm_output += seq.request.output_len
+        join.warming -= 1
+        if join.pending and instance.backend.id in self.fleet:
+            self._warm_next(join, now)
+        elif join.warming == 0:
+            if instance.backend.id in self.fleet:
+                self.fleet.drain(instance.backend.id, False)
+            self._serve(join, now)
+
+    def _serve(self, join: _Join, now: float) -> None:
+        """The instance takes live traffic from ``now``: at full weight, or ramping up."""
+        join.serving_from = now
+        backend_id = join.instance.backend.id
+        if self.config.slow_start is None or backend_id not in self.fleet:
+            return
+        ramp = self.config.slow_start.begin(self.fleet, backend_id, now)
+
+        def step(at: float) -> None:
+            due = ramp.advance(at)
+            if due is not None:
+                self._timer(due, step)
+
+        step(now)
+
+    def _timer(self, at: float, callback: Callable[[float], None]) -> None:
+        self.counter += 1
+        heapq.heappush(self.timers, (at, self.counter, callback))
+
+    def _window(self, request: RouteRequest, now: float) -> tuple[_Join | None, bool]:
+        """The join whose window ``now`` is in (the latest), and whether ``request``'s home is its instance."""
+        for join in reversed(self.joins):
+            if join.time <= now < join.time + self.config.join_window:
+                home = join.oracle.decide(request)[0].backend.id
+                return join, home == join.instance.backend.id
+        return None, False
 
     def _scale(self, event: ScaleEvent, now: float) -> None:
         if event.delta > 0:
-            for _ in range(event.delta):
-                self._add(now)
+            added = [self._add(now) for _ in range(event.delta)]
+            for instance in added:
+                self._join(instance, now)
         else:
             members = [i for i in reversed(self.order) if i in self.fleet]
             for backend_id in members[: -event.delta]:
@@ -188,6 +297,8 @@ class _Run:
         except NoBackendAvailable:
             self._reject(NO_BACKEND, arrival, now)
             return
+        if self.hot is not None:
+            self.hot.observe(request)
         decision = lease.decision
         self.route_costs.append(decision.duration_s)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
@@ -203,7 +314,10 @@ class _Run:
             return
         instance.requests += 1
         seq = instance.engine.submit(engine_request, now)
-        self.flights[id(seq)] = _Flight(arrival, lease, instance, seq)
+        join, moved = self._window(request, now) if self.joins else (None, False)
+        if join is not None:
+            join.window_requests += 1
+        self.flights[id(seq)] = _Flight(arrival, lease, instance, seq, join, moved)
 
     def _reject(self, reason: str, arrival: Arrival, now: float) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -229,8 +343,8 @@ class _Run:
         """Close every sampling window that ends at or before ``upto``."""
         width = self.config.sample_interval
         while self.window_start + width <= upto:
-            prompt = sum(i.engine.stats.prompt_tokens for i in self.instances.values())
-            hits = sum(i.engine.stats.hit_tokens for i in self.instances.values())
+            prompt = sum(i.engine.stats.prompt_tokens - i.warm_prompt for i in self.instances.values())
+            hits = sum(i.engine.stats.hit_tokens - i.warm_hits for i in self.instances.values())
             d_prompt, d_hits = prompt - self.window_tokens[0], hits - self.window_tokens[1]
             in_flight = {i: self.instances[i].engine.in_flight for i in self.order if i in self.fleet}
             self.timeline.append((self.window_start, d_hits / d_prompt if d_prompt else math.nan, in_flight))
@@ -254,13 +368,16 @@ class _Run:
             t_arrival = arrivals[ai].time if ai < len(arrivals) else inf
             t_deferred = self.deferred[0][0] if self.deferred else inf
             t_scale = scale[si].time if si < len(scale) else inf
-            now = min(t_engine, t_arrival, t_deferred, t_scale)
+            t_timer = self.timers[0][0] if self.timers else inf
+            now = min(t_engine, t_arrival, t_deferred, t_scale, t_timer)
             if now == inf:
                 break
             self._sample(now)
             if t_scale == now:
                 self._scale(scale[si], now)
                 si += 1
+            elif t_timer == now:
+                heapq.heappop(self.timers)[2](now)
             elif t_arrival == now or t_deferred == now:
                 if t_deferred <= t_arrival:
                     arrival = heapq.heappop(self.deferred)[2]
@@ -280,13 +397,23 @@ class _Run:
             else:
                 result = instances[engine_id].engine.step(now)
                 for seq in result.first_tokens:
+                    flight = self.flights.get(id(seq))
+                    if flight is None:  # a pre-fill request
+                        continue
                     ttft = seq.ttft
                     assert ttft is not None
                     self.ttfts.append(ttft)
+                    if flight.join is not None:
+                        (flight.join.moved if flight.moved else flight.join.others).append(ttft)
                 for seq in result.finished:
-                    self._finish(seq, now)
+                    if id(seq) in self.warming:
+                        self._warm_done(seq, now)
+                    else:
+                        self._finish(seq, now)
         self._sample(self.last_finish + self.config.sample_interval)
         self.router.close()
+        for join in self.joins:
+            join.oracle.close()
 
     # -- results ---------------------------------------------------------------------------
 
@@ -303,9 +430,9 @@ class _Run:
                     id=backend_id,
                     requests=inst.requests,
                     share=inst.requests / total_requests,
-                    prompt_tokens=stats.prompt_tokens,
-                    hit_tokens=stats.hit_tokens,
-                    output_tokens=stats.output_tokens,
+                    prompt_tokens=stats.prompt_tokens - inst.warm_prompt,
+                    hit_tokens=stats.hit_tokens - inst.warm_hits,
+                    output_tokens=stats.output_tokens - inst.warm_output,
                     busy_time=stats.busy_time,
                     preemptions=stats.preemptions,
                     added_at=inst.added_at,
@@ -347,6 +474,24 @@ class _Run:
             decisions=dict(sorted(self.decisions.items())),
             timeline=tuple(self.timeline),
             ttfts=tuple(self.ttfts),
+            joins=tuple(self._join_result(join) for join in self.joins),
+        )
+
+    def _join_result(self, join: _Join) -> JoinResult:
+        moved, others = sorted(join.moved), sorted(join.others)
+        every = sorted(moved + others)
+        return JoinResult(
+            backend=join.instance.backend.id,
+            time=join.time,
+            window_requests=join.window_requests,
+            moved=len(moved),
+            moved_ttft_p50=quantile(moved, 0.50),
+            moved_ttft_p90=quantile(moved, 0.90),
+            others_ttft_p90=quantile(others, 0.90),
+            all_ttft_p90=quantile(every, 0.90),
+            all_ttft_mean=sum(every) / len(every) if every else math.nan,
+            warm_requests=join.warm_requests,
+            serving_from=join.serving_from if join.serving_from is not None else math.nan,
         )
 
 

@@ -10,7 +10,7 @@ import attrs
 
 from kvroute_simulator.simulation_config import ScaleEvent, SimulationConfig
 
-__all__ = ["Comparison", "InstanceResult", "StrategyResult", "quantile"]
+__all__ = ["Comparison", "InstanceResult", "JoinResult", "StrategyResult", "quantile"]
 
 
 @attrs.frozen
@@ -32,6 +32,31 @@ class InstanceResult:
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens on this instance."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@attrs.frozen
+class JoinResult:
+    """What one instance's join did to the requests of the window after it (``join_window``, 60 s).
+
+    A request *moved* when its home is the new instance: a dry-run decision of the same
+    strategy on the fleet after the join, every member at full weight and idle (for the
+    hash strategies, where its prefix key now lives). TTFTs are in seconds; ``all_ttft_mean``
+    times ``window_requests`` is the TTFT the window's requests waited in total, so two runs
+    over the same arrivals compare what warming cost and saved.
+    """
+
+    backend: str
+    time: float
+    window_requests: int
+    moved: int
+    moved_ttft_p50: float
+    moved_ttft_p90: float
+    others_ttft_p90: float
+    all_ttft_p90: float
+    all_ttft_mean: float
+    #: Pre-fill requests sent to the new instance, and when it began taking live traffic.
+    warm_requests: int
+    serving_from: float
 
 
 @attrs.frozen
@@ -65,6 +90,8 @@ class StrategyResult:
     #: (window start s, hit rate in the window, requests in flight per instance id at the window's end)
     timeline: tuple[tuple[float, float, Mapping[str, int]], ...] = attrs.field(repr=False)
     ttfts: tuple[float, ...] = attrs.field(repr=False)
+    #: One per instance a scale event added.
+    joins: tuple[JoinResult, ...] = ()
 
     def to_json(self, *, include_samples: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (TTFT samples only with ``include_samples``)."""

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import attrs
 
 from kvroute.errors import ConfigError
-from kvroute_simulator._validators import optional, positive_integer, positive_number
+from kvroute.warmup import SlowStart
+from kvroute_simulator._validators import integer, optional, positive_integer, positive_number
 from kvroute_simulator.bound import reused_blocks
 from kvroute_simulator.engine_config import CostModel, EngineConfig
 from kvroute_simulator.sequences import EngineRequest
@@ -55,6 +56,14 @@ class SimulationConfig:
     closed_loop: bool = True
     #: Width in seconds of the windows of the hit-rate and load time series.
     sample_interval: float = attrs.field(default=10.0, validator=positive_number)
+    #: Warm join: ramp each instance a scale event adds from a tenth of its weight to all of it (Envoy's slow start).
+    slow_start: SlowStart | None = None
+    #: Warm join: before an added instance takes traffic, pre-fill it with this many of the hottest prefixes it owns.
+    prefill: int = attrs.field(default=0, validator=integer)
+    #: Pre-fill requests in flight at once on the joining instance (the rate bound).
+    prefill_concurrency: int = attrs.field(default=2, validator=positive_integer)
+    #: Seconds after a join over which its figures are measured (:class:`~kvroute_simulator.results.JoinResult`).
+    join_window: float = attrs.field(default=60.0, validator=positive_number)
     #: The working set over the fleet's KV capacity this fleet was sized for (:meth:`sized_for`), if any.
     working_set: float | None = attrs.field(default=None, validator=optional(positive_number))
 
