@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -70,10 +69,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before {url} answered")
-        with contextlib.suppress(OSError, urllib.error.HTTPError):
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                return
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
 
@@ -118,7 +116,7 @@ def cpu_seconds(pid: int) -> float:
 
 def ensure_debian_tools() -> None:
     """nginx and wrk on PATH, installed from Debian's packages when missing (needs root)."""
-    missing = [tool for tool in ("nginx", "wrk") if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
+    missing = [tool for tool in ("nginx", "wrk") if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
     if not missing:
         return
     if os.geteuid() != 0:
@@ -188,9 +186,9 @@ def _sse_stream() -> str:
             event["usage"] = usage
         return "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
 
-    words = "The answer is in the third clause of the policy as written in section four".split()
+    text = "The answer is in the third clause of the policy as written in section four"
     events = [chunk({"role": "assistant", "content": ""})]
-    events += [chunk({"content": " " + word}) for word in words[:15]]
+    events += [chunk({"content": " " + word}) for word in text.split(" ")]
     events.append(chunk({}, finish="stop"))
     events.append(chunk({}, usage={"prompt_tokens": 700, "completion_tokens": 16, "total_tokens": 716}))
     return "".join(events) + "data: [DONE]\n\n"

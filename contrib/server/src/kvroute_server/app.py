@@ -213,7 +213,10 @@ class ProxyApp:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ProxyApp]:
-        """Run the backend set (upstream session, health, adapters), the admin journal and the parity check."""
+        """Run the backend set (upstream session, health, adapters), the admin journal and the parity check.
+
+        On the way out, the proxied requests' idle upstream connections are closed too.
+        """
         strategy = self.router.strategy
         try:
             async with self.backends.running(kv_event_sink(strategy)), anyio.create_task_group() as tg:
@@ -229,6 +232,7 @@ class ProxyApp:
                 finally:
                     tg.cancel_scope.cancel()
         finally:
+            self.forwarder.upstream.close()
             self.router.close()
             if self.shadows is not None:
                 self.shadows.close()

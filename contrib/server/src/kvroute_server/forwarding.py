@@ -13,11 +13,9 @@ What a request went through is kept in an `Exchange`, which the app logs and cou
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 from typing import Any
 
-import aiohttp
 import attrs
 import structlog
 
@@ -31,24 +29,28 @@ from kvroute_server.backends import BackendSet
 from kvroute_server.config import ServerConfig
 from kvroute_server.metrics import ProxyMetrics
 from kvroute_server.shadow import ProxyShadows
-from kvroute_server.upstream import UsageSniffer, filter_request_headers, filter_response_headers
+from kvroute_server.upstream import (
+    UpstreamPool,
+    UpstreamResponse,
+    UsageSniffer,
+    filter_request_headers,
+    filter_response_headers,
+)
 
 __all__ = ["Exchange", "Forwarder", "reject"]
 
 log = structlog.get_logger(__name__)
 
 _SSE = "text/event-stream"
-#: Transport failures. ``TimeoutError`` is an ``OSError``; `_is_timeout` tells our own
-#: timeouts (first byte, idle) from aiohttp's connect timeouts, which are connection errors.
-_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
-#: Request bodies larger than this go upstream as a stream written in 64 KiB pieces.
-_LARGE_UPSTREAM_BODY = 1024 * 1024
+#: Transport failures: `UpstreamConnectionError` (an ``OSError``) for a connection that failed,
+#: ``TimeoutError`` (also one) for our own first-byte and idle timeouts; `_is_timeout` tells them apart.
+_TRANSPORT_ERRORS = OSError
 
 Header = tuple[bytes, bytes]
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError)
+    return isinstance(exc, TimeoutError)
 
 
 @attrs.define
@@ -143,6 +145,8 @@ class Forwarder:
         self.backends = backends
         self.metrics = metrics
         self.shadows = shadows
+        #: The proxied requests' own client (keep-alive connections per backend host).
+        self.upstream = UpstreamPool(config.timeouts.connect)
         self._shared_metrics = metrics.shared
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
 
@@ -248,12 +252,8 @@ class Forwarder:
         """One try on ``lease.backend``; returns a `_Failure` when nothing reached the client."""
         backend_id = lease.backend.id
         config = self.backends.config(backend_id)
-        path = scope["path"]
-        url = (
-            lease.backend.url
-            + path
-            + (("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else "")
-        )
+        query = scope["query_string"]
+        target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
         headers = filter_request_headers(
             scope["headers"],
             forward_authorization=self.config.forward_authorization,
@@ -262,14 +262,12 @@ class Forwarder:
         )
         timeouts = self.config.timeouts
         sent_at = time.perf_counter()
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         try:
             try:
                 async with asyncio.timeout(timeouts.first_byte):
-                    # aiohttp warns (ResourceWarning) on raw bytes over 1 MiB: hand it a stream instead.
-                    data = raw if len(raw) <= _LARGE_UPSTREAM_BODY else io.BytesIO(raw)
-                    response = await self.backends.session.post(url, data=data, headers=headers)
-                    first = await response.content.readany()
+                    response = await self.upstream.post(lease.backend.url, target, raw, headers)
+                    first = await response.readany()
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
                     return _Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
@@ -293,21 +291,21 @@ class Forwarder:
             return await self._whole(response, first, send, ex, id_header)
         finally:
             if response is not None:
-                if response.content.at_eof():
+                if response.at_eof():
                     response.release()  # fully read: the connection goes back to the pool
                 else:
                     response.close()  # cut short or cancelled: the backend sees the disconnect
 
     async def _whole(
-        self, response: aiohttp.ClientResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
+        self, response: UpstreamResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
     ) -> _Failure | None:
         """A complete (non-streamed) body: read it all, then answer, or fail on a 5xx for a retry."""
         backend_id = ex.backend
         parts = [first]
         try:
-            while first and not response.content.at_eof():
+            while first and not response.at_eof():
                 async with asyncio.timeout(self.config.timeouts.idle):
-                    chunk = await response.content.readany()
+                    chunk = await response.readany()
                 if not chunk:
                     break
                 parts.append(chunk)
@@ -340,20 +338,19 @@ class Forwarder:
         return None
 
     async def _stream(
-        self, response: aiohttp.ClientResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
+        self, response: UpstreamResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
     ) -> _Failure | None:
         """Pass SSE events through as they arrive; never split an event on failure."""
         backend_id = ex.backend
         idle = self.config.timeouts.idle
         sniffer = UsageSniffer()
         pending = first
-        content = response.content
         try:
             # Wait for the first complete event before committing to this backend, so that
             # a backend dying before it is still a failure the client never sees.
             while not _event_end(pending):
                 async with asyncio.timeout(idle):
-                    chunk = await content.readany()
+                    chunk = await response.readany()
                 if not chunk:
                     break
                 pending += chunk
@@ -380,7 +377,7 @@ class Forwarder:
         try:
             while True:
                 async with asyncio.timeout(idle):
-                    chunk = await content.readany()
+                    chunk = await response.readany()
                 if not chunk:
                     break
                 if pending:
