@@ -190,3 +190,20 @@ class TestBoundedCacheConformance(StrategyConformance):
     strategy = "bounded-cache"
     deterministic = True
 
+
+# Each backend reports 2-6 blocks of 16 tokens; the hot sample keys are ~17 tokens, so a backend holds 1-5
+# of them and cold keys regularly meet backends without cache room.
+TestBoundedCacheScaling = ScalingStateMachine.for_strategy(
+    "bounded-cache",
+    {"min_capacity": 0},
+    claims=Claims(load_factor=1.25, resident=True, cache_factor=1.1, cache_fill=0.8),
+    kv_blocks=(2, 3, 4, 6),
+    max_examples=12,
+).TestCase
+# No telemetry: capacities are the weights, only cache_factor bounds (here at its tightest, 1.0).
+TestBoundedCacheWeightsScaling = ScalingStateMachine.for_strategy(
+    "bounded-cache",
+    {"cache_factor": 1.0, "min_capacity": 0, "load_factor": 2.0},
+    claims=Claims(load_factor=2.0, resident=True, cache_factor=1.0),
+    max_examples=12,
+).TestCase

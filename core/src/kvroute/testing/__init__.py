@@ -6,6 +6,8 @@
   (`Tolerance`), and reports what a run exercised (`Coverage`).
 * `kvroute.testing.measure`: assignments, movement, shares and the exact ``load_factor`` cap
   (`load_factor_cap`), for tests and benchmarks.
+* `kvroute.testing.footprint`: the reference model of what each backend's cache holds
+  (`CacheModel`, `cache_room`) that capacity-aware placement claims are checked against.
 
 Both check generated cases: evidence, not proof. The state machine runs ``max_examples``
 histories of up to ``steps`` rules (20 and 30 by default; this repository's CI runs use 8 to
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvroute.testing.footprint import CacheModel, cache_room
 from kvroute.testing.measure import (
     Movement,
     Tolerance,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from kvroute.testing.stateful import Claims, Coverage, ScalingStateMachine
 
 __all__ = [
+    "CacheModel",
     "Claims",
     "Coverage",
     "Movement",
@@ -45,6 +49,7 @@ __all__ = [
     "Tolerance",
     "assign",
     "backend_id_of",
+    "cache_room",
     "exact",
     "load_factor_cap",
     "sample_requests",

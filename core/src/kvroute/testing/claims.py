@@ -33,6 +33,14 @@ class Claims:
     min_capacity: int = 0
     #: Every start goes to a candidate with the fewest requests in flight per unit of weight.
     least_loaded: bool = False
+    #: Held prefixes stay home: a start whose key some candidate holds (`kvroute.testing.footprint`)
+    #: goes to a holder, unless every holder is full under the claimed load limits.
+    resident: bool = False
+    #: A cold key (no candidate holds it) goes to a candidate with cache room under this factor
+    #: (and ``cache_fill``) whenever one has room under the load limits too (`footprint.cache_room`).
+    cache_factor: float | None = None
+    #: The fraction of a backend's KV capacity placed prefixes may fill (with ``kv_blocks`` telemetry).
+    cache_fill: float | None = None
 
     @classmethod
     def none(cls) -> Claims:
@@ -44,6 +52,10 @@ class Claims:
         return self.load_factor is not None or self.concurrency_threshold is not None
 
     @property
+    def cache_bounded(self) -> bool:
+        return self.cache_factor is not None or self.cache_fill is not None
+
+    @property
     def live_checks(self) -> tuple[str, ...]:
         """The claimed checks that must meet a case able to fail them at least once per run."""
         names = []
@@ -53,6 +65,10 @@ class Claims:
             names.append("concurrency_threshold")
         if self.least_loaded:
             names.append("least_loaded")
+        if self.resident:
+            names.append("resident")
+        if self.cache_bounded:
+            names.append("cache")
         return tuple(names)
 
 
@@ -62,9 +78,10 @@ class Coverage:
 
     ``live`` counts, per load check, the starts at which it could have failed: some candidate
     was full under ``load_factor`` (``concurrency_threshold``), or, for ``least_loaded``, the
-    candidates' loads per unit of weight were not all equal. ``at_cap`` counts the starts at
-    which some candidate sat exactly at its ``load_factor`` cap (the case an off-by-one
-    misses).
+    candidates' loads per unit of weight were not all equal; for ``resident``, some candidates
+    held the key and others did not; for ``cache``, a cold key met a candidate without cache
+    room. ``at_cap`` counts the starts at which some candidate sat exactly at its
+    ``load_factor`` cap (the case an off-by-one misses).
     """
 
     examples: int = 0
@@ -78,12 +95,14 @@ class Coverage:
             "load_factor": "a candidate full under load_factor",
             "concurrency_threshold": "a candidate at the concurrency threshold",
             "least_loaded": "candidates with unequal loads per unit of weight",
+            "resident": "a key held by some candidates and not others",
+            "cache": "a cold key and a candidate without cache room for it",
         }
         dead = [check for check in claims.live_checks if not self.live[check]]
         assert not dead, "; ".join(
             f"{name}: the {check} check never met {why[check]} in {self.starts} starts over {self.examples} "
             f"examples (expected at least one such start, got 0): raise burst, steps or max_examples, or lower "
-            f"min_capacity, until the check can fail"
+            f"min_capacity (or the backends' kv_blocks), until the check can fail"
             for check in dead
         )
 
@@ -219,9 +238,15 @@ class ClaimChecks:
             coverage.live["least_loaded"] += len(set(per_weight.values())) > 1
             _assert_least_loaded(chosen, per_weight, loads, weights, "least loaded:")
 
-    def bounded(self, chosen: str, loads: Mapping[str, int], weights: Mapping[str, float], coverage: Coverage) -> None:
-        """A candidate with room under ``load_factor`` / ``concurrency_threshold`` is chosen if there is one, else
-        a least loaded one."""
+    def load_room(self, loads: Mapping[str, int], weights: Mapping[str, float]) -> set[str]:
+        """The candidates with room for one more request under the claimed load limits (all when none is claimed)."""
+        _, full_lf, full_threshold = self._full(loads, weights)
+        return {b for b in loads if b not in full_lf and b not in full_threshold}
+
+    def _full(
+        self, loads: Mapping[str, int], weights: Mapping[str, float]
+    ) -> tuple[dict[str, int], set[str], set[str]]:
+        """The ``load_factor`` caps, and the candidates full under ``load_factor`` and under the threshold."""
         claims = self.claims
         lf, threshold = claims.load_factor, claims.concurrency_threshold
         total = sum(loads.values())
@@ -232,6 +257,14 @@ class ClaimChecks:
         )
         full_lf = {b for b in caps if loads[b] + 1 > caps[b]}
         full_threshold = {b for b in loads if threshold is not None and loads[b] >= threshold}
+        return caps, full_lf, full_threshold
+
+    def bounded(self, chosen: str, loads: Mapping[str, int], weights: Mapping[str, float], coverage: Coverage) -> None:
+        """A candidate with room under ``load_factor`` / ``concurrency_threshold`` is chosen if there is one, else
+        a least loaded one."""
+        claims = self.claims
+        lf, threshold = claims.load_factor, claims.concurrency_threshold
+        caps, full_lf, full_threshold = self._full(loads, weights)
         coverage.live["load_factor"] += bool(full_lf)
         coverage.live["concurrency_threshold"] += bool(full_threshold)
         coverage.at_cap += any(loads[b] == caps[b] for b in caps)
@@ -251,3 +284,32 @@ class ClaimChecks:
         else:
             what = "bounded load: every candidate was full, so"
             _assert_least_loaded(chosen, _per_weight(loads, weights), loads, weights, what)
+
+    def placement(
+        self,
+        chosen: str,
+        key: int,
+        holders: set[str],
+        cache_room: set[str],
+        load_room: set[str],
+        candidates: set[str],
+        coverage: Coverage,
+    ) -> None:
+        """The ``resident`` and cache-bound checks of one start of ``key`` (holders and rooms taken before it)."""
+        claims = self.claims
+        if claims.resident and holders:
+            coverage.live["resident"] += holders != candidates
+            if holders & load_room:
+                assert chosen in holders, (
+                    f"resident: key {key} is held by {sorted(holders)} (of which {sorted(holders & load_room)} had "
+                    f"room for a request), expected one of them, got {chosen!r}"
+                )
+        if claims.cache_bounded and not holders:
+            coverage.live["cache"] += cache_room != candidates
+            fits = cache_room & load_room
+            if fits:
+                assert chosen in fits, (
+                    f"cache bound: cold key {key} placed on {chosen!r}, while {sorted(fits)} had cache room "
+                    f"(cache_factor {claims.cache_factor}, cache_fill {claims.cache_fill}) and room for a request; "
+                    f"expected one of them (cache room: {sorted(cache_room)}, load room: {sorted(load_room)})"
+                )

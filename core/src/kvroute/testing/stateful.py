@@ -41,6 +41,20 @@ Checked only when the strategy claims it (`Claims`):
    is a least loaded candidate (per unit of weight).
 7. ``least_loaded``: whenever a request is started, the chosen backend has the fewest
    requests in flight per unit of weight among the candidates.
+8. ``resident`` (capacity-aware placement): the machine keeps a reference model of what each
+   backend's cache holds (`kvroute.testing.footprint.CacheModel`, fed by every start's
+   ``Decision.key`` and ``detail["footprint"]``, LRU-aged at the backend's KV capacity); a
+   start whose key some candidates hold goes to one of them, unless all of those are full
+   under the claimed load limits.
+9. ``cache_factor`` / ``cache_fill``: a start whose key no candidate holds goes to a candidate
+   with cache room (`kvroute.testing.footprint.cache_room`) whenever some candidate has both
+   cache room and room for a request.
+
+With ``kv_blocks`` set, every backend reports a KV cache of one of those sizes (blocks of
+``block_size`` tokens) as fresh `EngineLoad` telemetry before each start; without it no
+backend reports one, and capacities are weights. Claims 1-5 are checked on the probe, which
+never starts a request: they describe placement with nothing held, which is all a strategy
+that remembers what it placed can promise about every key; 8 and 9 describe the rest.
 
 A load check that never had a full candidate to catch could not have failed, so `ScalingStateMachine.run` (which the
 ``TestCase`` calls) fails when a claimed limit never bound during the whole run: at least one
@@ -60,7 +74,7 @@ from __future__ import annotations
 
 import unittest
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, settings
@@ -74,13 +88,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvroute.backend import Backend, BackendState
+from kvroute.backend import Backend, BackendState, EngineLoad
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Strategy, build_strategy
 from kvroute.testing.claims import ClaimChecks, Claims, Coverage
+from kvroute.testing.footprint import CacheModel, cache_room
 from kvroute.testing.measure import Movement, Tolerance, assign, sample_requests
 
 __all__ = ["Claims", "Coverage", "ScalingStateMachine"]
@@ -154,6 +169,10 @@ class ScalingStateMachine(RuleBasedStateMachine):
     burst: ClassVar[int] = 0
     max_backends: ClassVar[int] = 9
     model: ClassVar[str] = "model"
+    #: KV cache sizes (in blocks) a new backend reports, drawn per backend; empty: none reports one.
+    kv_blocks: ClassVar[tuple[int, ...]] = ()
+    #: Tokens per KV block in the reported telemetry.
+    block_size: ClassVar[int] = 16
     #: What the current (or last) `run` exercised.
     coverage: ClassVar[Coverage] = Coverage()
     #: A unittest case running `run` with its ``settings`` (one per configured subclass).
@@ -171,6 +190,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
         keys: int | None = None,
         max_backends: int | None = None,
         burst: int | None = None,
+        kv_blocks: Sequence[int] | None = None,
         max_examples: int = 20,
         steps: int = 30,
     ) -> type[ScalingStateMachine]:
@@ -179,7 +199,8 @@ class ScalingStateMachine(RuleBasedStateMachine):
         ``strategy`` is an installed strategy's name or a factory; ``claims`` defaults to
         every placement claim with no load bound (what a consistent-hash strategy promises).
         ``max_examples`` and ``steps`` bound the run (each example is up to ``steps`` rules);
-        ``burst`` is the most requests one burst starts (default ``2 * min_capacity + 8``).
+        ``burst`` is the most requests one burst starts (default ``2 * min_capacity + 8``);
+        ``kv_blocks`` the KV cache sizes backends report (see the class attribute).
         """
         name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "strategy")
         attributes: dict[str, Any] = {
@@ -195,6 +216,8 @@ class ScalingStateMachine(RuleBasedStateMachine):
             attributes["max_backends"] = max_backends
         if burst is not None:
             attributes["burst"] = burst
+        if kv_blocks is not None:
+            attributes["kv_blocks"] = tuple(kv_blocks)
         title = "".join(part.capitalize() for part in name.replace("_", "-").split("-") if part) or "Strategy"
         machine: type[ScalingStateMachine] = type(f"{title}ScalingMachine", (cls,), attributes)
         machine.TestCase.settings = settings(
@@ -227,6 +250,10 @@ class ScalingStateMachine(RuleBasedStateMachine):
         self.leases: list[Lease] = []
         self.assignment: tuple[str, ...] = ()
         self.seen: dict[frozenset[tuple[str, float]], tuple[str, ...]] = {}
+        #: Each backend's KV cache size in blocks (by id, kept across a bounce), when ``kv_blocks`` is set.
+        self.capacity: dict[str, int] = {}
+        #: What each primary backend's cache holds, as the claims' rules say (`CacheModel`).
+        self.cache = CacheModel()
         #: The checks of what the strategy claims (`kvroute.testing.claims`).
         self._checks = ClaimChecks(self.claims, self.tolerance, self.strategy_name)
 
@@ -252,11 +279,27 @@ class ScalingStateMachine(RuleBasedStateMachine):
         backend_id = data.draw(
             st.text(alphabet=_ID_ALPHABET, min_size=1, max_size=8).filter(lambda b: b not in taken), label="id"
         )
+        if self.kv_blocks:
+            self.capacity[backend_id] = data.draw(st.sampled_from(self.kv_blocks), label="kv_blocks")
         return Backend(backend_id, weight=data.draw(st.sampled_from(_WEIGHTS), label="weight"))
 
     def _both(self, change: Callable[[Fleet], object]) -> None:
         change(self.primary_fleet)
         change(self.probe_fleet)
+        self.cache.keep_only(s.id for s in self.primary_fleet)
+        self._report_capacity()
+
+    def _report_capacity(self) -> None:
+        """Fresh KV cache telemetry on every backend of both fleets (none without ``kv_blocks``)."""
+        if not self.kv_blocks:
+            return
+        for fleet in (self.primary_fleet, self.probe_fleet):
+            for state in fleet:
+                state.load = EngineLoad(kv_blocks=self.capacity[state.id], block_size=self.block_size)
+
+    def _kv_tokens(self, backend_id: str) -> int | None:
+        blocks = self.capacity.get(backend_id)
+        return None if blocks is None else blocks * self.block_size
 
     def _add_to_both(self, backend: Backend) -> None:
         self._both(lambda fleet: fleet.add(backend))
@@ -389,6 +432,7 @@ class ScalingStateMachine(RuleBasedStateMachine):
         return self.requests[data.draw(st.integers(0, min(self.hot_keys, self.keys) - 1), label="key")]
 
     def _start(self, request: RouteRequest) -> None:
+        self._report_capacity()
         candidates = self.primary_fleet.candidates(self.model)
         loads = {s.id: s.in_flight for s in candidates}
         weights = {s.id: s.weight for s in candidates}
@@ -396,6 +440,32 @@ class ScalingStateMachine(RuleBasedStateMachine):
         self.leases.append(lease)
         type(self).coverage.starts += 1
         self._checks.start(lease.backend.id, loads, weights, type(self).coverage)
+        if self.claims.resident or self.claims.cache_bounded:
+            self._check_placement(lease, loads, weights)
+
+    def _check_placement(self, lease: Lease, loads: Mapping[str, int], weights: Mapping[str, float]) -> None:
+        """Check one start against the cache model (claims 8 and 9), then record it there."""
+        decision = lease.decision
+        key, footprint = decision.key, decision.detail.get("footprint")
+        assert key is not None and isinstance(footprint, int), (
+            f"{self.strategy_name} claims resident/cache bounds, so each Decision must carry its key and "
+            f"detail['footprint'] (tokens); got key={key!r}, footprint={footprint!r}"
+        )
+        in_tokens = all(self._kv_tokens(b) is not None for b in loads)
+        capacities = {b: float(self._kv_tokens(b) or 0) if in_tokens else weights[b] for b in loads}
+        claims = self.claims
+        room = cache_room(
+            {b: self.cache.held(b) for b in loads},
+            capacities,
+            footprint,
+            cache_factor=claims.cache_factor,
+            cache_fill=claims.cache_fill,
+            in_tokens=in_tokens,
+        )
+        holders = self.cache.holders(key, loads)
+        load_room = self._checks.load_room(loads, weights)
+        self._checks.placement(lease.backend.id, key, holders, room, load_room, set(loads), type(self).coverage)
+        self.cache.record(lease.backend.id, key, footprint, self._kv_tokens(lease.backend.id))
 
     @rule(data=st.data())
     def route(self, data: st.DataObject) -> None:
