@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import pytest
@@ -132,6 +133,26 @@ class TestCacheView:
                 while linear < len(blocks.hashes) and blocks.hashes[linear] in held:
                     linear += 1
                 assert view.matched(backend_id, blocks) == linear * 2
+
+    @settings(derandomize=True, max_examples=80, deadline=None)
+    @given(
+        st.lists(st.tuples(st.integers(0, 6), st.integers(1, 25)), min_size=1, max_size=60),
+        st.integers(1, 30),
+    )
+    def test_eviction_is_lru_of_the_model(self, sends: list[tuple[int, int]], capacity: int) -> None:
+        """After any sends, a backend holds exactly what a plain LRU holds (each prompt touched last block first)."""
+        view = CacheView(block_size=2, units="words", capacity_tokens=capacity * 2)
+        b1 = state("b1")
+        model: OrderedDict[int, None] = OrderedDict()
+        for family, length in sends:
+            blocks = view.blocks(request(words(length * 2 + 1, family * 5)))
+            view.record(b1, blocks)
+            for h in reversed(blocks.hashes):
+                model[h] = None
+                model.move_to_end(h)
+            while len(model) > capacity:
+                model.popitem(last=False)
+            assert list(view._held["b1"]) == list(model)
 
 
 class _Fixed(BaseStrategy):

@@ -312,19 +312,19 @@ class StatusView:
                 }
             )
         engine_p, engine_c = sum(engine_prompt.values()), sum(engine_cached.values())
-        live_row = rows[0]
+        live_reusable, live_predicted = reusable.get((live,), 0.0), predicted.get((live,), 0.0)
         return {
             "strategies": rows,
             # Live strategy: what its candidates held / what its choices held / what the engines said they reused.
             "funnel": {
                 "prompt_tokens": _number(prompt),
-                "reusable_anywhere": live_row["reusable_tokens"],
-                "predicted_at_chosen": live_row["predicted_reused_tokens"],
+                "reusable_anywhere": _number(live_reusable),
+                "predicted_at_chosen": _number(live_predicted),
                 "engine_prompt_tokens": _number(engine_p),
                 "engine_reported": _number(engine_c),
                 "ratios": {
-                    "reusable_anywhere": round(live_row["reusable_tokens"] / prompt, 4) if prompt else None,
-                    "predicted_at_chosen": live_row["predicted_ratio"],
+                    "reusable_anywhere": round(live_reusable / prompt, 4) if prompt else None,
+                    "predicted_at_chosen": round(live_predicted / prompt, 4) if prompt else None,
                     "engine_reported": round(engine_c / engine_p, 4) if engine_p else None,
                 },
             },
