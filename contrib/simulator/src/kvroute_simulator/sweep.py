@@ -66,8 +66,13 @@ def plot_sweep(comparisons: list[Comparison], path: Path, plt: Any) -> None:
     ax_hit.set(xlabel="working set (% of the fleet's KV blocks)", ylabel="hit rate (%)", title="Prefix-cache hit rate")
     ax_p50.set(xlabel="working set (% of the fleet's KV blocks)", ylabel="TTFT p50 (ms)", title="TTFT p50")
     ax_p90.set(xlabel="working set (% of the fleet's KV blocks)", ylabel="TTFT p90 (ms)", title="TTFT p90")
-    ax_p50.set_yscale("log")
-    ax_p90.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    milliseconds = FuncFormatter(lambda value, _pos: f"{value:,.0f}")
+    for ax in (ax_p50, ax_p90):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(milliseconds)
+        ax.yaxis.set_minor_formatter(milliseconds)
     for ax in (ax_hit, ax_p50, ax_p90):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
