@@ -59,6 +59,7 @@ from kvroute_server.journal import WorkerContext
 from kvroute_server.metrics import CONTENT_TYPE, ProxyMetrics
 from kvroute_server.shadow import ProxyShadows
 from kvroute_server.status import StatusRoutes
+from kvroute_server.warm_join import WarmJoin
 
 __all__ = ["ProxyApp"]
 
@@ -184,6 +185,8 @@ class ProxyApp:
         self.discovery = Discovery.create(
             config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
         )
+        # Warm join (docs/warm-join.md); None when off. Before the router: it registers a request_routed hook.
+        self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
         # Shadow strategies (docs/serve.md, "Shadow strategies"); None when none is configured.
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
@@ -225,6 +228,8 @@ class ProxyApp:
                 if self.admin is not None and self.admin.journal is not None:
                     # Admin changes made before this worker started (it may be a restart), before any request.
                     await tg.start(self.admin.follow)
+                if self.warm_join is not None:  # after the initial fleet is in place: later adds are joins
+                    await tg.start(self.warm_join.run, self.router)
                 if isinstance(strategy, HasPromptTokenizer) and strategy.prompt_tokenizer is not None:
                     tg.start_soon(self.backends.check_parity, strategy)
                 try:

@@ -11,12 +11,17 @@ checker, drains that end in a removal, and one task per backend whose adapter ha
 the KV event feed (`kvroute.adapters.StreamsEvents`, when the strategy offers a sink) and, when the
 backend leaves or the proxy stops, ``await adapter.aclose()`` (`kvroute.adapters.Closes`).
 Capabilities are declared protocols, checked with ``isinstance``.
+
+A backend is drained in the fleet while either the operator (admin API, discovery) drained it or
+the proxy holds it for its own work (`hold`: a warm join's pre-fill, `kvroute_server.warm_join`);
+the two are kept apart, so that releasing a hold never undoes an operator's drain. Whoever needs
+to know when members join or leave subscribes with `watch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
 import aiohttp
 import anyio
@@ -54,6 +59,9 @@ class _Member:
     config: BackendConfig
     adapter: BackendAdapter
     left: bool = False
+    #: Drained by the operator (`BackendSet.drain`), and held by the proxy (`BackendSet.hold`).
+    drained: bool = False
+    held: bool = False
     #: The adapter task's scope while it runs (created on the event loop, not at registration).
     scope: anyio.CancelScope | None = None
 
@@ -94,6 +102,7 @@ class BackendSet:
         self._session: aiohttp.ClientSession | None = None
         self._sink: KvEventSink | None = None
         self._task_group: TaskGroup | None = None
+        self._watchers: list[Callable[[str, bool], None]] = []
         for config in backends:
             self._register(config)
 
@@ -151,11 +160,25 @@ class BackendSet:
         member = self._members[config.id] = _Member(config, adapter)
         return backend, member
 
+    def watch(self, callback: Callable[[str, bool], None]) -> Callable[[], None]:
+        """Call ``callback(backend_id, joined)`` after each `add` (True) and `remove` (False); returns an unwatch.
+
+        Members given at construction are not reported. The callback runs synchronously inside the
+        change, so it sees the new member before any request can be routed to it.
+        """
+        self._watchers.append(callback)
+        return lambda: self._watchers.remove(callback) if callback in self._watchers else None
+
+    def _tell(self, backend_id: str, joined: bool) -> None:
+        for callback in list(self._watchers):
+            callback(backend_id, joined)
+
     def add(self, config: BackendConfig) -> Backend:
         """Add a backend; probed at once when health checks are on, its adapter's task started."""
         backend, member = self._register(config)
         self.health.wake()
         self._start(config.id, member)
+        self._tell(config.id, True)
         return backend
 
     def remove(self, backend_id: str) -> None:
@@ -165,6 +188,7 @@ class BackendSet:
         if member is not None:
             member.leave()
         self.health.forget(backend_id)
+        self._tell(backend_id, False)
 
     def set_weight(self, backend_id: str, weight: float) -> None:
         """Change a member's weight in the fleet (strategies see a ``weight`` event) and in its configuration."""
@@ -186,10 +210,29 @@ class BackendSet:
         member.config = attrs.evolve(member.config, labels=dict(labels))
 
     def drain(self, backend_id: str, *, draining: bool = True, remove_when_idle: bool = False) -> None:
-        """Stop (or resume) new requests to a backend; with ``remove_when_idle``, remove it once idle."""
-        self.fleet.drain(backend_id, draining)
+        """Stop (or resume) new requests to a backend; with ``remove_when_idle``, remove it once idle.
+
+        Resuming a backend the proxy holds (`hold`) takes effect when the hold is released.
+        """
+        member = self._members.get(backend_id)
+        self.fleet.drain(backend_id, draining or (member is not None and member.held))
+        if member is not None:
+            member.drained = draining
         if remove_when_idle and draining and self._task_group is not None:
             self._task_group.start_soon(self._remove_when_idle, backend_id)
+
+    def hold(self, backend_id: str) -> None:
+        """Keep new requests off a member for the proxy's own work, whatever the operator's drain says."""
+        self._members[backend_id].held = True
+        self.fleet.drain(backend_id, True)
+
+    def release(self, backend_id: str) -> None:
+        """End a `hold`: the member takes requests again unless the operator drained it meanwhile."""
+        member = self._members.get(backend_id)
+        if member is None or not member.held:
+            return
+        member.held = False
+        self.fleet.drain(backend_id, member.drained)
 
     async def _remove_when_idle(self, backend_id: str) -> None:
         while True:
@@ -197,7 +240,8 @@ class BackendSet:
                 state = self.fleet.get(backend_id)
             except UnknownBackend:
                 return
-            if not state.draining:
+            member = self._members.get(backend_id)
+            if member is None or not member.drained:  # undrained by the operator, or already replaced
                 return
             if state.in_flight == 0:
                 self.remove(backend_id)

@@ -16,6 +16,7 @@ from kvroute_server.config import (
     HealthConfig,
     ServerConfig,
     TimeoutConfig,
+    WarmJoinConfig,
     load_toml,
     parse_backend_flag,
     parse_discovery_flag,
@@ -83,6 +84,7 @@ def build_config(
         "passive_ejection": "passive_ejection",
     }
     health = {health_map[k]: flags.pop(k) for k in list(flags) if k in health_map and flags[k] is not None}
+    warm_join = {k: flags.pop(k) for k in list(flags) if k in _WARM_JOIN_FLAGS and flags[k] is not None}
     backend_header = flags.pop("backend_header", None)
     if backend_header is not None:
         config = attrs.evolve(config, backend_header=backend_header or None)
@@ -93,6 +95,7 @@ def build_config(
             timeouts=attrs.evolve(config.timeouts, **timeouts) if timeouts else config.timeouts,
             health=attrs.evolve(config.health, **health) if health else config.health,
             discovery_policy=attrs.evolve(config.discovery_policy, **policy) if policy else config.discovery_policy,
+            warm_join=attrs.evolve(config.warm_join, **warm_join) if warm_join else config.warm_join,
         )
     except (TypeError, ValueError) as exc:
         raise KvrouteError(str(exc)) from None
@@ -134,6 +137,9 @@ def _check_default_strategy(config: ServerConfig, plugins: PluginManager) -> Non
 _D_TIMEOUT = TimeoutConfig()
 _D_HEALTH = HealthConfig()
 _D_POLICY = DiscoveryPolicy()
+_D_WARM = WarmJoinConfig()
+#: The ``kvroute serve`` flags that set `WarmJoinConfig` fields (same names).
+_WARM_JOIN_FLAGS = {f.name for f in attrs.fields(WarmJoinConfig)}
 _D = ServerConfig()
 
 
@@ -306,6 +312,44 @@ _D = ServerConfig()
     default=None,
     metavar="N",
     help=f"Recent routing decisions the status page keeps [default: {_D.status_decisions}].",
+)
+@click.option(
+    "--slow-start",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Ramp a joining backend's weight over this many seconds; 0 = off (docs/warm-join.md) [default: 0].",
+)
+@click.option(
+    "--slow-start-initial",
+    type=float,
+    default=None,
+    help=f"Share of its weight a joining backend starts at [default: {_D_WARM.slow_start_initial}].",
+)
+@click.option(
+    "--slow-start-steps",
+    type=int,
+    default=None,
+    help=f"Equal steps of the weight ramp [default: {_D_WARM.slow_start_steps}].",
+)
+@click.option(
+    "--prefill",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Pre-fill a joining backend with the N hottest prefixes it will own; 0 = off [default: 0].",
+)
+@click.option(
+    "--prefill-concurrency",
+    type=int,
+    default=None,
+    help=f"Pre-fill requests in flight at once [default: {_D_WARM.prefill_concurrency}].",
+)
+@click.option(
+    "--prefill-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds a pre-fill may take in all [default: {_D_WARM.prefill_timeout:g}].",
 )
 @click.option("--log-level", default="info", show_default=True, help="debug, info, warning or error.")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default="json", show_default=True)

@@ -27,6 +27,7 @@ __all__ = [
     "HealthConfig",
     "ServerConfig",
     "TimeoutConfig",
+    "WarmJoinConfig",
     "load_toml",
     "parse_backend_flag",
     "parse_discovery_flag",
@@ -303,6 +304,48 @@ class DiscoveryPolicy:
     stale_after: float = attrs.field(default=300.0, validator=_positive_number)
 
 
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"'{attribute.name}' must be a fraction in (0, 1] of the backend's weight (got {value!r}).")
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"'{attribute.name}' must be an integer >= 0 (got {value!r}).")
+
+
+@attrs.frozen
+class WarmJoinConfig:
+    """What the proxy does when a backend joins a serving fleet (docs/warm-join.md); off by default.
+
+    ``prefill``: how many of the hottest prefixes the new backend will own are sent to it first
+    (prefix only, ``max_tokens`` 1), at most ``prefill_concurrency`` at a time, all within
+    ``prefill_timeout`` seconds, while it takes no traffic; 0 = no pre-fill. ``slow_start``: the
+    seconds over which its weight then rises from ``slow_start_initial`` of it to all of it in
+    ``slow_start_steps`` steps (as Envoy's slow start); 0 = full weight at once.
+    """
+
+    slow_start: float = attrs.field(default=0.0, validator=_non_negative_number)
+    slow_start_initial: float = attrs.field(default=0.1, validator=_fraction)
+    slow_start_steps: int = attrs.field(default=10, validator=_positive_int)
+    prefill: int = attrs.field(default=0, validator=_non_negative_int)
+    prefill_concurrency: int = attrs.field(default=2, validator=_positive_int)
+    prefill_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+
+    @property
+    def enabled(self) -> bool:
+        return self.slow_start > 0 or self.prefill > 0
+
+
+_WARM_JOIN_KEYS: dict[str, type] = {
+    "slow_start": float,
+    "slow_start_initial": float,
+    "slow_start_steps": int,
+    "prefill": int,
+    "prefill_concurrency": int,
+    "prefill_timeout": float,
+}
+
 _STATUS_MODES = ("on", "admin", "off")
 #: Most decisions the status page may keep (each is a few hundred bytes of JSON when shown).
 MAX_STATUS_DECISIONS = 10_000
@@ -364,6 +407,8 @@ class ServerConfig:
     shadow_options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     #: Settings of the fleet cache view that scores strategies (``[routing.cache_view]``; `kvroute.CacheView`).
     cache_view: Mapping[str, Any] = attrs.field(factory=dict)
+    #: Warm join of backends added while serving (``[warm_join]``, ``--slow-start``, ``--prefill``).
+    warm_join: WarmJoinConfig = attrs.field(factory=WarmJoinConfig)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -473,7 +518,9 @@ def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
 def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = None) -> ServerConfig:
     """Build a `ServerConfig` from the parsed TOML document (see docs/serve.md)."""
     _check_keys(
-        data, {"server", "routing", "timeouts", "health", "backends", "discovery", "discovery_policy"}, "top level"
+        data,
+        {"server", "routing", "timeouts", "health", "backends", "discovery", "discovery_policy", "warm_join"},
+        "top level",
     )
     config = base or ServerConfig()
     changes: dict[str, Any] = {}
@@ -541,6 +588,9 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
     }
     _check_keys(policy, set(p_types), "discovery_policy")
     p_values = {k: _typed(policy, k, p_types[k], "discovery_policy") for k in policy}
+    warm_join = _section(data, "warm_join")
+    _check_keys(warm_join, set(_WARM_JOIN_KEYS), "warm_join")
+    w_values = {k: _typed(warm_join, k, _WARM_JOIN_KEYS[k], "warm_join") for k in warm_join}
     try:
         return attrs.evolve(
             config,
@@ -551,6 +601,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             health=attrs.evolve(config.health, **h_values),
             discovery=config.discovery + discovery,
             discovery_policy=attrs.evolve(config.discovery_policy, **p_values),
+            warm_join=attrs.evolve(config.warm_join, **w_values),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
