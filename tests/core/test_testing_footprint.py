@@ -31,7 +31,8 @@ def _score(request: RouteRequest, state: BackendState) -> float:
 
 
 class Fitting(kvroute.BaseStrategy):
-    """Rendezvous order; a key's holders first, else the candidates with cache room first (no load limits)."""
+    """Rendezvous order; a key's holders first, else those with cache room, else those with room under the factor
+    alone (no load limits)."""
 
     resident = True
 
@@ -50,7 +51,7 @@ class Fitting(kvroute.BaseStrategy):
             decision.backend.id, decision.key, decision.detail["footprint"], load.kv_tokens if load else None
         )
 
-    def room(self, candidates: Sequence[BackendState], footprint: int) -> set[str]:
+    def room(self, candidates: Sequence[BackendState], footprint: int, fill: float | None = 0.8) -> set[str]:
         loads = [s.fresh_load() for s in candidates]
         in_tokens = all(load is not None and load.kv_tokens for load in loads)
         capacities = {
@@ -58,13 +59,13 @@ class Fitting(kvroute.BaseStrategy):
             for s, load in zip(candidates, loads, strict=True)
         }
         held = {s.id: self.cache.held(s.id) for s in candidates}
-        return cache_room(held, capacities, footprint, cache_factor=1.1, cache_fill=0.8, in_tokens=in_tokens)
+        return cache_room(held, capacities, footprint, cache_factor=1.1, cache_fill=fill, in_tokens=in_tokens)
 
     def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
         key, footprint = hash64(request.text), math.ceil(len(request.text) / 4)
         order = sorted(candidates, key=lambda s: (_score(request, s), s.id), reverse=True)
         holders = self.cache.holders(key, [s.id for s in order]) if self.resident else set()
-        preferred = holders or self.room(candidates, footprint)
+        preferred = holders or self.room(candidates, footprint) or self.room(candidates, footprint, fill=None)
         chosen = next((s for s in order if s.id in preferred), order[0])
         return Decision(chosen.backend, reason="hash", key=key, detail={"footprint": footprint})
 
@@ -78,7 +79,7 @@ class Forgetful(Fitting):
 class HashOnly(Fitting):
     """Keeps held keys home but places cold ones on their rendezvous home whatever it holds."""
 
-    def room(self, candidates: Sequence[BackendState], footprint: int) -> set[str]:
+    def room(self, candidates: Sequence[BackendState], footprint: int, fill: float | None = 0.8) -> set[str]:
         return set()
 
 

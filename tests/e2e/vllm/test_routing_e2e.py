@@ -16,29 +16,26 @@ The hit counts of each strategy are written to ``$KVROUTE_E2E_RESULTS`` (JSON) w
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.vllm.proxy import start_proxy
 from tests.e2e.vllm.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
-    free_ports,
     get_text,
     metric_value,
     post_json,
-    stop_process_group,
 )
 
 pytestmark = [
@@ -97,93 +94,6 @@ def _post(url: str, body: Mapping[str, Any]) -> tuple[dict[str, Any], str | None
         return json.loads(resp.read()), resp.headers.get("x-kvroute-backend")
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"kvroute serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
-            )
-        try:
-            body = json.loads(get_text(url + "/health", timeout_s=2))
-            if body.get("routable") == body.get("backends") == 2:
-                return
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"kvroute serve was not healthy within {limit_s} s:\n{log.read_text(errors='replace')[-3000:]}")
-
-
-class _Proxy:
-    def __init__(self, url: str, log: Path) -> None:
-        self.url = url
-        self.log = log
-
-    def events(self) -> list[dict[str, Any]]:
-        """The proxy's JSON log lines so far."""
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
-
-
-@contextlib.contextmanager
-def _start_proxy(
-    servers: list[VllmServer], strategy: str, options: Mapping[str, Any], workdir: Path
-) -> Iterator[_Proxy]:
-    (port,) = free_ports(1)
-    lines = [
-        "[server]",
-        'host = "127.0.0.1"',
-        f"port = {port}",
-        "",
-        "[routing]",
-        f'strategy = "{strategy}"',
-        "",
-        "[routing.options]",
-        *(f"{k} = {json.dumps(v)}" for k, v in options.items()),
-        "",
-        "[health]",
-        "interval = 0.5",
-        "timeout = 5.0",
-        "",
-    ]
-    for i, server in enumerate(servers):
-        lines += ["[[backends]]", f'id = "vllm-{i}"', f'url = "{server.base_url}"', 'kind = "vllm"', ""]
-    config = workdir / f"kvroute-{strategy}.toml"
-    config.write_text("\n".join(lines))
-    log = workdir / f"kvroute-{strategy}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvroute",
-                "serve",
-                "--config",
-                str(config),
-                "--log-format",
-                "json",
-                "--log-level",
-                "info",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, log)
-        time.sleep(1.5)  # a few health rounds: every adapter has polled its engine's load (block size 128)
-        yield _Proxy(url, log)
-    finally:
-        stop_process_group(proc, grace_s=10)
-
-
 def _run_strategy(
     servers: list[VllmServer], strategy: str, options: Mapping[str, Any], workdir: Path
 ) -> dict[str, Any]:
@@ -194,7 +104,7 @@ def _run_strategy(
     placement: dict[str, int] = {}
     proxy_events: list[dict[str, Any]] = []
     started = time.monotonic()
-    with _start_proxy(servers, strategy, options, workdir) as proxy:
+    with start_proxy([s.base_url for s in servers], strategy, options, workdir) as proxy:
         for body in _workload(seed=3):
             answer, backend = _post(proxy.url + "/v1/chat/completions", body)
             cached += answer["usage"]["prompt_tokens_details"]["cached_tokens"]

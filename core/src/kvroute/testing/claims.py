@@ -37,7 +37,8 @@ class Claims:
     #: goes to a holder, unless every holder is full under the claimed load limits.
     resident: bool = False
     #: A cold key (no candidate holds it) goes to a candidate with cache room under this factor
-    #: (and ``cache_fill``) whenever one has room under the load limits too (`footprint.cache_room`).
+    #: and ``cache_fill`` whenever one has room under the load limits too, else to one with room
+    #: under this factor alone if one has (`footprint.cache_room`).
     cache_factor: float | None = None
     #: The fraction of a backend's KV capacity placed prefixes may fill (with ``kv_blocks`` telemetry).
     cache_fill: float | None = None
@@ -290,12 +291,15 @@ class ClaimChecks:
         chosen: str,
         key: int,
         holders: set[str],
-        cache_room: set[str],
+        rooms: tuple[set[str], set[str]],
         load_room: set[str],
         candidates: set[str],
         coverage: Coverage,
     ) -> None:
-        """The ``resident`` and cache-bound checks of one start of ``key`` (holders and rooms taken before it)."""
+        """The ``resident`` and cache-bound checks of one start of ``key``, on the model's state before it.
+
+        ``rooms`` are the candidates with cache room under both bounds, and under ``cache_factor`` alone.
+        """
         claims = self.claims
         if claims.resident and holders:
             coverage.live["resident"] += holders != candidates
@@ -305,11 +309,15 @@ class ClaimChecks:
                     f"room for a request), expected one of them, got {chosen!r}"
                 )
         if claims.cache_bounded and not holders:
-            coverage.live["cache"] += cache_room != candidates
-            fits = cache_room & load_room
-            if fits:
-                assert chosen in fits, (
-                    f"cache bound: cold key {key} placed on {chosen!r}, while {sorted(fits)} had cache room "
-                    f"(cache_factor {claims.cache_factor}, cache_fill {claims.cache_fill}) and room for a request; "
-                    f"expected one of them (cache room: {sorted(cache_room)}, load room: {sorted(load_room)})"
-                )
+            both, factor_only = rooms
+            coverage.live["cache"] += both != candidates
+            for room, what in ((both, "cache room"), (factor_only, "room under cache_factor alone")):
+                fits = room & load_room
+                if fits:
+                    assert chosen in fits, (
+                        f"cache bound: cold key {key} placed on {chosen!r}, while {sorted(fits)} had {what} "
+                        f"(cache_factor {claims.cache_factor}, cache_fill {claims.cache_fill}) and room for a "
+                        f"request; expected one of them (cache room: {sorted(both)}, under cache_factor alone: "
+                        f"{sorted(factor_only)}, load room: {sorted(load_room)})"
+                    )
+                    return

@@ -48,7 +48,8 @@ Checked only when the strategy claims it (`Claims`):
    under the claimed load limits.
 9. ``cache_factor`` / ``cache_fill``: a start whose key no candidate holds goes to a candidate
    with cache room (`kvroute.testing.footprint.cache_room`) whenever some candidate has both
-   cache room and room for a request.
+   cache room and room for a request; failing that, to one with room under ``cache_factor``
+   alone whenever some candidate has that and room for a request.
 
 With ``kv_blocks`` set, every backend reports a KV cache of one of those sizes (blocks of
 ``block_size`` tokens) as fresh `EngineLoad` telemetry before each start; without it no
@@ -454,17 +455,21 @@ class ScalingStateMachine(RuleBasedStateMachine):
         in_tokens = all(self._kv_tokens(b) is not None for b in loads)
         capacities = {b: float(self._kv_tokens(b) or 0) if in_tokens else weights[b] for b in loads}
         claims = self.claims
-        room = cache_room(
-            {b: self.cache.held(b) for b in loads},
-            capacities,
-            footprint,
-            cache_factor=claims.cache_factor,
-            cache_fill=claims.cache_fill,
-            in_tokens=in_tokens,
+        held = {b: self.cache.held(b) for b in loads}
+        rooms = (
+            cache_room(
+                held,
+                capacities,
+                footprint,
+                cache_factor=claims.cache_factor,
+                cache_fill=claims.cache_fill,
+                in_tokens=in_tokens,
+            ),
+            cache_room(held, capacities, footprint, cache_factor=claims.cache_factor, cache_fill=None, in_tokens=False),
         )
         holders = self.cache.holders(key, loads)
         load_room = self._checks.load_room(loads, weights)
-        self._checks.placement(lease.backend.id, key, holders, room, load_room, set(loads), type(self).coverage)
+        self._checks.placement(lease.backend.id, key, holders, rooms, load_room, set(loads), type(self).coverage)
         self.cache.record(lease.backend.id, key, footprint, self._kv_tokens(lease.backend.id))
 
     @rule(data=st.data())

@@ -22,7 +22,9 @@ A request's key and preference order are consistent-hash's (weighted rendezvous)
 
    ``capacity`` is the engine's KV size in tokens (fresh ``EngineLoad.kv_blocks * block_size``) when
    every candidate reports it, else the backend's weight (then only ``cache_factor`` applies). When
-   no candidate has room the order is the key's own: it goes home, as with consistent hashing.
+   no candidate has room under both, those with room under ``cache_factor`` alone come first (the
+   fill is a target, and the footprint only an estimate); when none has room at all, the order is
+   the key's own: it goes home, as with consistent hashing.
 3. **Requests in flight are bounded as bounded-load bounds them** (`LoadBound`, `choose`): the first
    backend of that order with room under ``load_factor`` / ``concurrency_threshold`` takes it.
 
@@ -137,20 +139,20 @@ class BoundedCache(ConsistentHash):
             tokens[state.id] = Fraction(size)
         return tokens, True
 
-    def has_room(
-        self, held: int, footprint: int, capacity: Fraction, totals: tuple[int, Fraction], in_tokens: bool
-    ) -> bool:
-        """Whether a backend holding ``held`` tokens, of ``capacity``, has room for ``footprint`` more.
+    def tier(self, held: int, footprint: int, capacity: Fraction, totals: tuple[int, Fraction], in_tokens: bool) -> int:
+        """How well ``footprint`` more tokens fit a backend holding ``held`` of ``capacity``: 0 best, 2 worst.
 
-        ``totals`` is (tokens held, capacity) over the candidates; ``in_tokens`` says whether the
-        capacities are KV tokens (``cache_fill`` applies) or weights.
+        0: room under ``cache_factor`` and ``cache_fill``; 1: under ``cache_factor`` only (the
+        fill is over, or the estimate of the footprint too high, everywhere); 2: no room.
+        ``totals`` is (tokens held, capacity) over the candidates; ``in_tokens`` says whether
+        the capacities are KV tokens (``cache_fill`` applies) or weights.
         """
         after = held + footprint
         if self._factor is not None:
             total_held, total_capacity = totals
             if after > footprint and after * total_capacity > self._factor * capacity * (total_held + footprint):
-                return False
-        return self._fill is None or not in_tokens or after <= self._fill * capacity
+                return 2
+        return 0 if self._fill is None or not in_tokens or after <= self._fill * capacity else 1
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         key = self.key(request)
@@ -159,13 +161,12 @@ class BoundedCache(ConsistentHash):
         held = self._footprints
         holders = [s for s in order if held.holds(s.id, key)]
         if holders:
-            first = holders
+            preferred = holders + [s for s in order if not held.holds(s.id, key)]
         else:
             capacities, in_tokens = self.capacities(candidates)
             totals = (sum(held.held(s.id) for s in candidates), sum(capacities.values(), Fraction(0)))
-            first = [s for s in order if self.has_room(held.held(s.id), footprint, capacities[s.id], totals, in_tokens)]
-        chosen_first = {id(s) for s in first}
-        preferred = first + [s for s in order if id(s) not in chosen_first]
+            tiers = {s.id: self.tier(held.held(s.id), footprint, capacities[s.id], totals, in_tokens) for s in order}
+            preferred = sorted(order, key=lambda s: tiers[s.id])  # stable: each tier in the key's order
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
