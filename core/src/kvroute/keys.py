@@ -27,7 +27,7 @@ import attrs
 import xxhash
 
 from kvroute.hashing import hash_parts
-from kvroute.request import RouteRequest, render_messages
+from kvroute.request import RouteRequest
 
 __all__ = [
     "DEFAULT_PREFIX_LENGTH",
@@ -110,17 +110,10 @@ def message_cuts(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENG
 
 def _chat_boundaries(request: RouteRequest) -> tuple[int, int] | None:
     """(end of the preamble, end of the first user message) in ``request.text``; None if not a chat."""
-    messages = request.messages
-    if request.endpoint != "chat" or not messages:
+    messages, offsets = request.messages, request.message_offsets
+    if not messages or offsets is None or len(offsets) != len(messages) + 1:
         return None
     first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
     if first_user is None:
-        return len(request.text), len(request.text)
-    tools = request.prompt_options.get("tools") if request.prompt_options else None
-    # Messages render one by one and concatenate (kvroute.request), so the rendering of the
-    # first messages is a prefix of the text: its length is the boundary's offset.
-    preamble = len(render_messages(messages[:first_user], tools))
-    first_turn = preamble + len(render_messages(messages[first_user : first_user + 1]))
-    if first_turn > len(request.text):  # built by hand with text and messages that disagree
-        return None
-    return preamble, first_turn
+        return offsets[-1], offsets[-1]
+    return offsets[first_user], offsets[first_user + 1]

@@ -228,10 +228,19 @@ def _render_content(content: object, where: str) -> str:
 
 def render_messages(messages: Sequence[Mapping[str, Any]], tools: object = None) -> str:
     """Render chat messages (and tools) to the canonical routing text; validates shapes."""
+    return _render_chat(messages, tools)[0]
+
+
+def _render_chat(messages: Sequence[Mapping[str, Any]], tools: object) -> tuple[str, tuple[int, ...]]:
+    """The routing text, and where each message starts in it followed by the text's length."""
     out: list[str] = []
+    offsets: list[int] = []
+    size = 0
     if tools:
         out.append(f"<|tools|>{_canonical_json(tools, 'tools')}\n")
+        size = len(out[0])
     for i, message in enumerate(messages):
+        offsets.append(size)
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise InvalidRequest(
@@ -249,7 +258,9 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: object = None)
         if calls:
             body += f"<|tool_calls|>{_canonical_json(calls, f'{where}.tool_calls', 'messages')}"
         out.append(f"{_header(role, message.get('name'))}{body}\n")
-    return "".join(out)
+        size += len(out[-1])
+    offsets.append(size)
+    return "".join(out), tuple(offsets)
 
 
 def _describe_int(value: int) -> str:
@@ -295,6 +306,9 @@ class RouteRequest:
     #: ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
     #: ``add_special_tokens``), for strategies that tokenize like the engine; ``None`` if absent.
     prompt_options: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
+    #: Chat only: where each message starts in ``text``, then ``len(text)`` (one more offset than
+    #: messages), so keys can be cut at message boundaries (`kvroute.keys.message_cuts`).
+    message_offsets: tuple[int, ...] | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def from_text(
@@ -363,6 +377,7 @@ class RouteRequest:
 
         token_ids: tuple[int, ...] | None = None
         messages: tuple[Mapping[str, Any], ...] | None = None
+        offsets: tuple[int, ...] | None = None
         if endpoint == "chat":
             raw = body.get("messages")
             if not isinstance(raw, list) or not raw:
@@ -373,7 +388,7 @@ class RouteRequest:
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise InvalidRequest(f"'tools' must be a list (got {_type_name(tools)}).", param="tools")
-            text = render_messages(raw, tools)
+            text, offsets = _render_chat(raw, tools)
             messages = tuple(raw)
         elif endpoint == "completions":
             prompt = body.get("prompt")
@@ -416,4 +431,5 @@ class RouteRequest:
             affinity_key=headers.get(AFFINITY_HEADER) or None,
             max_tokens=max_tokens,
             prompt_options={k: body[k] for k in _PROMPT_OPTIONS if body.get(k) is not None} or None,
+            message_offsets=offsets,
         )

@@ -66,7 +66,7 @@ class HotGroups:
     def _judge(self, group: int, members: int) -> None:
         count, seen = self._counts.get(group, 0), len(self._recent)
         if group in self._hot:
-            if count * 2 * members < seen:
+            if not count or count * 2 * members < seen:
                 self._hot.discard(group)
         elif members > 1 and count >= MIN_EVIDENCE and count * members > seen:
             self._hot.add(group)

@@ -1,0 +1,153 @@
+"""kvroute.keys.message_cuts: where a key's text ends at message boundaries, and that every turn keeps it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute import RouteRequest
+from kvroute.keys import MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
+from kvroute.request import render_messages
+from tests.strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
+
+Messages = list[dict[str, Any]]
+
+#: Messages whose role is never ``user`` (a preamble), and user messages with tricky content.
+preamble_messages = st.lists(tricky_message.filter(lambda m: m["role"] != "user"), max_size=3)
+user_messages = tricky_message.map(lambda m: {**m, "role": "user"})
+#: Long plain contents, so that caps at prefix_length are met too.
+long_text = st.integers(0, 5000).map(lambda n: "w" * n)
+
+
+def chat(messages: Messages, tools: Any = None) -> RouteRequest:
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if tools is not None:
+        body["tools"] = tools
+    return RouteRequest.from_openai(body)
+
+
+def turns(
+    preamble: Messages, first: dict[str, Any], later: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> list[Messages]:
+    """The message lists of successive turns: each adds an answer and a new user message."""
+    out = [[*preamble, first]]
+    for answer, question in later:
+        out.append([*out[-1], answer, question])
+    return out
+
+
+class TestMessageOffsets:
+    @given(tricky_conversations, chat_tools)
+    def test_offsets_are_the_rendering_of_each_head(self, messages: Messages, tools: Any) -> None:
+        """Each offset is the length of the rendering of the messages before it, the last the text's length."""
+        request = chat(messages, tools)
+        assert request.message_offsets == tuple(
+            len(render_messages(messages[:i], tools)) for i in range(len(messages) + 1)
+        )
+
+    def test_completions_have_no_offsets(self) -> None:
+        """Only a chat has message offsets."""
+        request = RouteRequest.from_openai({"model": "m", "prompt": "hello"}, endpoint="completions")
+        assert request.message_offsets is None and RouteRequest.from_text("hello").message_offsets is None
+
+
+class TestMessageCuts:
+    def test_system_prompt_is_the_group(self) -> None:
+        """The issue's shape: a 2,500-character system prompt groups requests whatever 2,000-character question
+        follows."""
+        system = {"role": "system", "content": "s" * 2500}
+        a = chat([system, {"role": "user", "content": "a" * 2000}])
+        b = chat([system, {"role": "user", "content": "b" * 2000}])
+        cuts = message_cuts(a)
+        assert cuts == message_cuts(b) == Cuts(len(render_messages([system])), 4096)
+        assert prefix_key(a, cuts.group) == prefix_key(b, cuts.group)
+        assert prefix_key(a, cuts.conversation) != prefix_key(b, cuts.conversation)
+
+    def test_conversation_ends_after_the_first_user_message(self) -> None:
+        """The conversation cut is the end of the first user message, however many turns follow."""
+        messages: Messages = [
+            {"role": "system", "content": "be brief"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "answer"},
+            {"role": "user", "content": "second"},
+        ]
+        cuts = message_cuts(chat(messages))
+        assert cuts == Cuts(len(render_messages(messages[:2])), len(render_messages(messages[:3])))
+
+    def test_tools_belong_to_the_preamble(self) -> None:
+        """Tool definitions are part of the group, even with no system message."""
+        tools = [{"type": "function", "function": {"name": "lookup"}}]
+        request = chat([{"role": "user", "content": "q"}], tools)
+        assert message_cuts(request).group == len(render_messages([], tools)) > 0
+
+    def test_without_preamble_the_group_is_the_conversation(self) -> None:
+        """A chat that starts with its user message has one cut: through that message."""
+        first = {"role": "user", "content": "q" * 100}
+        end = len(render_messages([first]))
+        assert message_cuts(chat([first, {"role": "assistant", "content": "a"}])) == Cuts(end, end)
+
+    def test_without_user_message_both_cuts_are_the_whole_text(self) -> None:
+        """A chat with no user message is cut at its end (or at prefix_length)."""
+        request = chat([{"role": "system", "content": "s" * 10}])
+        assert message_cuts(request) == Cuts(len(request.text), len(request.text))
+        long = chat([{"role": "system", "content": "s" * 5000}])
+        assert message_cuts(long, 2048) == Cuts(2048, 2048)
+
+    def test_cuts_are_capped_at_prefix_length(self) -> None:
+        """A preamble or first message longer than prefix_length is cut at prefix_length."""
+        request = chat([{"role": "system", "content": "s" * 9000}, {"role": "user", "content": "q"}])
+        assert message_cuts(request, 8192) == Cuts(8192, 8192)
+        assert message_cuts(request) == Cuts(4096, 4096)
+
+    def test_completions_cut_after_a_head_and_after_prefix_length(self) -> None:
+        """A plain prompt has no boundaries: its group is the first 1,024 characters, its conversation
+        prefix_length."""
+        assert message_cuts(RouteRequest.from_text("p" * 9000)) == Cuts(MIN_PREFIX_LENGTH, 4096)
+        assert message_cuts(RouteRequest.from_text("p" * 9000), 2048) == Cuts(MIN_PREFIX_LENGTH, 2048)
+        assert message_cuts(RouteRequest.from_text("p" * 10)) == Cuts(10, 10)
+
+    @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4096"])
+    def test_bad_prefix_length(self, bad: object) -> None:
+        """A prefix length that is not a positive integer is a ValueError saying what was got."""
+        with pytest.raises(ValueError, match="'prefix_length' must be a positive integer"):
+            message_cuts(RouteRequest.from_text("x"), bad)  # type: ignore[arg-type]
+
+    @settings(derandomize=True, max_examples=200)
+    @given(
+        preamble_messages,
+        user_messages,
+        st.lists(st.tuples(tricky_message, user_messages), min_size=1, max_size=3),
+        chat_tools,
+        st.sampled_from([1024, 4096, 65536]),
+    )
+    def test_every_turn_keeps_the_first_turns_cuts_and_keys(
+        self,
+        preamble: Messages,
+        first: dict[str, Any],
+        later: list[tuple[dict[str, Any], dict[str, Any]]],
+        tools: Any,
+        prefix_length: int,
+    ) -> None:
+        """Turn N+1 of a conversation (turn N, an answer and a new user message) has turn N's cuts and keys."""
+        requests = [chat(messages, tools) for messages in turns(preamble, first, later)]
+        cuts = message_cuts(requests[0], prefix_length)
+        for request in requests[1:]:
+            assert message_cuts(request, prefix_length) == cuts
+            assert prefix_key(request, max(1, cuts.group)) == prefix_key(requests[0], max(1, cuts.group))
+            assert prefix_key(request, cuts.conversation) == prefix_key(requests[0], cuts.conversation)
+
+    @settings(derandomize=True, max_examples=100)
+    @given(long_text, prompt_text, long_text, st.lists(st.tuples(markup_text, long_text), min_size=1, max_size=3))
+    def test_long_turns_keep_their_keys(
+        self, system: str, question: str, more: str, later: list[tuple[str, str]]
+    ) -> None:
+        """With contents around and beyond prefix_length, every turn still has the first turn's cuts."""
+        preamble = [{"role": "system", "content": system}] if system else []
+        first = {"role": "user", "content": question + more}
+        rest = [({"role": "assistant", "content": a}, {"role": "user", "content": q}) for a, q in later]
+        requests = [chat(messages) for messages in turns(preamble, first, rest)]
+        assert len({message_cuts(r) for r in requests}) == 1

@@ -1,0 +1,119 @@
+"""bounded-load with consistent-hash's message key (``prefix=messages``), the proxy's default strategy and options."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvroute_bounded_load import BoundedLoad
+
+from kvroute import Backend, Fleet, Router, RouteRequest
+from kvroute.testing import Claims, ScalingStateMachine
+from tests.strategies import prompt_text
+
+
+def router(**options: object) -> Router:
+    return Router.create(Fleet([Backend(f"instance-{i}") for i in range(7)]), "bounded-load", options)
+
+
+def words(rng: random.Random, chars: int) -> str:
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
+
+
+def chat(messages: list[dict[str, Any]]) -> RouteRequest:
+    return RouteRequest.from_openai({"model": "m", "messages": messages})
+
+
+def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[RouteRequest]:
+    """The requests of one conversation: turn N+1 is turn N, its answer and a new question."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
+    requests = []
+    for question, answer in turns:
+        messages = [*messages, {"role": "user", "content": question}]
+        requests.append(chat(messages))
+        messages = [*messages, {"role": "assistant", "content": answer}]
+    return requests
+
+
+class TestBoundedLoadMessageKey:
+    def test_default_is_messages_and_prefix_length_alone_is_fixed(self) -> None:
+        """bounded-load inherits the prefix option: messages by default, fixed when only prefix_length is set."""
+        default, sagemaker = router().strategy, router(prefix_length=8000, concurrency_threshold=16).strategy
+        assert isinstance(default, BoundedLoad) and isinstance(sagemaker, BoundedLoad)
+        assert (default.prefix, sagemaker.prefix) == ("messages", "fixed")
+
+    def test_issue_traffic_keeps_each_system_prompt_on_one_backend(self) -> None:
+        """Issue 15's traffic (24 system prompts of 2,500 characters, 2,000-character questions, 8 in flight):
+        every system prompt's requests go to one backend, and the prompts use at least 4 of the 7."""
+        rng = random.Random(0)
+        systems = [words(rng, 2500) for _ in range(24)]
+        r = router()
+        homes: defaultdict[int, set[str]] = defaultdict(set)
+        in_flight = []
+        for _ in range(300):
+            group = rng.randrange(24)
+            messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": words(rng, 2000)}]
+            lease = r.acquire(chat(messages))
+            homes[group].add(lease.backend.id)
+            in_flight.append(lease)
+            if len(in_flight) == 8:
+                r.release(in_flight.pop(0))
+        for lease in in_flight:
+            r.release(lease)
+        assert all(len(backends) == 1 for backends in homes.values()), homes
+        assert len(set().union(*homes.values())) >= 4
+
+    @settings(derandomize=True, max_examples=60)
+    @given(
+        st.none() | prompt_text | st.integers(0, 6000).map(lambda n: "s" * n),
+        st.lists(st.tuples(prompt_text, prompt_text), min_size=2, max_size=4),
+    )
+    def test_every_turn_has_the_first_turns_backend(self, system: str | None, turns: list[tuple[str, str]]) -> None:
+        """On an idle fleet, turn N+1 of a conversation gets turn N's key and backend."""
+        r = router()
+        decisions = [r.decide(request)[0] for request in conversation(system, turns)]
+        assert len({(d.key, d.backend.id) for d in decisions}) == 1
+
+    def test_hot_system_prompt_spreads_conversations_without_spilling_them(self) -> None:
+        """Under one shared system prompt (one chat application), conversations spread over the fleet by their
+        first turn once the prompt is hot, instead of filling its home up to the load bound."""
+        rng = random.Random(5)
+        system = words(rng, 3000)
+        r = router()
+        backends: Counter[str] = Counter()
+        for _ in range(200):
+            (request,) = conversation(system, [(words(rng, 300), "")])
+            with r.route(request) as lease:
+                backends[lease.backend.id] += 1
+        assert isinstance(r.strategy, BoundedLoad) and r.strategy.spills == 0
+        assert len(backends) == 7 and max(backends.values()) < 200 / 7 * 2, backends
+
+
+def _chat_samples(count: int) -> list[RouteRequest]:
+    """Sample chats for the scaling machine: the first six (the ones it starts) share a system prompt, which
+    turns hot on the loaded router; the others each have their own."""
+    shared = {"role": "system", "content": "a shared system prompt " * 20}
+    out = []
+    for i in range(count):
+        system = shared if i < 6 else {"role": "system", "content": f"system prompt {i} " * 10}
+        out.append(chat([system, {"role": "user", "content": f"question {i}"}]))
+    return out
+
+
+_CHATS = _chat_samples(ScalingStateMachine.keys)
+
+
+class _ChatScalingMachine(ScalingStateMachine):
+    """The scaling machine over chats, so that a hot group switches keys on the router carrying the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = _CHATS
+
+
+TestChatScaling = _ChatScalingMachine.for_strategy(
+    "bounded-load", claims=Claims(load_factor=1.25, min_capacity=16), max_examples=8
+).TestCase

@@ -1,0 +1,207 @@
+"""consistent-hash keyed at message boundaries (``prefix=messages``, the default); bounded-load's own file repeats
+the behaviours it inherits."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvroute_consistent_hash import ConsistentHash
+from kvroute_consistent_hash.groups import MIN_EVIDENCE
+
+from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
+from kvroute.keys import message_cuts, prefix_key
+from kvroute.testing import ScalingStateMachine
+from tests.strategies import prompt_text
+
+
+def router(**options: object) -> Router:
+    return Router.create(Fleet([Backend(f"instance-{i}") for i in range(7)]), "consistent-hash", options)
+
+
+def words(rng: random.Random, chars: int) -> str:
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
+
+
+def issue_traffic(requests: int = 300, prompts: int = 24, seed: int = 0) -> list[tuple[int, RouteRequest]]:
+    """Issue 15's traffic: 24 system prompts of ~2,500 characters, each request with its own ~2,000-character
+    question."""
+    rng = random.Random(seed)
+    systems = [words(rng, 2500) for _ in range(prompts)]
+    out = []
+    for _ in range(requests):
+        group = rng.randrange(prompts)
+        messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": words(rng, 2000)}]
+        out.append((group, RouteRequest.from_openai({"model": "m", "messages": messages})))
+    return out
+
+
+def chat(messages: list[dict[str, Any]]) -> RouteRequest:
+    return RouteRequest.from_openai({"model": "m", "messages": messages})
+
+
+def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[RouteRequest]:
+    """The requests of one conversation: turn N+1 is turn N, its answer and a new question."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
+    requests = []
+    for question, answer in turns:
+        messages = [*messages, {"role": "user", "content": question}]
+        requests.append(chat(messages))
+        messages = [*messages, {"role": "assistant", "content": answer}]
+    return requests
+
+
+class TestPrefixOption:
+    def test_default_is_messages(self) -> None:
+        """With no options the key is cut at message boundaries, capped at 4,096 characters."""
+        strategy = router().strategy
+        assert isinstance(strategy, ConsistentHash) and (strategy.prefix, strategy.prefix_length) == ("messages", None)
+
+    def test_prefix_length_alone_is_fixed(self) -> None:
+        """prefix_length given alone keeps SageMaker's meaning: the first prefix_length characters are the key."""
+        strategy = router(prefix_length=4096).strategy
+        assert isinstance(strategy, ConsistentHash) and strategy.prefix == "fixed"
+        request = issue_traffic(1)[0][1]
+        assert strategy.key(request) == prefix_key(request, 4096)
+
+    def test_messages_with_prefix_length_caps_the_cut(self) -> None:
+        """prefix=messages with prefix_length keeps message cuts, capped at that length."""
+        strategy = router(prefix="messages", prefix_length=1024).strategy
+        request = issue_traffic(1)[0][1]
+        assert strategy.key(request) == prefix_key(request, 1024) != router(prefix_length=2048).strategy.key(request)
+        assert router(prefix="messages").strategy.key(request) == prefix_key(request, message_cuts(request).group)
+
+    def test_fixed_alone_uses_4096(self) -> None:
+        """prefix=fixed without prefix_length keys on the first 4,096 characters."""
+        request = issue_traffic(1)[0][1]
+        assert router(prefix="fixed").strategy.key(request) == prefix_key(request, 4096)
+
+    def test_bad_prefix(self) -> None:
+        """An unknown prefix value is a ConfigError naming the choices and what was got."""
+        with pytest.raises(ConfigError, match=r"'prefix' must be one of messages, fixed \(got 'tokens'\)"):
+            router(prefix="tokens")
+
+    def test_affinity_key_still_wins(self) -> None:
+        """With an affinity key the text does not matter, whatever the prefix option."""
+        a = RouteRequest.from_openai(
+            {"model": "m", "messages": [{"role": "user", "content": "a"}]}, headers={"x-kvroute-affinity": "s-1"}
+        )
+        b = RouteRequest.from_openai(
+            {"model": "m", "messages": [{"role": "user", "content": "b"}]}, headers={"x-kvroute-affinity": "s-1"}
+        )
+        assert router().strategy.key(a) == router().strategy.key(b) == prefix_key(a)
+
+
+class TestShortSharedPrefix:
+    def test_each_system_prompt_has_one_backend_by_default(self) -> None:
+        """Issue 15: with a 2,500-character system prompt and a 2,000-character question, every request of one
+        system prompt goes to one backend under the default options."""
+        r = router()
+        homes: defaultdict[int, set[str]] = defaultdict(set)
+        for group, request in issue_traffic():
+            with r.route(request) as lease:
+                homes[group].add(lease.backend.id)
+        assert all(len(backends) == 1 for backends in homes.values()), homes
+        assert len(set().union(*homes.values())) >= 4  # 24 prompts are spread, not piled on one backend
+
+    def test_fixed_4096_spreads_them(self) -> None:
+        """With prefix_length=4096 (the old default, now explicit) the question is in the key: one prompt's
+        requests spread."""
+        r = router(prefix_length=4096)
+        homes: defaultdict[int, set[str]] = defaultdict(set)
+        for group, request in issue_traffic():
+            homes[group].add(r.decide(request)[0].backend.id)
+        assert max(len(backends) for backends in homes.values()) >= 4
+
+
+class TestTurns:
+    @settings(derandomize=True, max_examples=100)
+    @given(
+        st.none() | prompt_text | st.integers(0, 6000).map(lambda n: "s" * n),
+        st.lists(
+            st.tuples(prompt_text | st.integers(0, 3000).map(lambda n: "q" * n), prompt_text), min_size=2, max_size=5
+        ),
+    )
+    def test_every_turn_has_the_first_turns_key_and_backend(
+        self, system: str | None, turns: list[tuple[str, str]]
+    ) -> None:
+        """Turn N+1 of a conversation gets turn N's key and backend (short first turns included)."""
+        r = router()
+        decisions = [r.decide(request)[0] for request in conversation(system, turns)]
+        assert len({(d.key, d.backend.id) for d in decisions}) == 1
+
+    def test_the_old_default_moved_short_first_turns(self) -> None:
+        """With the fixed 4,096-character key a short first turn's key differs from the second turn's (what the
+        default no longer does)."""
+        requests = conversation("be brief", [("hi", "hello! " * 300), ("and then?", "")])
+        fixed = router(prefix_length=4096).strategy
+        assert fixed.key(requests[0]) != fixed.key(requests[1])
+        assert router().strategy.key(requests[0]) == router().strategy.key(requests[1])
+
+
+class TestHotSystemPrompt:
+    def test_one_shared_system_prompt_spreads_by_conversation(self) -> None:
+        """Under one shared system prompt, conversations spread over the fleet once it is hot, and every turn of
+        a conversation started after that stays on one backend."""
+        r = router()
+        rng = random.Random(3)
+        system = words(rng, 3000)
+        conversations = [
+            conversation(system, [(words(rng, 200), words(rng, 400)) for _ in range(3)]) for _ in range(60)
+        ]
+        first_turns = [turns[0] for turns in conversations]
+        for request in first_turns[:MIN_EVIDENCE]:  # the learning period: the group's home takes them
+            with r.route(request):
+                pass
+        assert isinstance(r.strategy, ConsistentHash) and len(r.strategy.hot_groups.hot) == 1
+        backends: Counter[str] = Counter()
+        for turns in conversations[MIN_EVIDENCE:]:
+            homes = set()
+            for request in turns:
+                with r.route(request) as lease:
+                    homes.add(lease.backend.id)
+            assert len(homes) == 1
+            backends.update(homes)
+        assert len(backends) >= 5, backends
+
+    def test_replicas_agree_once_they_have_seen_the_traffic(self) -> None:
+        """Two routers that saw the same traffic (each its own requests) make the same picks."""
+        a, b = router(), router()
+        rng = random.Random(4)
+        system = words(rng, 3000)
+        requests = [chat([{"role": "system", "content": system}, {"role": "user", "content": words(rng, 100)}])]
+        requests += [
+            chat([{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]) for i in range(40)
+        ]
+        for i, request in enumerate(requests):
+            with (a if i % 2 else b).route(request):
+                pass
+        assert [a.decide(q)[0].backend.id for q in requests] == [b.decide(q)[0].backend.id for q in requests]
+
+
+def _chat_samples(count: int) -> list[RouteRequest]:
+    """Sample chats for the scaling machine: the first six (the ones it starts) share a system prompt, which
+    turns hot on the loaded router; the others each have their own."""
+    shared = {"role": "system", "content": "a shared system prompt " * 20}
+    out = []
+    for i in range(count):
+        system = shared if i < 6 else {"role": "system", "content": f"system prompt {i} " * 10}
+        out.append(chat([system, {"role": "user", "content": f"question {i}"}]))
+    return out
+
+
+class _ChatScalingMachine(ScalingStateMachine):
+    """The scaling machine over chats, so that a hot group switches keys on the router carrying the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = _CHATS
+
+
+_CHATS = _chat_samples(ScalingStateMachine.keys)
+
+TestChatScaling = _ChatScalingMachine.for_strategy("consistent-hash", max_examples=8).TestCase
