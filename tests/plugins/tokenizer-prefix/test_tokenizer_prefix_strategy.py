@@ -90,8 +90,9 @@ class TestAffinity:
         assert all(len(h) == 1 for h in homes.values()), homes
         assert strategy.reasons["prefix"] >= 18
 
-    def test_conversations_sharing_a_system_prompt_may_split(self, strategy: TokenizerPrefix) -> None:
-        """A conversation that only shares the system prompt goes to an idle backend rather than a busier one."""
+    def test_load_cost_lets_a_shared_system_prompt_split(self, model_dir: Path) -> None:
+        """With load_cost_tokens, a conversation that only shares the system prompt goes to an idle backend."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), load_cost_tokens=256)
         router = make_router(strategy, 2)
         busy = [router.acquire(request(conversation_turn(0, 0))) for _ in range(3)]
         home = busy[0].backend.id
@@ -242,9 +243,9 @@ class EagerTokenizerPrefix(TokenizerPrefix):
     """The reference: records every block of a prompt when it is sent (no pending tails)."""
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
-        blocks = self._pending.get(request.request_id)
-        if blocks is not None:
-            blocks.complete()
+        picked = self._pending.get(request.request_id)
+        if picked is not None:
+            picked[0].complete()
         super().on_request_start(request, decision)
 
 

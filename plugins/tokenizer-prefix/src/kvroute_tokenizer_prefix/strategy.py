@@ -10,15 +10,22 @@ Per request (``pick``, under the router's lock, no I/O):
    before come from a memo.
 3. Match: for each candidate, how many leading blocks it holds (index of what the router sent
    or what KV events reported, plus recent decisions). Hashing stops as soon as no candidate
-   can match further, so a prompt nobody has seen costs its first fine piece or so.
+   can match further, so a prompt nobody has seen costs its first fine piece or so. The
+   prompt's *hot head* (`kvroute_tokenizer_prefix.heat`: leading blocks that more than one
+   backend's share of the recent requests start with) does not count: it is worth its prefill
+   once on every backend, and counting it would send every new prompt under it to whoever
+   held it first.
 4. Choice:
-   * no candidate holds even the first block: bounded consistent hashing of the first
-     ``key_blocks`` blocks, by the ``bounded-load`` plugin (cold prompts spread evenly and every
-     router replica agrees);
-   * else each candidate scores ``matched tokens - load_cost_tokens * load / weight`` and the
-     candidates are ordered best score first (ties in the key's rendezvous order); the
-     ``bounded-load`` plugin's `choose` takes the first with room under ``load_factor`` /
-     ``concurrency_threshold``, else the least loaded.
+   * no candidate holds anything past the hot head (*cold*): the rendezvous order of the hash
+     of the prompt's first ``key_blocks`` blocks past its hot head, and the ``bounded-load``
+     plugin's `choose` takes the first with room under its bound without the ``min_capacity``
+     floor (the floor keeps hits, and a cold prompt has none to keep): cold prompts spread
+     evenly and, at equal loads, every router replica agrees;
+   * else each candidate scores ``matched tokens - load_cost_tokens * load / weight`` (matched
+     past the hot head; ``load_cost_tokens`` is 0 by default) and the candidates are ordered
+     best score first (ties in the key's rendezvous order); the ``bounded-load`` plugin's
+     `choose` takes the first with room under ``load_factor`` / ``concurrency_threshold``,
+     else the least loaded.
 
 When the router sends the request (``on_request_start``) the blocks ``pick`` hashed are
 recorded for that backend at once. The rest of the prompt is not tokenized then: it is kept
@@ -43,7 +50,7 @@ from typing import Any
 
 import attrs
 import xxhash
-from kvroute_bounded_load import BoundedLoad, choose
+from kvroute_bounded_load import BoundedLoad, LoadBound, choose
 from kvroute_consistent_hash import Rendezvous
 
 import kvroute
@@ -58,6 +65,7 @@ from kvroute.options import (
     str_option,
 )
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
+from kvroute_tokenizer_prefix.heat import HotPrefixes
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
 from kvroute_tokenizer_prefix.match import match_bisect, match_walk
 from kvroute_tokenizer_prefix.memo import PieceMemo
@@ -85,12 +93,12 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
-    ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``load_factor``,
+    ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``hot_window``, ``load_factor``,
     ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
 
     Decisions: ``prefix`` (the best-scoring candidate with matched blocks had room), ``cold``
-    (nothing matched: the first blocks' hash home had room), ``spilled`` (a later candidate of
+    (nothing matched past the hot head: the key's hash home had room), ``spilled`` (a later candidate of
     the order; ``spill_reason`` says which limit), ``least_loaded`` (every candidate was full),
     ``untokenizable`` (the prompt could not be tokenized: placed by its text prefix).
     """
@@ -101,8 +109,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     block_size: int | None = optional_int_option(min=1, max=4096)
     max_prefix_tokens: int = int_option(8192, min=1, max=1 << 20)
     capacity_blocks: int = int_option(DEFAULT_CAPACITY_BLOCKS, min=1, max=1 << 26)
-    load_cost_tokens: float = float_option(256.0, min=0.0, max=1e9)
+    load_cost_tokens: float = float_option(0.0, min=0.0, max=1e9)
     key_blocks: int = int_option(4, min=1, max=4096)
+    hot_window: int = int_option(1024, min=0, max=1 << 20)
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
     min_capacity: int = int_option(16, min=0, max=1024)
@@ -121,7 +130,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _index: BlockIndex = attrs.field(init=False)
     _recent: RecentDecisions = attrs.field(init=False)
     _placer: BoundedLoad = attrs.field(init=False)
-    _pending: OrderedDict[str, PromptBlocks] = attrs.field(init=False, factory=OrderedDict)
+    _cold_bound: LoadBound = attrs.field(init=False)
+    #: Per request picked and not started yet: its blocks and how many leading blocks it shared.
+    _pending: OrderedDict[str, tuple[PromptBlocks, int]] = attrs.field(init=False, factory=OrderedDict)
+    _heat: HotPrefixes | None = attrs.field(init=False, default=None)
     _totals: Counter[str] = attrs.field(factory=Counter, init=False)
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
@@ -143,12 +155,15 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._recent = RecentDecisions(self.recent_ttl)
         self._memo = PieceMemo(max_blocks=self.memo_blocks)
         self._tails = PendingTails(self._index)
+        if self.hot_window:
+            self._heat = HotPrefixes(self.hot_window)
         self._placer = BoundedLoad(
             load_factor=self.load_factor,
             concurrency_threshold=self.concurrency_threshold,
             engine_load=self.engine_load,
             min_capacity=self.min_capacity,
         )
+        self._cold_bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load, min_capacity=0)
 
     # -- what adapters and operators use ---------------------------------------------------
 
@@ -181,6 +196,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             "reuse_available_tokens": self._totals["available"],
             "reuse_chosen_tokens": self._totals["chosen"],
             "index_blocks": len(self._index),
+            "hot_blocks": self._heat.hot if self._heat is not None else 0,
             "recent_requests": len(self._recent),
             "pending_tails": len(self._tails),
             "pending_tail_bytes": self._tails.bytes,
@@ -222,11 +238,12 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
         index = self._index
         with index.lock:
-            blocks = self._pending.pop(request.request_id, None)
+            blocks, shared = self._pending.pop(request.request_id, (None, 0))
             try:
                 if blocks is None or blocks.block_size != index.block_size:
                     blocks = self.prompt_blocks(request)
                     blocks.ensure(self.key_blocks)
+                    shared = 0
                 elif not blocks.hashes:
                     blocks.ensure(1)
                 if not blocks.done and blocks.remaining_bytes() <= self._tok.inline_bytes:
@@ -235,6 +252,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 return  # pick() already placed it by its text
             backend = decision.backend.id
             hashes = blocks.hashes
+            if self._heat is not None:
+                self._heat.observe(hashes[:shared])
             exact = index.is_exact(backend)
             if exact:
                 self._recent.add(request.request_id, index.bit(backend), tuple(hashes))
@@ -279,12 +298,22 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             self._pending.clear()
             self._memo.clear()
             self._tails.clear()
+            if self._heat is not None:
+                self._heat.clear()
 
-    def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks) -> int:
+    def _hot_depth(self, blocks: PromptBlocks) -> int:
+        """Leading blocks of the prompt that are hot (0 with ``hot_window`` 0 or a one-backend fleet)."""
+        if self._heat is None:
+            return 0
+        return self._heat.depth(blocks, len(self._placer.placement.states))
+
+    def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, hot: int) -> int:
+        """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head."""
         if request.affinity_key is not None:
             return xxhash.xxh3_64_intdigest(request.affinity_key.encode("utf-8", "surrogatepass"), blocks.root)
+        blocks.ensure(hot + self.key_blocks)
         if blocks.hashes:
-            return blocks.hashes[min(self.key_blocks, len(blocks.hashes)) - 1]
+            return blocks.hashes[min(hot + self.key_blocks, len(blocks.hashes)) - 1]
         return blocks.tail_key()
 
     def _match(self, blocks: PromptBlocks, candidates: Sequence[kvroute.BackendState]) -> list[int]:
@@ -327,36 +356,43 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             try:
                 blocks = self.prompt_blocks(request)
                 blocks.ensure(self.key_blocks)
-                key = self._key(request, blocks)
+                hot = self._hot_depth(blocks)
+                key = self._key(request, blocks, hot)
                 matched = self._match(blocks, candidates)
             except InvalidRequest as exc:
                 log.info("tokenize_failed", request_id=request.request_id, error=str(exc))
                 decision = self._placer.pick(request, candidates)
                 self.reasons["untokenizable"] += 1
                 return attrs.evolve(decision, reason="untokenizable", detail={**decision.detail, "error": str(exc)})
-            self._pending[request.request_id] = blocks
+            # What the request shares with the traffic seen: its longest match and one block more.
+            self._pending[request.request_id] = (blocks, max(matched) + 1)
             self._pending.move_to_end(request.request_id)
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
         bs = blocks.block_size
         best = max(matched)
-        detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens}
+        detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens, "hot_tokens": hot * bs}
         self._totals["prompt_tokens"] += blocks.tokens
         self._totals["available"] += best * bs
-        if best == 0:
-            decision = self._placer.place(key, request.model, candidates)
-            reason = "cold" if decision.reason == "hash" else decision.reason
-            self.reasons[reason] += 1
-            return attrs.evolve(decision, reason=reason, detail={**decision.detail, **detail, "matched_tokens": 0})
-        loads = self._placer.bound.measure(candidates)
-        cost = self.load_cost_tokens
-        scores = [m * bs - cost * loads.load(s) / s.backend.weight for m, s in zip(matched, candidates, strict=True)]
         ranks = self._ranks(key, request.model, candidates)
-        order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
+        cold = best <= hot
+        if cold:
+            # Nothing past the hot head is cached anywhere, so no backend has hits to lose: the key's
+            # rendezvous order under the bound without the min_capacity floor (which exists to keep hits).
+            loads = self._cold_bound.measure(candidates)
+            order = sorted(range(len(candidates)), key=ranks.__getitem__)
+        else:
+            loads = self._placer.bound.measure(candidates)
+            cost = self.load_cost_tokens
+            scores = [
+                max(0, m - hot) * bs - cost * loads.load(s) / s.backend.weight
+                for m, s in zip(matched, candidates, strict=True)
+            ]
+            order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
         choice = choose((candidates[j] for j in order), loads)
         chosen = next(j for j in order if candidates[j] is choice.state)
         first = candidates[order[0]]
-        reason = "prefix" if choice.reason == "first" else choice.reason
+        reason = choice.reason if choice.reason != "first" else "cold" if cold else "prefix"
         self.reasons[reason] += 1
         self._totals["chosen"] += matched[chosen] * bs
         detail["matched_tokens"] = matched[chosen] * bs
