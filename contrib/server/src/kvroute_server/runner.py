@@ -6,12 +6,20 @@ this keeps it true whatever loop runs the server. A streamed first chunk must ne
 for Nagle's algorithm and a delayed ACK. It also answers a request uvicorn cannot parse
 (broken chunk framing, a bad header line) with a 400 in OpenAI's error shape rather than
 uvicorn's plain text.
+
+A server process (`run_server`, and each worker of ``--workers N``) runs `ProcessServer`, which
+freezes the garbage collector's view of everything that exists once the app has started
+(``gc.freeze()``): imports, the router's tables, the tokenizer. Without it, each full collection
+walked all of those objects again and held the event loop for up to 100 ms (measured under
+``kvroute serve``: the proxy's p99 latency, docs/performance.md). Objects created afterwards are
+collected as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,7 +29,7 @@ import uvicorn
 
 from kvroute_server._asgi import dumps, openai_error
 
-__all__ = ["ServerThread", "make_uvicorn_config", "nodelay_protocol", "run_server"]
+__all__ = ["ProcessServer", "ServerThread", "make_uvicorn_config", "nodelay_protocol", "run_server"]
 
 
 def _set_nodelay(transport: Any) -> None:
@@ -152,13 +160,27 @@ def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "war
     )
 
 
+class ProcessServer(uvicorn.Server):
+    """The uvicorn server of a whole process: after the app's startup, the objects alive then are frozen.
+
+    ``gc.freeze()`` moves them to a generation that collections never walk (see the module
+    docstring). Only for a process that serves one app until it exits: the frozen objects stay
+    for good, which is why `ServerThread` (tests, several apps per process) does not do it.
+    """
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        gc.collect()
+        gc.freeze()
+
+
 def run_server(
     app: Any, host: str, port: int, *, log_level: str = "warning", shutdown_timeout: float | None = None
 ) -> None:
     """Serve ``app`` until interrupted (blocking); a stop waits at most ``shutdown_timeout`` s for requests in
     flight."""
     extra = {} if shutdown_timeout is None else {"timeout_graceful_shutdown": shutdown_timeout}
-    uvicorn.Server(make_uvicorn_config(app, host, port, log_level=log_level, **extra)).run()
+    ProcessServer(make_uvicorn_config(app, host, port, log_level=log_level, **extra)).run()
 
 
 class ServerThread:

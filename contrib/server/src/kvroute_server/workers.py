@@ -297,10 +297,8 @@ def worker_main() -> None:
     processors = structlog.get_config()["processors"]
     structlog.configure(processors=[add_worker, *processors])
 
-    import uvicorn
-
     from kvroute_server.app import ProxyApp
-    from kvroute_server.runner import make_uvicorn_config
+    from kvroute_server.runner import ProcessServer, make_uvicorn_config
 
     app = ProxyApp(config, worker=spec.context)
     sock = socket.socket(fileno=spec.fd)
@@ -309,7 +307,7 @@ def worker_main() -> None:
         app, config.host, config.port, log_level=level, timeout_graceful_shutdown=config.shutdown_timeout
     )
     try:
-        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+        ProcessServer(uvicorn_config).run(sockets=[sock])
     finally:
         if _supervisor_gone.is_set():
             # Nobody else will remove the run directory. Siblings still stopping keep their open files.
