@@ -1,6 +1,6 @@
 """Benchmark the request-path cost of shadow strategies in ``kvroute serve`` (not a test).
 
-Usage: python benchmarks/bench_shadow.py [--quick] [--backends N] [--seed S]
+Usage: python benchmarks/bench_shadow.py [--quick] [--backends N] [--seed S] [--block-size B]
 
 What one request costs the proxy for the shadow comparison: `ProxyShadows.routed` (the candidates,
 the prompt's block hashes, the live decision's score in the fleet cache view, each shadow's pick,
@@ -23,6 +23,7 @@ per request, so drift on a shared machine falls on all rows alike. Median and p9
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import random
 import statistics
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from kvroute import Backend, Fleet, PluginManager, Router, RouteRequest, ShadowSet
+from kvroute import Backend, CacheView, Fleet, PluginManager, Router, RouteRequest, ShadowSet
 from kvroute_server.config import ServerConfig
 from kvroute_server.metrics import ProxyMetrics
 from kvroute_server.shadow import ProxyShadows
@@ -56,12 +57,15 @@ def text(rng: random.Random, size: int, prefixes: Sequence[str]) -> str:
     return (head + " " + rest)[:size]
 
 
-def shadow_set(fleet: Fleet, shadows: tuple[str, ...], plugins: PluginManager) -> ProxyShadows:
+def shadow_set(fleet: Fleet, shadows: tuple[str, ...], plugins: PluginManager, block_size: int) -> ProxyShadows:
     """As `ProxyShadows.create` builds it; ``()`` gives the live scoring alone (the proxy needs a shadow for that)."""
     metrics = ProxyMetrics(fleet, LIVE)
+    view = {"block_size": block_size}
     if not shadows:
-        return ProxyShadows(ShadowSet(fleet, LIVE, {}), metrics.shadow_metrics(LIVE, ()))
-    made = ProxyShadows.create(ServerConfig(strategy=LIVE, shadow=shadows), fleet, metrics, plugins)
+        live_only = ShadowSet(fleet, LIVE, {}, functools.partial(CacheView, **view))
+        return ProxyShadows(live_only, metrics.shadow_metrics(LIVE, ()))
+    config = ServerConfig(strategy=LIVE, shadow=shadows, cache_view=view)
+    made = ProxyShadows.create(config, fleet, metrics, plugins)
     assert made is not None
     return made
 
@@ -71,14 +75,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(requests: int, backends: int, seed: int) -> None:
+def run(requests: int, backends: int, seed: int, block_size: int) -> None:
     plugins = PluginManager()
     fleet = Fleet([Backend(f"b{i}", url=f"http://10.0.0.{i}:8000") for i in range(backends)])
     router = Router.create(fleet, LIVE, {"prefix_length": 1024}, plugins=plugins)
-    sets = {name: shadow_set(fleet, shadows, plugins) for name, shadows in CONFIGS.items()}
+    sets = {name: shadow_set(fleet, shadows, plugins, block_size) for name, shadows in CONFIGS.items()}
     rng = random.Random(seed)
     prefixes = [" ".join(f"p{g}x{i}" for i in range(SIZES[-1] // 6)) for g in range(64)]
-    print(f"{backends} backends, live {LIVE}, {requests} requests per size, seed {seed}")
+    print(f"{backends} backends, live {LIVE}, view blocks of {block_size}, {requests} requests per size, seed {seed}")
     # Off: the forwarder's one check per request (Forwarder.shadows is None), timed over a million of them.
     off: ProxyShadows | None = None
     per_check = timeit.timeit("off is not None", globals={"off": off}, number=1_000_000) * 1e3
@@ -107,8 +111,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="200 requests per size instead of 2,000")
     parser.add_argument("--backends", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16, help="the cache view's block size in tokens")
     args = parser.parse_args()
-    run(200 if args.quick else 2000, args.backends, args.seed)
+    run(200 if args.quick else 2000, args.backends, args.seed, args.block_size)
 
 
 if __name__ == "__main__":
