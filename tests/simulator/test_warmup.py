@@ -115,6 +115,14 @@ class TestPrefixBody:
             "cache_salt": "t1",
         }
 
+    def test_fields_that_shape_the_prompt_come_along(self) -> None:
+        """Tools and the other prompt-shaping fields are part of the prefix an engine caches: the body keeps them."""
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+        request = RouteRequest.from_openai({"model": MODEL, "messages": messages, "tools": tools})
+        body = prefix_body(request)
+        assert body is not None and body["tools"] == tools and body["messages"] == messages[:1]
+
     def test_nothing_to_warm_without_a_shared_part(self) -> None:
         """A chat that starts with its only user message, and a completions prompt, have no prefix body."""
         alone = RouteRequest.from_openai({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})

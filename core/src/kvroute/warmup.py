@@ -35,7 +35,7 @@ import attrs
 
 from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet
-from kvroute.hashing import hash64
+from kvroute.hashing import hash_parts
 from kvroute.logs import get_logger
 from kvroute.request import RouteRequest, render_messages
 from kvroute.router import Router
@@ -116,23 +116,40 @@ class WeightRamp:
         return self.started + due * interval
 
 
+def _last_user(request: RouteRequest) -> int:
+    """Index of the newest user message of a chat request (-1 when there is none, or for completions)."""
+    messages = request.messages
+    if request.endpoint != "chat" or not messages:
+        return -1
+    return max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+
+
 def prefix_body(request: RouteRequest) -> dict[str, Any] | None:
     """The prefix-only request that warms an engine for ``request``, or None when it has no shared part.
 
     For a chat request: its messages before the newest user message (the system prompt, the
-    earlier turns), with ``max_tokens`` 1, the same model and ``cache_salt``. A completions
-    request, or a chat whose first message is its newest user message, has none.
+    earlier turns), with ``max_tokens`` 1, the same model and ``cache_salt``, and the fields
+    that shape the prompt (``tools``, ``chat_template_kwargs``...). A completions request, or a
+    chat whose first message is its newest user message, has none.
     """
-    messages = request.messages
-    if request.endpoint != "chat" or not messages:
-        return None
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    last_user = _last_user(request)
     if last_user <= 0:
         return None
-    body: dict[str, Any] = {"model": request.model, "messages": list(messages[:last_user]), "max_tokens": 1}
+    assert request.messages is not None
+    body: dict[str, Any] = dict(request.prompt_options or {})
+    body.update(model=request.model, messages=list(request.messages[:last_user]), max_tokens=1)
     if request.cache_salt is not None:
         body["cache_salt"] = request.cache_salt
     return body
+
+
+def _prefix_text(request: RouteRequest, last_user: int) -> str:
+    """The routing text of the messages before ``last_user`` (sliced from ``request.text`` when offsets are known)."""
+    offsets = request.message_offsets
+    if offsets is not None:
+        return request.text[: offsets[last_user]]
+    assert request.messages is not None
+    return render_messages(request.messages[:last_user])
 
 
 @attrs.define
@@ -161,12 +178,15 @@ class HotPrefixes:
 
     def observe(self, request: RouteRequest) -> None:
         """Count ``request``'s prefix (nothing when it has none, see `prefix_body`)."""
-        body = prefix_body(request)
-        if body is None:
+        last_user = _last_user(request)
+        if last_user <= 0:
             return
-        key = hash64(f"{request.model}\0{request.lora}\0{request.cache_salt}\0{render_messages(body['messages'])}")
+        text = _prefix_text(request, last_user)
+        key = hash_parts(request.model, request.lora, request.cache_salt, text)
         entry = self._entries.get(key)
         if entry is None:
+            body = prefix_body(request)
+            assert body is not None
             self._entries[key] = HotPrefix(body, request)
             if len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)

@@ -32,7 +32,9 @@ Examples:
   kvroute simulate --trace mooncake.jsonl -n 16      replay a Mooncake trace on 16 instances
   kvroute simulate --scale "120s:+1,240s:-2" --plot run.png
   kvroute simulate -o bounded-load.load_factor=1.5 --json results.json
+  kvroute simulate -w short-prefix                   a shared prefix shorter than the default prefix_length
   kvroute simulate --working-set 0.5,0.8,1.0,1.5     hit rate and TTFT as the prefixes outgrow the KV memory
+  kvroute simulate --scale 120s:+1 --prefill 64 --slow-start 30    a warm join
 """
 
 
@@ -337,7 +339,7 @@ def _plot(comparison: Comparison, path: Path) -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=None,
     metavar="SECONDS",
-    help="Warm join: an instance --scale adds ramps from 10 %% of its weight to all of it over SECONDS.",
+    help="Warm join: an instance --scale adds ramps from 10 % of its weight to all of it over SECONDS.",
 )
 @click.option(
     "--prefill",

@@ -245,7 +245,7 @@ class _Run:
             if due is not None:
                 self._timer(due, step)
 
-        step(now)
+        step(now)  # begin set the first weight; this schedules the next step
 
     def _timer(self, at: float, callback: Callable[[float], None]) -> None:
         self.counter += 1
