@@ -49,6 +49,18 @@ class TestColdJoin:
         window = cold.config.join_window
         assert join.window_requests == sum(JOIN_AT <= a.time < JOIN_AT + window for a in arrivals)
 
+    def test_instances_added_together_each_get_their_moved_requests(self, arrivals: list[Arrival]) -> None:
+        """With two instances added at once, each join counts the requests homed on its own instance."""
+        config = SimulationConfig(instances=3, scale=(ScaleEvent(JOIN_AT, 2),))
+        result = compare(arrivals, ["consistent-hash"], config, plugins=PluginManager()).results[0]
+        first, second = result.joins
+        assert (first.backend, second.backend) == ("i3", "i4")
+        assert first.moved > 0 and second.moved > 0
+        window = config.join_window
+        assert first.window_requests + second.window_requests == sum(
+            JOIN_AT <= a.time < JOIN_AT + window for a in arrivals
+        )
+
     def test_no_join_no_result(self, arrivals: list[Arrival]) -> None:
         """Without a scale-up there is no join result."""
         comparison = compare(arrivals[:50], ["consistent-hash"], SimulationConfig(instances=3), plugins=PluginManager())

@@ -252,12 +252,16 @@ class _Run:
         heapq.heappush(self.timers, (at, self.counter, callback))
 
     def _window(self, request: RouteRequest, now: float) -> tuple[_Join | None, bool]:
-        """The join whose window ``now`` is in (the latest), and whether ``request``'s home is its instance."""
-        for join in reversed(self.joins):
-            if join.time <= now < join.time + self.config.join_window:
-                home = join.oracle.decide(request)[0].backend.id
-                return join, home == join.instance.backend.id
-        return None, False
+        """The join whose window ``now`` is in, and whether ``request``'s home is that join's instance.
+
+        When windows overlap (instances added together or close in time), the request belongs
+        to the join whose instance is its home, else to the latest.
+        """
+        active = [j for j in self.joins if j.time <= now < j.time + self.config.join_window]
+        for join in reversed(active):
+            if join.oracle.decide(request)[0].backend.id == join.instance.backend.id:
+                return join, True
+        return (active[-1] if active else None), False
 
     def _scale(self, event: ScaleEvent, now: float) -> None:
         if event.delta > 0:
