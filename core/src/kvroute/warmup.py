@@ -21,7 +21,9 @@ from the caller (a monotonic clock in the proxy, virtual time in the simulator):
   hottest prefixes it will own; the caller sends each one's `HotPrefix.body` (the prefix
   alone, ``max_tokens`` 1) to that backend, a few at a time, while the backend is drained
   (`Fleet.drain`), and undrains it when they are done. Those requests compute the blocks
-  that the prefix's first live requests would otherwise compute while a user waits.
+  that the prefix's first live requests would otherwise compute while a user waits. As the
+  backend is drained, they delay no live request; bound the warm-up's time (``anyio.fail_after``)
+  and undrain in any case, so a stuck pre-fill cannot keep a backend out of the fleet.
 """
 
 from __future__ import annotations
