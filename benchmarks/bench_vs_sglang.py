@@ -22,7 +22,8 @@ ratios to SGLang's ``cache_aware``: req/s as a fraction of theirs, p99 as a mult
 
 Run: ``python benchmarks/bench_vs_sglang.py`` (about 9 minutes; ``tox -e bench-throughput``),
 ``--rounds``, ``--duration``, ``--mode whole|stream``, ``--only NAME,...`` for a subset,
-``--kvroute-arg`` to pass an option to every kvroute target, ``--json FILE`` for raw numbers.
+``--kvroute-arg`` to pass an option to every kvroute target, ``--baseline SRC`` to run an older
+kvroute_server next to the current one (before/after in one run), ``--json FILE`` for raw numbers.
 nginx and wrk are installed with apt-get when missing (as root), SGLang's router with pip.
 Results in docs/performance.md.
 """
@@ -77,9 +78,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
 
 
 @contextlib.contextmanager
-def started(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
+def started(
+    args: Sequence[str], ready_url: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``args`` in its own process group until the block ends; stop it (SIGTERM, then SIGKILL) by pid."""
-    proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        list(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+    )
     try:
         wait_ready(ready_url, proc)
         yield proc
@@ -341,6 +346,14 @@ class Target:
     name: str
     kind: str  # "nginx", "sglang" or "kvroute"
     args: tuple[str, ...] = ()
+    #: For a kvroute target: another kvroute_server source tree to run (``--baseline``), first on PYTHONPATH.
+    server_src: str | None = None
+
+    def env(self) -> dict[str, str] | None:
+        if self.server_src is None:
+            return None
+        path = os.pathsep.join(p for p in (self.server_src, os.environ.get("PYTHONPATH")) if p)
+        return {**os.environ, "PYTHONPATH": path}
 
     def command(self, port: int, backends: Sequence[str], sglang: Path, extra: Sequence[str]) -> list[str]:
         if self.kind == "sglang":
@@ -380,7 +393,7 @@ def measure(
         return Run(requests / seconds, p50, p99, requests, bad, errors, None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with started(target.command(port, backends, sglang, extra), url + "/health") as proc:
+    with started(target.command(port, backends, sglang, extra), url + "/health", target.env()) as proc:
         if warmup > 0:  # connection pools, first-use caches, the JIT-less warm-up of a Python process
             wrk(url, script, warmup, connections)
         before = cpu_seconds(proc.pid)
@@ -448,9 +461,22 @@ def main() -> None:
         help="where SGLang's router gets its virtual environment [~/.cache/kvroute-bench]",
     )
     parser.add_argument("--json", type=Path, help="write every run's figures to this file")
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run bounded-load (one process and --workers 2) from another kvroute_server source tree, "
+        "e.g. an older commit's contrib/server/src (git archive COMMIT contrib/server/src | tar -x -C DIR)",
+    )
     args = parser.parse_args()
 
     targets = list(TARGETS)
+    if args.baseline:
+        src = str(Path(args.baseline).resolve())
+        targets += [
+            Target(f"{t.name} (baseline)", t.kind, t.args, server_src=src)
+            for t in TARGETS
+            if t.kind == "kvroute" and "bounded-load" in t.args
+        ]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         targets = [t for t in targets if any(w in t.name for w in wanted)]
