@@ -31,7 +31,7 @@ from kvroute_tokenizer_prefix.blocks import PromptBlocks
 __all__ = ["MIN_EVIDENCE", "HotPrefixes"]
 
 #: Requests of the window that must start with a block before it can be called hot.
-MIN_EVIDENCE = 16
+MIN_EVIDENCE = 8
 
 
 @attrs.define
