@@ -58,6 +58,13 @@ class TestFootprints:
         fp.record("a", 1, 150, capacity=100)
         assert not fp.holds("a", 1) and fp.held("a") == 0
 
+    def test_last_backend_outlives_ageing(self) -> None:
+        """Where a key went last is remembered after the key aged out of that backend's model."""
+        fp = Footprints()
+        fp.record("a", 1, 60, capacity=100)
+        fp.record("a", 2, 60, capacity=100)
+        assert not fp.holds("a", 1) and fp.last(1) == "a" and fp.last(3) is None
+
     def test_keep_only_forgets_departed_backends(self) -> None:
         """A backend that left the fleet is forgotten: if it returns, it starts cold."""
         fp = Footprints()
@@ -111,6 +118,21 @@ class TestBoundedCache:
         assert lease.decision.detail["home"] == first and lease.decision.detail["rank"] >= 1
         r.release(lease)
         assert strategy.fitted == 1
+
+    def test_aged_out_key_returns_to_its_last_backend(self) -> None:
+        """A key the model aged out goes back where it went last when that backend has room, not to its home."""
+        r = router([Backend("a"), Backend("b")], cache_factor="off")
+        report_capacity(r, blocks=100)
+        strategy = r.strategy
+        assert isinstance(strategy, BoundedCache)
+        prompt = PROMPTS[0]
+        home = _home(strategy, prompt)
+        other = "b" if home == "a" else "a"
+        strategy.footprints.record(other, strategy.key(prompt), 12000, capacity=12800)
+        strategy.footprints.record(other, 7, 1000, capacity=12800)  # ages the prompt out of the model
+        assert not strategy.footprints.holds(other, strategy.key(prompt))
+        lease = r.acquire(prompt)
+        assert lease.backend.id == other and lease.decision.reason == "fitted"
 
     def test_no_room_anywhere_goes_home(self) -> None:
         """When no backend has room for a prefix, it goes to its rendezvous home, as with consistent hashing."""

@@ -11,8 +11,9 @@ A request's key and preference order are consistent-hash's (weighted rendezvous)
    it there and the modelled LRU has not aged it out), those candidates come first, in the key's
    order.
 2. **A prefix nobody holds goes where it fits.** Otherwise the candidates with *cache room* for
-   its footprint come first, in the key's order: so the rendezvous home when it has room. A
-   backend holding ``held`` tokens has room for ``f`` more when
+   its footprint come first, in the key's order (the backend the key went last, if any, first of
+   them): so the rendezvous home when it has room. A backend holding ``held`` tokens has room for
+   ``f`` more when
 
    * ``cache_factor``: ``held + f <= max(f, cache_factor * capacity * (total held + f) / total capacity)``
      (totals over the candidates): its share of the footprint stays within ``cache_factor`` of its
@@ -37,6 +38,7 @@ that had room; ``fitted`` counts them), ``spilled`` / ``least_loaded`` (bounded-
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -52,9 +54,18 @@ from kvroute_bounded_cache.footprints import Footprints
 __all__ = ["BoundedCache", "Footprints"]
 
 
-def _exact(value: float) -> Fraction:
-    """``value`` as the decimal it prints as (``1.1`` is 11/10), so every process rounds the same way."""
-    return Fraction(repr(float(value)))
+def _ratio(value: float) -> tuple[int, int]:
+    """``value`` as the decimal it prints as, numerator and denominator (``1.1`` is 11/10): exact integer tests."""
+    exact = Fraction(repr(float(value)))
+    return exact.numerator, exact.denominator
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_units(weights: tuple[float, ...]) -> tuple[int, ...]:
+    """Weights as whole numbers in the same proportions (each weight's decimal, over a common denominator)."""
+    exact = [Fraction(repr(w)) for w in weights]
+    scale = math.lcm(*(w.denominator for w in exact))
+    return tuple(int(w * scale) for w in exact)
 
 
 @attrs.define
@@ -86,15 +97,15 @@ class BoundedCache(ConsistentHash):
     _bound: LoadBound = attrs.field(init=False)
     _footprints: Footprints = attrs.field(init=False)
     _members: dict[str, kvroute.BackendState] = attrs.field(factory=dict, init=False)
-    _factor: Fraction | None = attrs.field(default=None, init=False)
-    _fill: Fraction | None = attrs.field(default=None, init=False)
+    _factor: tuple[int, int] | None = attrs.field(default=None, init=False)
+    _fill: tuple[int, int] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load, self.min_capacity)
         self._footprints = Footprints(max_keys=self.index_keys)
-        self._factor = None if self.cache_factor is None else _exact(self.cache_factor)
-        self._fill = None if self.cache_fill is None else _exact(self.cache_fill)
+        self._factor = None if self.cache_factor is None else _ratio(self.cache_factor)
+        self._fill = None if self.cache_fill is None else _ratio(self.cache_fill)
 
     @property
     def footprints(self) -> Footprints:
@@ -128,18 +139,21 @@ class BoundedCache(ConsistentHash):
             return len(request.token_ids)
         return math.ceil(len(request.text) / self.chars_per_token)
 
-    def capacities(self, candidates: Sequence[kvroute.BackendState]) -> tuple[dict[str, Fraction], bool]:
-        """Each candidate's capacity, and whether it is KV tokens (every candidate fresh) or else weights."""
-        tokens: dict[str, Fraction] = {}
+    def capacities(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], bool]:
+        """Each candidate's capacity, and whether it is KV tokens (every candidate fresh) or else weights.
+
+        Weights are turned into whole numbers in the same proportions, so that every test is exact.
+        """
+        tokens = []
         for state in candidates:
             load = state.fresh_load()
             size = load.kv_tokens if load is not None else None
             if not size:
-                return {s.id: _exact(s.backend.weight) for s in candidates}, False
-            tokens[state.id] = Fraction(size)
+                return list(_weight_units(tuple(s.backend.weight for s in candidates))), False
+            tokens.append(size)
         return tokens, True
 
-    def tier(self, held: int, footprint: int, capacity: Fraction, totals: tuple[int, Fraction], in_tokens: bool) -> int:
+    def tier(self, held: int, footprint: int, capacity: int, totals: tuple[int, int], in_tokens: bool) -> int:
         """How well ``footprint`` more tokens fit a backend holding ``held`` of ``capacity``: 0 best, 2 worst.
 
         0: room under ``cache_factor`` and ``cache_fill``; 1: under ``cache_factor`` only (the
@@ -148,11 +162,15 @@ class BoundedCache(ConsistentHash):
         the capacities are KV tokens (``cache_fill`` applies) or weights.
         """
         after = held + footprint
-        if self._factor is not None:
+        if self._factor is not None and after > footprint:
+            num, den = self._factor
             total_held, total_capacity = totals
-            if after > footprint and after * total_capacity > self._factor * capacity * (total_held + footprint):
+            if after * total_capacity * den > num * capacity * (total_held + footprint):
                 return 2
-        return 0 if self._fill is None or not in_tokens or after <= self._fill * capacity else 1
+        if self._fill is None or not in_tokens:
+            return 0
+        num, den = self._fill
+        return 0 if after * den <= num * capacity else 1
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         key = self.key(request)
@@ -164,9 +182,12 @@ class BoundedCache(ConsistentHash):
             preferred = holders + [s for s in order if not held.holds(s.id, key)]
         else:
             capacities, in_tokens = self.capacities(candidates)
-            totals = (sum(held.held(s.id) for s in candidates), sum(capacities.values(), Fraction(0)))
-            tiers = {s.id: self.tier(held.held(s.id), footprint, capacities[s.id], totals, in_tokens) for s in order}
-            preferred = sorted(order, key=lambda s: tiers[s.id])  # stable: each tier in the key's order
+            capacity = {id(s): c for s, c in zip(candidates, capacities, strict=True)}
+            totals = (sum(held.held(s.id) for s in candidates), sum(capacities))
+            tiers = {id(s): self.tier(held.held(s.id), footprint, capacity[id(s)], totals, in_tokens) for s in order}
+            last = held.last(key)
+            # Stable: each tier in the key's order, but where the key went last first (it may still be cached).
+            preferred = sorted(order, key=lambda s: (tiers[id(s)], s.id != last))
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
