@@ -168,6 +168,22 @@ class TestHotSystemPrompt:
             backends.update(homes)
         assert len(backends) >= 5, backends
 
+    def test_later_turns_do_not_make_a_group_hot(self) -> None:
+        """Hot groups count conversations: 100 later turns of two conversations leave their system prompt cold."""
+        r = router()
+        rng = random.Random(6)
+        system = words(rng, 3000)
+        long_ones = [conversation(system, [(words(rng, 100), words(rng, 100)) for _ in range(51)]) for _ in range(2)]
+        for turns in long_ones:
+            for request in turns[1:]:
+                with r.route(request):
+                    pass
+        assert isinstance(r.strategy, ConsistentHash) and not r.strategy.hot_groups.hot
+        for turns in long_ones:
+            with r.route(turns[0]):
+                pass
+        assert not r.strategy.hot_groups.hot
+
     def test_replicas_agree_once_they_have_seen_the_traffic(self) -> None:
         """Two routers that saw the same traffic (each its own requests) make the same picks."""
         a, b = router(), router()

@@ -97,7 +97,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         self._placement = Rendezvous(members, cache_size=self.cache_size)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
-        if self.prefix == "messages" and request.affinity_key is None:
+        if self.prefix == "messages" and request.affinity_key is None and _opens_conversation(request):
             group = prefix_key(request, max(1, message_cuts(request, self._length).group))
             self._hot_groups.observe(group, len(self._placement.states))
         if decision.spilled:
@@ -149,6 +149,16 @@ class ConsistentHash(kvroute.BaseStrategy):
         placement = Rendezvous(candidates, cache_size=0)
         chosen = placement.states[placement.ranking(key, None)[0]]
         return kvroute.Decision(chosen.backend, reason="hash", key=key, detail={"home": chosen.id})
+
+
+def _opens_conversation(request: kvroute.RouteRequest) -> bool:
+    """Whether ``request`` is a conversation's first turn (at most one user message; every completion).
+
+    Hot groups count conversations, not turns: a few long conversations would otherwise make a
+    group look hot early on, and moving them to their own keys costs their history.
+    """
+    messages = request.messages
+    return messages is None or sum(1 for m in messages if m.get("role") == "user") <= 1
 
 
 @kvroute.hookimpl

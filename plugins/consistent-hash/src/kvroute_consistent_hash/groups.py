@@ -1,18 +1,20 @@
-"""`HotGroups`: which group keys carry more than one backend's share of the recent traffic.
+"""`HotGroups`: which group keys open more than one backend's share of the recent conversations.
 
 With ``key=messages`` a request is placed by its *group* key (its system prompt, see
 `kvroute.keys.message_cuts`), so every conversation under one system prompt shares one home.
 That is right while there are more groups than backends, and wrong when one group is a large
 part of the traffic (one chat application, one shared system prompt): its home would take it
-all. A group whose share of the last ``window`` started requests exceeds ``1 / members`` is
+all. A group that opened more than ``1 / members`` of the last ``window`` conversations is
 *hot*, and its requests are placed by their conversation key instead, which spreads them and
 still keeps each conversation on one backend.
 
-A hot group stays hot until its share falls under half of that (hysteresis), so a group near
-the threshold does not move its conversations back and forth; and nothing is judged on fewer
-than `MIN_EVIDENCE` requests of the group. Every router replica learns from the requests it
-routes, so replicas behind one load balancer reach the same verdicts except briefly near the
-threshold.
+The strategy counts conversations (first turns), not requests: a few long conversations
+early on would otherwise make their group look hot, and each switch moves conversations off
+their cache. A hot group stays hot until its share falls under half of the threshold
+(hysteresis), so a group near it does not move its conversations back and forth; and nothing
+is judged on fewer than `MIN_EVIDENCE` conversations of the group. Every router replica learns
+from the requests it routes, so replicas behind one load balancer reach the same verdicts
+except briefly near the threshold.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import attrs
 
 __all__ = ["MIN_EVIDENCE", "HotGroups"]
 
-#: Requests of one group seen in the window before it can be called hot.
+#: Conversations of one group seen in the window before it can be called hot.
 MIN_EVIDENCE = 16
 
 
 @attrs.define
 class HotGroups:
-    """A sliding window over the group keys of started requests, and the set of hot groups."""
+    """A sliding window over the group keys of started conversations, and the set of hot groups."""
 
     window: int = 1024
     _recent: deque[int] = attrs.field(init=False)
@@ -51,7 +53,7 @@ class HotGroups:
         return frozenset(self._hot)
 
     def observe(self, group: int, members: int) -> None:
-        """Count one started request of ``group`` on a fleet of ``members`` backends."""
+        """Count one started conversation of ``group`` on a fleet of ``members`` backends."""
         if len(self._recent) == self.window:
             dropped = self._recent[0]
             self._counts[dropped] -= 1
