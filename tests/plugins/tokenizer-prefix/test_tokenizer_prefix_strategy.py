@@ -129,8 +129,8 @@ class TestAffinity:
             router.release(lease)
 
     def test_min_capacity_is_a_floor_under_the_cap(self, model_dir: Path) -> None:
-        """Below min_capacity requests in flight a backend is never full, so a hot prefix stays home that long."""
-        strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16, load_cost_tokens=0)
+        """Below min_capacity requests in flight a backend is never full, so a warm prefix stays home that long."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16, hot_window=0)
         router = make_router(strategy, 4)
         leases = [router.acquire(request(chat(f"question {i}"))) for i in range(40)]
         loads = sorted(s.in_flight for s in router.fleet)
@@ -201,6 +201,57 @@ class TestAffinity:
         assert detail["matched_tokens"] == detail["best_matched_tokens"] > 0
         stats = strategy.stats()
         assert stats["reuse_chosen_tokens"] == stats["reuse_available_tokens"] == detail["matched_tokens"]
+
+
+class TestHotHeads:
+    def test_conversations_under_a_hot_system_prompt_spread(self, strategy: TokenizerPrefix) -> None:
+        """New conversations under a system prompt every request shares spread over the fleet, not onto its holder."""
+        router = make_router(strategy)
+        counts: Counter[str] = Counter()
+        for conv in range(80):
+            with router.route(request(conversation_turn(conv, 0))) as lease:
+                counts[lease.backend.id] += 1
+        assert set(counts) == {"b0", "b1", "b2", "b3"} and max(counts.values()) <= 40, counts
+        assert strategy.stats()["hot_blocks"] > 0 and lease.decision.detail["hot_tokens"] > 0
+
+    def test_a_conversation_stays_home_past_a_hot_head(self, strategy: TokenizerPrefix) -> None:
+        """Once its system prompt is hot, a conversation's later turns still go where its history is."""
+        router = make_router(strategy)
+        for conv in range(20):
+            with router.route(request(conversation_turn(conv, 0))):
+                pass
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for conv in range(20, 26):
+                with router.route(request(conversation_turn(conv, turn))) as lease:
+                    homes.setdefault(conv, set()).add(lease.backend.id)
+                    assert lease.decision.reason == ("cold" if turn == 0 else "prefix"), lease.decision.explain()
+        assert all(len(h) == 1 for h in homes.values()), homes
+
+    def test_a_prefix_below_one_backends_share_co_locates(self, strategy: TokenizerPrefix) -> None:
+        """Eight system prompts taking turns on four backends are not hot: each keeps its requests on one backend."""
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {}
+        for i in range(96):
+            system = f"System prompt {i % 8} of this application. " * 10
+            with router.route(request(chat(f"Question {i}?", system=system))) as lease:
+                homes.setdefault(i % 8, set()).add(lease.backend.id)
+        assert all(len(h) == 1 for h in homes.values()), homes
+        # Only what all eight share (the template's start) is hot; each system prompt past it is matched.
+        assert lease.decision.reason == "prefix"
+        assert lease.decision.detail["matched_tokens"] > lease.decision.detail["hot_tokens"] + 100
+
+    def test_cold_prompts_are_placed_without_the_min_capacity_floor(self, model_dir: Path) -> None:
+        """Prompts nobody holds spread under load_factor's cap even below min_capacity: they have no hits to lose."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16)
+        router = make_router(strategy)
+        prompts = [{"model": "m", "prompt": f"{i} is a prompt of its own. " * 10} for i in range(12)]
+        leases = [router.acquire(request(body, endpoint="completions")) for body in prompts]
+        assert {lease.decision.reason for lease in leases} <= {"cold", "spilled"}
+        loads = [s.in_flight for s in router.fleet]
+        assert max(loads) <= 4, loads  # ceil(1.25 * 12 / 4)
+        for lease in leases:
+            router.release(lease)
 
 
 class TestBursts:
