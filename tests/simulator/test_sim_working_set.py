@@ -172,6 +172,12 @@ class TestWorkingSetCommand:
         assert data["engine"]["capacity_blocks"] * 2 * 0.8 >= 8 * 31
         assert 0 < data["pooled_hit_rate"] <= data["upper_bound_hit_rate"]
 
+    def test_no_pooled_line_when_the_caches_hold_everything(self) -> None:
+        """Without --working-set the default engines keep every block: the caption stays as it was, no reference."""
+        result = CliRunner().invoke(main, [*SWEEP, "-s", "random", "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert "upper bound hit rate" in result.output and "pooled LRU" not in result.output
+
     def test_several_ratios_print_a_sweep(self, tmp_path: Path) -> None:
         """A comma-separated list prints one column per ratio, the references and every strategy; JSON per run."""
         out = tmp_path / "sweep.json"
