@@ -207,10 +207,11 @@ class TestWorkingSetCommand:
             (["--working-set", "0.5,lots"], "expected positive numbers separated by commas"),
             (["--working-set", "0"], "expected positive numbers separated by commas"),
             (["--working-set", "0.8", "-E", "capacity_blocks=900"], "give one or the other"),
+            (["-W", "working_set=0.8"], "use --working-set 0.8"),
         ],
     )
     def test_mistakes_exit_2(self, extra: list[str], message: str) -> None:
-        """A bad ratio, or a ratio with an explicit capacity, is a usage error naming the option."""
+        """A bad ratio, a ratio with an explicit capacity, or the ratio as a workload option is a usage error."""
         result = CliRunner().invoke(main, [*SWEEP, "-s", "random", *extra, "--no-progress"])
         assert result.exit_code == 2, result.output
         assert message in result.output and "--working-set" in result.output

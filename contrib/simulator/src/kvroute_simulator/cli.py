@@ -393,6 +393,12 @@ def simulate(
         if trace_path is not None:
             workload = "trace"
         options: dict[str, Any] = {k: _value(v) for k, v in _pairs(workload_option, "--workload-option")}
+        if "working_set" in options:
+            raise click.BadParameter(
+                f"the working set sizes the engines, for any workload: use --working-set {options['working_set']} "
+                "(several values, comma-separated, print a sweep).",
+                param_hint="--workload-option",
+            )
         if workload == "trace":
             if trace_path is None and "path" not in options:
                 raise click.BadParameter("the trace workload needs --trace FILE.", param_hint="--trace")
