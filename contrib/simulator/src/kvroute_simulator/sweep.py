@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvroute_simulator.report import ms
 from kvroute_simulator.results import Comparison
 
 __all__ = ["POOLED", "UPPER_BOUND", "plot_sweep", "render_sweep"]
@@ -20,10 +21,6 @@ __all__ = ["POOLED", "UPPER_BOUND", "plot_sweep", "render_sweep"]
 #: Row names of the references in the table.
 POOLED = "pooled LRU (reference)"
 UPPER_BOUND = "upper bound"
-
-
-def _ms(seconds: float) -> str:
-    return "-" if not math.isfinite(seconds) else f"{seconds * 1000:,.0f} ms"
 
 
 def render_sweep(comparisons: list[Comparison], title: str) -> Any:
@@ -47,7 +44,7 @@ def render_sweep(comparisons: list[Comparison], title: str) -> Any:
         cells = []
         for c in comparisons:
             r = c.results[k]
-            cells.append(f"{r.hit_rate * 100:.1f}% / {_ms(r.ttft_p50)} / {_ms(r.ttft_p90)}")
+            cells.append(f"{r.hit_rate * 100:.1f}% / {ms(r.ttft_p50)} / {ms(r.ttft_p90)}")
         table.add_row(result.strategy, *cells)
     return table
 
