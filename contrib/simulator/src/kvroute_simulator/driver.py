@@ -17,7 +17,7 @@ time, earliest first (at equal times: scale events, then arrivals, then engine s
   With a warm join configured, an added instance is first pre-filled with the hottest
   prefixes it will own (prefix-only requests of one output token, a few at a time, while it
   is drained) and/or its weight ramps up over ``slow_start.period``
-  (:mod:`kvroute.warmup`); each join's figures are a :class:`JoinResult`.
+  (:mod:`~kvroute_simulator.warm_join`); each join's figures are a :class:`JoinResult`.
 
 Before each routing decision every backend's `EngineLoad` is refreshed from its engine
 (running, waiting, KV usage, prefix-cache counters, block size), as an adapter would.
@@ -47,7 +47,6 @@ from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.strategy import Status
-from kvroute.warmup import HotPrefix, HotPrefixes, warm_plan
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
 from kvroute_simulator.engine import Engine
@@ -55,7 +54,7 @@ from kvroute_simulator.engine_config import EngineConfig
 from kvroute_simulator.results import Comparison, InstanceResult, JoinResult, StrategyResult, quantile
 from kvroute_simulator.sequences import EngineRequest, EngineSequence
 from kvroute_simulator.simulation_config import ScaleEvent, SimulationConfig, parse_scale
-from kvroute_simulator.tokens import TokenSeq, vocabulary
+from kvroute_simulator.warm_join import Join, WarmJoins
 
 __all__ = [
     "NO_BACKEND",
@@ -92,26 +91,6 @@ class _Instance:
     added_at: float
     removed_at: float | None = None
     requests: int = 0
-    #: Pre-fill requests' tokens, left out of the instance's figures (they are not live traffic).
-    warm_prompt: int = 0
-    warm_hits: int = 0
-    warm_output: int = 0
-
-
-@attrs.define
-class _Join:
-    """One instance's join in progress: its window's requests, its pre-fill queue, its home oracle."""
-
-    instance: _Instance
-    time: float
-    oracle: Router
-    pending: list[HotPrefix] = attrs.field(factory=list)
-    warming: int = 0
-    warm_requests: int = 0
-    serving_from: float | None = None
-    moved: list[float] = attrs.field(factory=list)
-    others: list[float] = attrs.field(factory=list)
-    window_requests: int = 0
 
 
 @attrs.define
@@ -121,7 +100,7 @@ class _Flight:
     instance: _Instance
     seq: EngineSequence
     #: The join whose window the request arrived in, and whether its home is the new instance.
-    join: _Join | None = None
+    join: Join | None = None
     moved: bool = False
 
 
@@ -169,11 +148,14 @@ class _Run:
         self.timeline: list[tuple[float, float, Mapping[str, int]]] = []
         self.window_start = 0.0
         self.window_tokens = (0, 0)
-        self.plugins = plugins
-        self.hot = HotPrefixes() if config.prefill > 0 else None
-        self.joins: list[_Join] = []
-        self.warming: dict[int, _Join] = {}  # id(EngineSequence) of a pre-fill request -> its join
         self.timers: list[tuple[float, int, Callable[[float], None]]] = []
+        self.warm = WarmJoins(
+            config,
+            self.fleet,
+            self.router,
+            lambda fleet: Router.create(fleet, strategy, opts, plugins=plugins),
+            self._timer,
+        )
 
     # -- fleet -----------------------------------------------------------------------------
 
@@ -187,87 +169,21 @@ class _Run:
         self.fleet.add(backend)
         return instance
 
-    # -- warm join -------------------------------------------------------------------------
-
-    def _join(self, instance: _Instance, now: float) -> None:
-        """Start measuring a join; pre-fill the instance (drained meanwhile) and/or start its slow start."""
-        backend_id = instance.backend.id
-        oracle_fleet = Fleet([attrs.evolve(s.backend, weight=1.0) for s in self.fleet])
-        oracle = Router.create(oracle_fleet, self.strategy, self.options, plugins=self.plugins)
-        join = _Join(instance, now, oracle)
-        self.joins.append(join)
-        plan = [] if self.hot is None else warm_plan(self.router, backend_id, self.hot, self.config.prefill)
-        if not plan:
-            self._serve(join, now)
-            return
-        self.fleet.drain(backend_id)
-        join.pending = plan[::-1]
-        for _ in range(min(self.config.prefill_concurrency, len(plan))):
-            self._warm_next(join, now)
-
-    def _warm_next(self, join: _Join, now: float) -> None:
-        """Send the next pre-fill request of ``join`` to its instance's engine."""
-        entry = join.pending.pop()
-        body = entry.body
-        prompt = TokenSeq.of(vocabulary().render_chat(body["messages"]))
-        request = EngineRequest(
-            f"warm-{join.instance.backend.id}-{join.warm_requests}", prompt, 1, extra_key=body.get("cache_salt")
-        )
-        seq = join.instance.engine.submit(request, now)
-        self.warming[id(seq)] = join
-        join.warming += 1
-        join.warm_requests += 1
-
-    def _warm_done(self, seq: EngineSequence, now: float) -> None:
-        join = self.warming.pop(id(seq))
-        instance = join.instance
-        instance.warm_prompt += len(seq.request.prompt)
-        instance.warm_hits += seq.cached_tokens or 0
-        instance.warm_output += seq.request.output_len
-        join.warming -= 1
-        if join.pending and instance.backend.id in self.fleet:
-            self._warm_next(join, now)
-        elif join.warming == 0:
-            if instance.backend.id in self.fleet:
-                self.fleet.drain(instance.backend.id, False)
-            self._serve(join, now)
-
-    def _serve(self, join: _Join, now: float) -> None:
-        """The instance takes live traffic from ``now``: at full weight, or ramping up."""
-        join.serving_from = now
-        backend_id = join.instance.backend.id
-        if self.config.slow_start is None or backend_id not in self.fleet:
-            return
-        ramp = self.config.slow_start.begin(self.fleet, backend_id, now)
-
-        def step(at: float) -> None:
-            due = ramp.advance(at)
-            if due is not None:
-                self._timer(due, step)
-
-        step(now)  # begin set the first weight; this schedules the next step
+    def _live(self, instance: _Instance) -> tuple[int, int, int]:
+        """The instance's prompt, hit and output tokens of live requests (pre-fill requests left out)."""
+        stats = instance.engine.stats
+        prompt, hits, output = self.warm.warm_tokens.get(instance.backend.id, (0, 0, 0))
+        return stats.prompt_tokens - prompt, stats.hit_tokens - hits, stats.output_tokens - output
 
     def _timer(self, at: float, callback: Callable[[float], None]) -> None:
         self.counter += 1
         heapq.heappush(self.timers, (at, self.counter, callback))
 
-    def _window(self, request: RouteRequest, now: float) -> tuple[_Join | None, bool]:
-        """The join whose window ``now`` is in, and whether ``request``'s home is that join's instance.
-
-        When windows overlap (instances added together or close in time), the request belongs
-        to the join whose instance is its home, else to the latest.
-        """
-        active = [j for j in self.joins if j.time <= now < j.time + self.config.join_window]
-        for join in reversed(active):
-            if join.oracle.decide(request)[0].backend.id == join.instance.backend.id:
-                return join, True
-        return (active[-1] if active else None), False
-
     def _scale(self, event: ScaleEvent, now: float) -> None:
         if event.delta > 0:
             added = [self._add(now) for _ in range(event.delta)]
             for instance in added:
-                self._join(instance, now)
+                self.warm.join(instance.backend.id, instance.engine, now)
         else:
             members = [i for i in reversed(self.order) if i in self.fleet]
             for backend_id in members[: -event.delta]:
@@ -301,8 +217,7 @@ class _Run:
         except NoBackendAvailable:
             self._reject(NO_BACKEND, arrival, now)
             return
-        if self.hot is not None:
-            self.hot.observe(request)
+        self.warm.observe(request)
         decision = lease.decision
         self.route_costs.append(decision.duration_s)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
@@ -318,9 +233,7 @@ class _Run:
             return
         instance.requests += 1
         seq = instance.engine.submit(engine_request, now)
-        join, moved = self._window(request, now) if self.joins else (None, False)
-        if join is not None:
-            join.window_requests += 1
+        join, moved = self.warm.window(request, now)
         self.flights[id(seq)] = _Flight(arrival, lease, instance, seq, join, moved)
 
     def _reject(self, reason: str, arrival: Arrival, now: float) -> None:
@@ -347,8 +260,8 @@ class _Run:
         """Close every sampling window that ends at or before ``upto``."""
         width = self.config.sample_interval
         while self.window_start + width <= upto:
-            prompt = sum(i.engine.stats.prompt_tokens - i.warm_prompt for i in self.instances.values())
-            hits = sum(i.engine.stats.hit_tokens - i.warm_hits for i in self.instances.values())
+            prompt = sum(self._live(i)[0] for i in self.instances.values())
+            hits = sum(self._live(i)[1] for i in self.instances.values())
             d_prompt, d_hits = prompt - self.window_tokens[0], hits - self.window_tokens[1]
             in_flight = {i: self.instances[i].engine.in_flight for i in self.order if i in self.fleet}
             self.timeline.append((self.window_start, d_hits / d_prompt if d_prompt else math.nan, in_flight))
@@ -408,16 +321,15 @@ class _Run:
                     assert ttft is not None
                     self.ttfts.append(ttft)
                     if flight.join is not None:
-                        (flight.join.moved if flight.moved else flight.join.others).append(ttft)
+                        flight.join.record(ttft, flight.moved)
                 for seq in result.finished:
-                    if id(seq) in self.warming:
-                        self._warm_done(seq, now)
+                    if self.warm.is_prefill(seq):
+                        self.warm.prefill_done(seq, now)
                     else:
                         self._finish(seq, now)
         self._sample(self.last_finish + self.config.sample_interval)
         self.router.close()
-        for join in self.joins:
-            join.oracle.close()
+        self.warm.close()
 
     # -- results ---------------------------------------------------------------------------
 
@@ -429,14 +341,15 @@ class _Run:
         for backend_id in self.order:
             inst = self.instances[backend_id]
             stats = inst.engine.stats
+            prompt_tokens, hit_tokens, output_tokens = self._live(inst)
             instances.append(
                 InstanceResult(
                     id=backend_id,
                     requests=inst.requests,
                     share=inst.requests / total_requests,
-                    prompt_tokens=stats.prompt_tokens - inst.warm_prompt,
-                    hit_tokens=stats.hit_tokens - inst.warm_hits,
-                    output_tokens=stats.output_tokens - inst.warm_output,
+                    prompt_tokens=prompt_tokens,
+                    hit_tokens=hit_tokens,
+                    output_tokens=output_tokens,
                     busy_time=stats.busy_time,
                     preemptions=stats.preemptions,
                     added_at=inst.added_at,
@@ -478,24 +391,7 @@ class _Run:
             decisions=dict(sorted(self.decisions.items())),
             timeline=tuple(self.timeline),
             ttfts=tuple(self.ttfts),
-            joins=tuple(self._join_result(join) for join in self.joins),
-        )
-
-    def _join_result(self, join: _Join) -> JoinResult:
-        moved, others = sorted(join.moved), sorted(join.others)
-        every = sorted(moved + others)
-        return JoinResult(
-            backend=join.instance.backend.id,
-            time=join.time,
-            window_requests=join.window_requests,
-            moved=len(moved),
-            moved_ttft_p50=quantile(moved, 0.50),
-            moved_ttft_p90=quantile(moved, 0.90),
-            others_ttft_p90=quantile(others, 0.90),
-            all_ttft_p90=quantile(every, 0.90),
-            all_ttft_mean=sum(every) / len(every) if every else math.nan,
-            warm_requests=join.warm_requests,
-            serving_from=join.serving_from if join.serving_from is not None else math.nan,
+            joins=self.warm.results(),
         )
 
 
