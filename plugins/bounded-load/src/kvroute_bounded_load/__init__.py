@@ -31,7 +31,8 @@ __all__ = ["BoundedLoad", "Choice", "LoadBound", "Loads", "capacity", "choose", 
 class BoundedLoad(ConsistentHash):
     """Consistent hashing with bounded loads, plus SageMaker's concurrency threshold.
 
-    Options (besides ``prefix_length`` and ``cache_size`` from ``consistent-hash``):
+    Options (besides ``prefix``, ``prefix_length`` and ``cache_size`` from ``consistent-hash``, whose
+    default key is the system prompt or, for a hot one, the conversation; see docs/strategies.md):
 
     * ``load_factor`` (1.0-100.0 or ``off``, default 1.25): a backend is full when its load
       reaches ``ceil(load_factor * weight * (total load + 1) / total weight)``.
