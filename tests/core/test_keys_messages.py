@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -115,6 +118,35 @@ class TestMessageCuts:
         """A prefix length that is not a positive integer is a ValueError saying what was got."""
         with pytest.raises(ValueError, match="'prefix_length' must be a positive integer"):
             message_cuts(RouteRequest.from_text("x"), bad)  # type: ignore[arg-type]
+
+    def test_same_cuts_and_keys_in_another_process(self) -> None:
+        """A process with another PYTHONHASHSEED computes the same cuts and the same group and conversation keys."""
+        body = {
+            "model": "m",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [{"role": "system", "content": "s\u00e9" * 700}, {"role": "user", "content": "q" * 3000}],
+        }
+        code = (
+            "import json, sys; from kvroute import RouteRequest; from kvroute.keys import message_cuts, prefix_key; "
+            "r = RouteRequest.from_openai(json.loads(sys.argv[1])); c = message_cuts(r); "
+            "print(json.dumps([c.group, c.conversation, prefix_key(r, c.group), prefix_key(r, c.conversation)]))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(body)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": "4321"},
+        ).stdout
+        request = RouteRequest.from_openai(body)
+        cuts = message_cuts(request)
+        expected = [
+            cuts.group,
+            cuts.conversation,
+            prefix_key(request, cuts.group),
+            prefix_key(request, cuts.conversation),
+        ]
+        assert json.loads(out) == expected and cuts.group < cuts.conversation
 
     @settings(derandomize=True, max_examples=200)
     @given(

@@ -23,6 +23,12 @@ def router(**options: object) -> Router:
     return Router.create(Fleet([Backend(f"instance-{i}") for i in range(7)]), "consistent-hash", options)
 
 
+def strategy(**options: object) -> ConsistentHash:
+    chosen = router(**options).strategy
+    assert isinstance(chosen, ConsistentHash)
+    return chosen
+
+
 def words(rng: random.Random, chars: int) -> str:
     return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
 
@@ -58,27 +64,26 @@ def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[Route
 class TestPrefixOption:
     def test_default_is_messages(self) -> None:
         """With no options the key is cut at message boundaries, capped at 4,096 characters."""
-        strategy = router().strategy
-        assert isinstance(strategy, ConsistentHash) and (strategy.prefix, strategy.prefix_length) == ("messages", None)
+        default = strategy()
+        assert (default.prefix, default.prefix_length) == ("messages", None)
 
     def test_prefix_length_alone_is_fixed(self) -> None:
         """prefix_length given alone keeps SageMaker's meaning: the first prefix_length characters are the key."""
-        strategy = router(prefix_length=4096).strategy
-        assert isinstance(strategy, ConsistentHash) and strategy.prefix == "fixed"
+        fixed = strategy(prefix_length=4096)
         request = issue_traffic(1)[0][1]
-        assert strategy.key(request) == prefix_key(request, 4096)
+        assert fixed.prefix == "fixed" and fixed.key(request) == prefix_key(request, 4096)
 
     def test_messages_with_prefix_length_caps_the_cut(self) -> None:
         """prefix=messages with prefix_length keeps message cuts, capped at that length."""
-        strategy = router(prefix="messages", prefix_length=1024).strategy
+        capped = strategy(prefix="messages", prefix_length=1024)
         request = issue_traffic(1)[0][1]
-        assert strategy.key(request) == prefix_key(request, 1024) != router(prefix_length=2048).strategy.key(request)
-        assert router(prefix="messages").strategy.key(request) == prefix_key(request, message_cuts(request).group)
+        assert capped.key(request) == prefix_key(request, 1024) != strategy(prefix_length=2048).key(request)
+        assert strategy(prefix="messages").key(request) == prefix_key(request, message_cuts(request).group)
 
     def test_fixed_alone_uses_4096(self) -> None:
         """prefix=fixed without prefix_length keys on the first 4,096 characters."""
         request = issue_traffic(1)[0][1]
-        assert router(prefix="fixed").strategy.key(request) == prefix_key(request, 4096)
+        assert strategy(prefix="fixed").key(request) == prefix_key(request, 4096)
 
     def test_bad_prefix(self) -> None:
         """An unknown prefix value is a ConfigError naming the choices and what was got."""
@@ -93,7 +98,7 @@ class TestPrefixOption:
         b = RouteRequest.from_openai(
             {"model": "m", "messages": [{"role": "user", "content": "b"}]}, headers={"x-kvroute-affinity": "s-1"}
         )
-        assert router().strategy.key(a) == router().strategy.key(b) == prefix_key(a)
+        assert strategy().key(a) == strategy().key(b) == prefix_key(a)
 
 
 class TestShortSharedPrefix:
@@ -138,9 +143,9 @@ class TestTurns:
         """With the fixed 4,096-character key a short first turn's key differs from the second turn's (what the
         default no longer does)."""
         requests = conversation("be brief", [("hi", "hello! " * 300), ("and then?", "")])
-        fixed = router(prefix_length=4096).strategy
+        fixed = strategy(prefix_length=4096)
         assert fixed.key(requests[0]) != fixed.key(requests[1])
-        assert router().strategy.key(requests[0]) == router().strategy.key(requests[1])
+        assert strategy().key(requests[0]) == strategy().key(requests[1])
 
 
 class TestHotSystemPrompt:
