@@ -18,7 +18,9 @@ Setup, all on loopback, every process started and stopped by this script (by pid
 
 The table gives each target's median over the rounds (req/s, and the medians of its p50 and
 p99), the proxy's CPU time per request (its process and its children, from /proc), and the
-ratios to SGLang's ``cache_aware``: req/s as a fraction of theirs, p99 as a multiple of theirs.
+ratios to SGLang's ``cache_aware``: req/s as a fraction of theirs, p99 and CPU per request as
+multiples of theirs. On a machine shared with other work, req/s and latency follow the share of
+the CPU each target gets; CPU per request does not, and is the steadier comparison.
 
 Run: ``python benchmarks/bench_vs_sglang.py`` (about 9 minutes; ``tox -e bench-throughput``),
 ``--rounds``, ``--duration``, ``--mode whole|stream``, ``--only NAME,...`` for a subset,
@@ -429,18 +431,20 @@ def table(mode: str, rows: Sequence[Row]) -> str:
     reference = next((row for row in rows if row.name == REFERENCE), None)
     lines = [
         f"{mode}: median of {len(rows[0].runs)} runs",
-        "| target | req/s | range | p50 | p99 | CPU/req | req/s vs cache_aware | p99 vs cache_aware | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| target | req/s | range | p50 | p99 | CPU/req | req/s vs cache_aware | p99 vs cache_aware "
+        "| CPU/req vs cache_aware | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         low, high = min(r.rps for r in row.runs), max(r.rps for r in row.runs)
         ratio = f"{row.rps / reference.rps:.2f}x" if reference else "-"
         p99_ratio = f"{row.p99 / reference.p99:.1f}x" if reference else "-"
         cpu = f"{row.cpu:.0f} µs" if row.cpu is not None else "-"
+        cpu_ratio = f"{row.cpu / reference.cpu:.1f}x" if reference and reference.cpu and row.cpu else "-"
         errors = sum(r.bad_status + r.socket_errors for r in row.runs)
         lines.append(
             f"| {row.name} | {row.rps:,.0f} | {low:,.0f}-{high:,.0f} | {row.p50:.2f} ms | {row.p99:.2f} ms | {cpu} | "
-            f"{ratio} | {p99_ratio} | {errors} |"
+            f"{ratio} | {p99_ratio} | {cpu_ratio} | {errors} |"
         )
     return "\n".join(lines)
 
@@ -467,7 +471,13 @@ def main() -> None:
         help="also run bounded-load (one process and --workers 2) from another kvroute_server source tree, "
         "e.g. an older commit's contrib/server/src (git archive COMMIT contrib/server/src | tar -x -C DIR)",
     )
+    parser.add_argument("--from-json", type=Path, metavar="FILE", help="print the tables of an earlier --json run")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        for mode, rows in saved.items():
+            print(table(mode, [Row(name, tuple(Run(**run) for run in runs)) for name, runs in rows.items()]) + "\n")
+        return
 
     targets = list(TARGETS)
     if args.baseline:
