@@ -112,6 +112,7 @@ class TestMessageCuts:
         assert message_cuts(RouteRequest.from_text("p" * 9000)) == Cuts(MIN_PREFIX_LENGTH, 4096)
         assert message_cuts(RouteRequest.from_text("p" * 9000), 2048) == Cuts(MIN_PREFIX_LENGTH, 2048)
         assert message_cuts(RouteRequest.from_text("p" * 10)) == Cuts(10, 10)
+        assert message_cuts(RouteRequest.from_text("")) == Cuts(1, 1)
 
     @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4096"])
     def test_bad_prefix_length(self, bad: object) -> None:
@@ -169,7 +170,7 @@ class TestMessageCuts:
         cuts = message_cuts(requests[0], prefix_length)
         for request in requests[1:]:
             assert message_cuts(request, prefix_length) == cuts
-            assert prefix_key(request, max(1, cuts.group)) == prefix_key(requests[0], max(1, cuts.group))
+            assert prefix_key(request, cuts.group) == prefix_key(requests[0], cuts.group)
             assert prefix_key(request, cuts.conversation) == prefix_key(requests[0], cuts.conversation)
 
     @settings(derandomize=True, max_examples=100)

@@ -94,12 +94,11 @@ def message_cuts(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENG
     Plain completions carry no boundaries: ``group`` is the first `MIN_PREFIX_LENGTH` characters
     (a head that tells templates and system parts apart in most traffic), ``conversation`` the
     first ``prefix_length``. Every cut is capped at ``prefix_length`` and the text's length, and
-    is at least 1 unless the text is empty.
+    is at least 1 (`prefix_key`'s least length; an empty text hashes whole either way).
     """
     if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
         raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
-    size = len(request.text)
-    cap = min(prefix_length, size)
+    cap = max(1, min(prefix_length, len(request.text)))
     boundaries = _chat_boundaries(request)
     if boundaries is None:
         return Cuts(min(MIN_PREFIX_LENGTH, cap), cap)

@@ -2,8 +2,8 @@
 
 A request's key is `kvroute.keys.prefix_key` (model, LoRA adapter, ``cache_salt`` and a
 prefix of the routing text, or the caller's affinity key). By default (``prefix=messages``) the
-prefix ends at a message boundary: the system prompt, or for a system prompt that carries more
-than one backend's share of the traffic, the conversation through its first user message
+prefix ends at a message boundary: the system prompt, or, for a system prompt that opens more
+than one backend's share of the conversations, the conversation through its first user message
 (`kvroute_consistent_hash.groups`); so affinity works whatever the shared prefix's length, and
 every turn of a conversation has the key of its first turn. ``prefix=fixed`` keys on the first
 ``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 import kvroute
-from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, message_cuts, prefix_key
+from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
 from kvroute.options import int_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
 from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
@@ -44,8 +44,8 @@ class ConsistentHash(kvroute.BaseStrategy):
 
     * ``prefix`` (``messages`` or ``fixed``): where the key's text ends. ``messages`` cuts at a
       message boundary: the system prompt (tool definitions and the messages before the first
-      user message), or, for a system prompt with more than one backend's share of the recent
-      traffic, the conversation through its first user message; a plain completion is cut after
+      user message), or, for a system prompt that opened more than one backend's share of the
+      recent conversations, the conversation through its first user message; a plain completion is cut after
       1,024 characters (``prefix_length`` for a hot one). ``fixed`` keys on the first
       ``prefix_length`` characters (SageMaker's ``PrefixLength``). Default: ``fixed`` when
       ``prefix_length`` is given, else ``messages``.
@@ -98,8 +98,7 @@ class ConsistentHash(kvroute.BaseStrategy):
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if self.prefix == "messages" and request.affinity_key is None and _opens_conversation(request):
-            group = prefix_key(request, max(1, message_cuts(request, self._length).group))
-            self._hot_groups.observe(group, len(self._placement.states))
+            self._hot_groups.observe(self._group(request)[1], len(self._placement.states))
         if decision.spilled:
             self.spills += 1
             self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
@@ -110,11 +109,15 @@ class ConsistentHash(kvroute.BaseStrategy):
         """The request's prefix key: its group's, or its conversation's when the group is hot (or ``fixed``)."""
         if self.prefix == "fixed" or request.affinity_key is not None:
             return prefix_key(request, self._length)
-        cuts = message_cuts(request, self._length)
-        group = prefix_key(request, max(1, cuts.group))
+        cuts, group = self._group(request)
         if cuts.conversation == cuts.group or not self._hot_groups.is_hot(group):
             return group
-        return prefix_key(request, max(1, cuts.conversation))
+        return prefix_key(request, cuts.conversation)
+
+    def _group(self, request: kvroute.RouteRequest) -> tuple[Cuts, int]:
+        """The request's message cuts and its group key."""
+        cuts = message_cuts(request, self._length)
+        return cuts, prefix_key(request, cuts.group)
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         return self.place(self.key(request), request.model, candidates)
