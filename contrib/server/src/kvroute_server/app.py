@@ -216,10 +216,7 @@ class ProxyApp:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ProxyApp]:
-        """Run the backend set (upstream session, health, adapters), the admin journal and the parity check.
-
-        On the way out, the proxied requests' idle upstream connections are closed too.
-        """
+        """Run the backend set (upstream session, health, adapters), the admin journal and the parity check."""
         strategy = self.router.strategy
         try:
             async with self.backends.running(kv_event_sink(strategy)), anyio.create_task_group() as tg:
@@ -237,7 +234,7 @@ class ProxyApp:
                 finally:
                     tg.cancel_scope.cancel()
         finally:
-            self.forwarder.upstream.close()
+            self.forwarder.upstream.close()  # the forwarded requests' idle keep-alive connections
             self.router.close()
             if self.shadows is not None:
                 self.shadows.close()
@@ -443,20 +440,25 @@ class ProxyApp:
         if self.status is not None:
             self.status.finished(ex, duration)
         if self.config.access_log:
-            log.info(
-                "request",
-                request_id=ex.request_id,
-                model=ex.model,
-                strategy=self.router.strategy_name,
-                backend=ex.backend,
-                reason=ex.reason,
-                key=f"{ex.key:016x}" if ex.key is not None else None,
-                spilled=ex.spilled,
-                status=ex.status,
-                outcome=ex.outcome,
-                attempts=ex.attempts,
-                stream=ex.stream,
-                ttft_s=round(ex.ttft, 6) if ex.ttft is not None else None,
-                duration_s=round(duration, 6),
-                error=ex.error,
-            )
+            _access_line(ex, self.router.strategy_name, duration)
+
+
+def _access_line(ex: Exchange, strategy: str, duration: float) -> None:
+    """The access log's one line per request (``--access-log``, on by default)."""
+    log.info(
+        "request",
+        request_id=ex.request_id,
+        model=ex.model,
+        strategy=strategy,
+        backend=ex.backend,
+        reason=ex.reason,
+        key=f"{ex.key:016x}" if ex.key is not None else None,
+        spilled=ex.spilled,
+        status=ex.status,
+        outcome=ex.outcome,
+        attempts=ex.attempts,
+        stream=ex.stream,
+        ttft_s=round(ex.ttft, 6) if ex.ttft is not None else None,
+        duration_s=round(duration, 6),
+        error=ex.error,
+    )
