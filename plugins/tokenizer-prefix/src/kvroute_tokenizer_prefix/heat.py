@@ -11,8 +11,15 @@ shared with what the router had seen (its longest match, plus one block). A bloc
 more than ``1 / members`` of the window's requests started with it, once at least
 `MIN_EVIDENCE` of them did; it stays hot until that share falls under half of it (hysteresis,
 so that a prefix near the threshold does not move its prompts back and forth). Counts only
-grow along a chain (a request that counts a block counts every block before it), so a
-prompt's hot head is its leading run of hot blocks.
+shrink along a chain (a request that counts a block counts every block before it), so a
+prompt's hot head is its leading run of hot blocks, and a request stops counting after its
+first block that is neither over one backend's share nor hot: nothing deeper can be. A
+request thus counts its hot head and one block more, not its whole history (a conversation's
+8,000 tokens), and a block starts being counted as soon as its parent is over the share, so
+nested heads (a template's preamble, then one application's system prompt) are learnt
+together, not one block per `MIN_EVIDENCE` requests. Counts are exact for blocks whose parents
+stay over the share; near the line they may run low, which errs toward keeping a prefix on one
+backend.
 
 This is the block-level form of the hash strategies' hot groups (``consistent-hash``'s
 ``HotGroups``): one backend's share of the traffic is the line between a prefix that should
@@ -90,8 +97,12 @@ class HotPrefixes:
                 return depth
             depth += 1
 
-    def observe(self, shared: Sequence[int]) -> None:
-        """Count one started request that shared the leading blocks ``shared`` (the oldest leaves the window)."""
+    def observe(self, shared: Sequence[int], members: int) -> None:
+        """Count one started request that shared the leading blocks ``shared`` (the oldest leaves the window).
+
+        Counting stops after the first block that is neither over ``1 / members`` of the window
+        nor hot: no block after it can be.
+        """
         counts = self._counts
         if len(self._recent) == self.window:
             for block in self._recent.popleft():
@@ -101,10 +112,15 @@ class HotPrefixes:
                 else:
                     del counts[block]
                     self._hot.discard(block)
-        entry = tuple(shared)
-        self._recent.append(entry)
-        for block in entry:
-            counts[block] = counts.get(block, 0) + 1
+        seen = len(self._recent) + 1
+        counted = []
+        for block in shared:
+            count = counts.get(block, 0) + 1
+            counts[block] = count
+            counted.append(block)
+            if count * members <= seen and block not in self._hot:
+                break
+        self._recent.append(tuple(counted))
 
     def clear(self) -> None:
         """Forget everything (the block size changed: every hash did)."""

@@ -253,7 +253,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             backend = decision.backend.id
             hashes = blocks.hashes
             if self._heat is not None:
-                self._heat.observe(hashes[:shared])
+                self._heat.observe(hashes[:shared], len(self._placer.placement.states))
             exact = index.is_exact(backend)
             if exact:
                 self._recent.add(request.request_id, index.bit(backend), tuple(hashes))
