@@ -81,7 +81,7 @@ class BoundedCache(ConsistentHash):
       that placed prefixes may fill (needs ``kv_blocks`` telemetry from every candidate).
     * ``chars_per_token`` (0.5-64.0, default 4.0): turns routing text into a token estimate.
     * ``index_keys`` (1-16,777,216, default 65536): keys remembered per backend when its KV
-      size is unknown.
+      size is unknown, and keys whose last backend is remembered.
     * ``load_factor``, ``concurrency_threshold``, ``min_capacity``, ``engine_load``: as bounded-load.
     """
 
@@ -200,7 +200,7 @@ class BoundedCache(ConsistentHash):
             choice.state.backend,
             reason=choice.reason,
             key=key,
-            spilled=True,
+            spilled=choice.state is not preferred[0],
             detail=detail,
             spill_reason=choice.spill_reason,
         )
