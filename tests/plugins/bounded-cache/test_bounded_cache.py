@@ -168,6 +168,13 @@ class TestBoundedCache:
         assert leases[1].decision.reason == "spilled" and leases[1].decision.spill_reason == "concurrency_threshold"
         assert leases[0].backend.id != leases[1].backend.id
 
+    def test_all_full_goes_to_the_least_loaded(self) -> None:
+        """When every backend is at the threshold, the least loaded takes it (ties: the preferred one, not a spill)."""
+        r = router([Backend("a"), Backend("b")], load_factor="off", concurrency_threshold=1)
+        leases = [r.acquire(PROMPTS[0]) for _ in range(3)]
+        third = leases[2].decision
+        assert third.reason == "least_loaded" and third.backend.id == leases[0].backend.id and not third.spilled
+
     def test_footprint_counts_tokens_when_given(self) -> None:
         """The footprint is the token count when the caller sent tokens, else text length over chars_per_token."""
         strategy = BoundedCache(chars_per_token=2.0)
