@@ -203,6 +203,7 @@ class _Run:
                 prefix_cache_queries=float(stats.prompt_tokens),
                 prefix_cache_hits=float(stats.hit_tokens),
                 block_size=block_size,
+                kv_blocks=engine.config.capacity_blocks,
             )
 
     # -- events ----------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def _weight_units(weights: tuple[float, ...]) -> tuple[int, ...]:
 class BoundedCache(ConsistentHash):
     """Consistent hashing with a bounded KV cache footprint per backend, and bounded loads.
 
-    Options (besides consistent-hash's ``prefix_length`` and ``cache_size``):
+    Options (besides consistent-hash's ``prefix``, ``prefix_length`` and ``cache_size``):
 
     * ``cache_factor`` (1.0-100.0 or ``off``, default 1.1): a backend's share of the placed
       footprint may exceed its share of the KV capacity by this factor before a new prefix
