@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -62,6 +64,29 @@ def _warming(proxy: ServerThread) -> list[str]:
 
 def _generation_requests(emulator: ServerThread) -> int:
     return int(json.loads(http("GET", emulator.url + "/emulator/stats")[2])["requests"])
+
+
+def _task_names(proxy: ServerThread) -> set[str]:
+    return in_loop(proxy, lambda: {task.get_name() for task in asyncio.all_tasks()})
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (connections are refused)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _silent_server() -> Iterator[str]:
+    """The URL of a server that accepts connections (the kernel's backlog) and never answers."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
+    finally:
+        silent.close()
 
 
 def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -242,31 +267,42 @@ class TestWarmJoin:
         }
         assert backends == {"e0", "e1", "c"}
 
+    def test_unreachable_backend_is_logged_and_released(self, servers: Servers, logs: list[dict[str, Any]]) -> None:
+        """Pre-fill requests that cannot connect are counted in the log; the proxy goes on serving."""
+        a, b = servers.emulators(2)
+        proxy = _proxy(servers, [a, b], WarmJoinConfig(prefill=16))
+        _warm_traffic(proxy)
+        url = f"http://127.0.0.1:{_closed_port()}"
+        assert http("POST", proxy.url + "/admin/backends", {"id": "c", "url": url}, headers=AUTH)[0] == 201
+        assert _until(lambda: not _warming(proxy))
+        (prefilled,) = _events(logs, "warm_join_prefilled")
+        assert prefilled["planned"] > 0 and prefilled["failed"] == prefilled["planned"]
+        assert "failed" in prefilled["error"]
+        assert not _state(proxy, "c")[1]
+        assert all(http("POST", proxy.url + "/v1/chat/completions", _chat(s, "q"))[0] == 200 for s in SYSTEMS[:4])
+
     def test_leaving_ends_the_warm_up(self, servers: Servers) -> None:
-        """A backend removed while it ramps up has no warm-up left."""
-        a, b, c = servers.emulators(3)
-        proxy = _proxy(servers, [a, b], WarmJoinConfig(slow_start=60.0))
-        assert http("POST", proxy.url + "/admin/backends", {"id": "c", "url": c.url}, headers=AUTH)[0] == 201
-        assert _warming(proxy) == ["c"]
-        assert http("DELETE", proxy.url + "/admin/backends/c", headers=AUTH)[0] == 200
-        assert _until(lambda: not _warming(proxy), within=5.0)
+        """A backend removed while it is pre-filled (from a silent server) has no warm-up task left."""
+        a, b = servers.emulators(2)
+        with _silent_server() as url:
+            proxy = _proxy(servers, [a, b], WarmJoinConfig(prefill=16, prefill_timeout=120.0, slow_start=60.0))
+            _warm_traffic(proxy)
+            assert http("POST", proxy.url + "/admin/backends", {"id": "c", "url": url}, headers=AUTH)[0] == 201
+            assert _warming(proxy) == ["c"] and "warm join c" in _task_names(proxy)
+            assert http("DELETE", proxy.url + "/admin/backends/c", headers=AUTH)[0] == 200
+            assert _until(lambda: "warm join c" not in _task_names(proxy), within=5.0)
+            assert not _warming(proxy)
 
     def test_shutdown_during_prefill_is_prompt(self, servers: Servers, logs: list[dict[str, Any]]) -> None:
         """Stopping the proxy while a pre-fill waits on a silent backend ends it at once, with no error logged."""
         a, b = servers.emulators(2)
-        silent = socket.socket()  # accepts connections (the kernel's backlog), never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        try:
+        with _silent_server() as url:
             warm = WarmJoinConfig(prefill=16, prefill_timeout=120.0, slow_start=60.0)
             proxy = _proxy(servers, [a, b], warm)
             _warm_traffic(proxy)
-            url = f"http://127.0.0.1:{silent.getsockname()[1]}"
             assert http("POST", proxy.url + "/admin/backends", {"id": "c", "url": url}, headers=AUTH)[0] == 201
             assert _warming(proxy) == ["c"] and _state(proxy, "c")[1]  # held while pre-filling
             started = time.monotonic()
             proxy.stop()
             assert time.monotonic() - started < 10.0
             assert not [e for e in logs if e.get("log_level") == "error"]
-        finally:
-            silent.close()

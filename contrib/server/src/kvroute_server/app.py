@@ -185,8 +185,7 @@ class ProxyApp:
         self.discovery = Discovery.create(
             config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
         )
-        # Warm join (docs/warm-join.md); None when off. Before the router: it registers a request_routed hook.
-        self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)
+        self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
         # Shadow strategies (docs/serve.md, "Shadow strategies"); None when none is configured.
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
