@@ -98,7 +98,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
 
     Decisions: ``prefix`` (the best-scoring candidate with matched blocks had room), ``cold``
-    (nothing matched past the hot head: the key's hash home had room), ``spilled`` (a later candidate of
+    (nothing matched past the hot head: the key's first backend had room), ``spilled`` (a later candidate of
     the order; ``spill_reason`` says which limit), ``least_loaded`` (every candidate was full),
     ``untokenizable`` (the prompt could not be tokenized: placed by its text prefix).
     """
@@ -392,7 +392,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         choice = choose((candidates[j] for j in order), loads)
         chosen = next(j for j in order if candidates[j] is choice.state)
         first = candidates[order[0]]
-        reason = choice.reason if choice.reason != "first" else "cold" if cold else "prefix"
+        reason = choice.reason  # spilled or least_loaded
+        if choice.reason == "first":
+            reason = "cold" if cold else "prefix"
         self.reasons[reason] += 1
         self._totals["chosen"] += matched[chosen] * bs
         detail["matched_tokens"] = matched[chosen] * bs
