@@ -227,6 +227,10 @@ class TestWarmJoin:
         assert _generation_requests(c) == prefilled["planned"]
         weights = [e for e in logs if e["event"] == "fleet_changed" and e["backend"] == "c" and e["change"] == "weight"]
         assert len(weights) == 5  # down to 10 %, then four steps back to full
+        routing = {"added", "draining", "weight", "undrained"}
+        changes = [e["change"] for e in logs if e["event"] == "fleet_changed" and e["backend"] == "c"]
+        changes = [change for change in changes if change in routing]
+        assert changes[:4] == ["added", "draining", "weight", "undrained"]  # lowered before it takes requests
         assert _state(proxy, "c") == (1.0, False)
         # The first live request of each prefix c now owns finds its prefix in c's cache.
         on_c = 0
@@ -246,6 +250,16 @@ class TestWarmJoin:
         assert _state(proxy, "c") == (pytest.approx(0.2), False)
         assert _warming(proxy) == ["c"]
         assert _generation_requests(c) == 0
+
+    def test_operator_weight_ends_the_ramp(self, servers: Servers, logs: list[dict[str, Any]]) -> None:
+        """A weight set through the admin API during the ramp stays: the ramp stops instead of overwriting it."""
+        a, b, c = servers.emulators(3)
+        proxy = _proxy(servers, [a, b], WarmJoinConfig(slow_start=2.0, slow_start_steps=10))
+        assert http("POST", proxy.url + "/admin/backends", {"id": "c", "url": c.url}, headers=AUTH)[0] == 201
+        assert http("PATCH", proxy.url + "/admin/backends/c", {"weight": 3}, headers=AUTH)[0] == 200
+        assert _until(lambda: not _warming(proxy), within=5.0)
+        assert _events(logs, "slow_start_overridden") and not _events(logs, "slow_start_done")
+        assert _state(proxy, "c") == (3.0, False)
 
     def test_failing_prefill_is_logged_and_the_backend_serves(
         self, servers: Servers, logs: list[dict[str, Any]]
