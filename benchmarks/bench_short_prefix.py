@@ -14,7 +14,7 @@ tokens over their prompt tokens (`hit_tokens` / `prompt_tokens` from each engine
 4,096 characters (`prefix_length=4096`) with their defaults (keys cut at message boundaries).
 Results in docs/strategies.md (search "prefix_length=4096").
 
-Run: ``python benchmarks/bench_short_prefix.py`` (seed 0, about 4 minutes on 2 cores);
+Run: ``python benchmarks/bench_short_prefix.py`` (seed 0, about 2.5 minutes on 2 cores);
 ``--only random,bounded-cache`` for some rows, ``--requests 60`` for a smoke run. The seed fixes
 the prompts, the questions and which prompt each request uses; the order requests arrive in
 depends on the 8 clients' timing.
