@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +266,53 @@ class TestUpstreamPool:
         pool = UpstreamPool(5.0)
         with pytest.raises(ValueError, match="line break"):
             await pool.post("http://127.0.0.1:9", "/", b"x", {"x-a": "1\r\nx-b: 2"})
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.anyio
+class TestUpstreamPoolTls:
+    async def _tls_backend(self, cert: Path, key: Path) -> tuple[asyncio.Server, str]:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        backend = Backend(await answer(OK))
+        server = await asyncio.start_server(backend._serve, "127.0.0.1", 0, ssl=context)
+        return server, f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    async def test_https_backend_over_tls(
+        self, self_signed: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An https:// backend is spoken to over TLS, its certificate checked against the trusted ones."""
+        monkeypatch.setenv("SSL_CERT_FILE", str(self_signed[0]))  # trust the test certificate
+        server, url = await self._tls_backend(*self_signed)
+        pool = UpstreamPool(5.0)
+        try:
+            response = await pool.post(url, "/", b"x", {})
+            assert (response.status, await read_all(response)) == (200, b"{}")
+            response.release()
+        finally:
+            pool.close()
+            server.close()
+
+    async def test_untrusted_certificate_refused(self, self_signed: tuple[Path, Path]) -> None:
+        """A backend whose certificate is not trusted is a connection failure, not a plaintext fallback."""
+        server, url = await self._tls_backend(*self_signed)
+        pool = UpstreamPool(5.0)
+        try:
+            with pytest.raises(UpstreamConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                await pool.post(url, "/", b"x", {})
+        finally:
+            pool.close()
+            server.close()
