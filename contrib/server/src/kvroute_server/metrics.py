@@ -326,7 +326,8 @@ class ShadowMetrics:
             verdicts, self.by_strategy, strict=True
         ):
             if verdict.error is not None:
-                errors.inc()
+                if errors is not None:  # only shadows can fail: the live verdict is the live decision
+                    errors.inc()
                 continue
             decisions.inc()
             predicted.inc(verdict.reuse.chosen)
