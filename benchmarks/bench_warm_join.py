@@ -204,9 +204,11 @@ def run_once(variant: str, seed: int, args: argparse.Namespace, out: Path) -> di
             result[f"{name}_p{q}"] = None if value is None else round(value, 4)
     result["first_moved_ttfts"] = groups["first_moved"]
     result["errors"] = sum(1 for r in rows if r["status"] != 200)
-    # A pre-fill with nothing planned logs only warm_join_started; no warm join logs neither.
-    prefilled = events.get("warm_join_prefilled", {"planned": events.get("warm_join_started", {}).get("prefixes")})
-    result["prefill"] = {k: prefilled.get(k) for k in ("planned", "sent", "failed", "took_s")}
+    result["prefill"] = None
+    if "--prefill" in serve:
+        # A pre-fill with nothing planned logs only warm_join_started.
+        prefilled = events.get("warm_join_prefilled", {"planned": events.get("warm_join_started", {}).get("prefixes")})
+        result["prefill"] = {k: prefilled.get(k) for k in ("planned", "sent", "failed", "took_s")}
     return result
 
 
