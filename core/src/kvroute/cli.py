@@ -21,6 +21,7 @@ import structlog
 
 from kvroute import __version__
 from kvroute.errors import KvrouteError
+from kvroute.logs import render_json, stamp_utc
 
 
 @attrs.frozen
@@ -65,18 +66,17 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
         raise click.BadParameter(
             f"expected one of debug, info, warning, error (got {level!r})", param_hint="--log-level"
         )
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: Any = render_json if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamp_utc,
             structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write and a flush per line (PrintLogger's print writes the newline separately).
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     # Library modules log through the standard library (kvroute.logs): show their events on

@@ -9,15 +9,26 @@ structlog's shape: the host's structlog configuration, when it has one, renders 
 structlog's default processors turn each event into one line handed to the standard logger.
 
 The command-line entry points (`kvroute simulate`, `kvroute serve`, ...) configure both, so a
-process started from the CLI keeps its current output.
+process started from the CLI keeps its current output. They render with `stamp_utc` and
+`render_json` below, two cheaper stand-ins for structlog's own processors: the proxy writes one
+access line per request, and structlog's ISO timestamp and ``json.dumps`` cost it ~6 µs of the
+~18 µs a line took.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+try:  # installed with kvroute-server, whose access log is the hot path; optional for the library
+    import orjson
+except ImportError:  # pragma: no cover - exercised only where orjson is not installed
+    orjson = None  # type: ignore[assignment]
 
 __all__ = ["get_logger"]
 
@@ -48,6 +59,51 @@ def _render(logger: Any, method_name: str, event_dict: Any) -> Any:
     for processor in chain:
         event_dict = processor(logger, method_name, event_dict)
     return event_dict
+
+
+class _Second:
+    """The formatted UTC second of the last timestamp, reused while the clock stays within it."""
+
+    whole = -1
+    text = ""
+
+
+def stamp_utc(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Add ``timestamp``: the UTC time as ISO 8601 with microseconds (``2026-12-01T21:35:03.420457Z``).
+
+    The same text as ``structlog.processors.TimeStamper(fmt="iso", utc=True)`` except that the
+    microseconds are always written (``isoformat`` drops them when they are 0), at a third of
+    its cost: the date and time of day are formatted once per second.
+    """
+    now = time.time()
+    whole = int(now)
+    if whole != _Second.whole:
+        _Second.text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _Second.whole = whole
+    event_dict["timestamp"] = f"{_Second.text}.{int((now - whole) * 1e6):06d}Z"
+    return event_dict
+
+
+def _fallback(value: Any) -> Any:
+    """What a value JSON has no type for becomes: its ``__structlog__()`` or its ``repr`` (as structlog does)."""
+    structlog_form = getattr(value, "__structlog__", None)
+    return structlog_form() if structlog_form is not None else repr(value)
+
+
+def render_json(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> str:
+    """The event as one line of JSON, keys in the event's order (stands in for structlog's ``JSONRenderer``).
+
+    With orjson installed (it comes with kvroute-server) the line is compact (``{"a":1,"b":null}``)
+    and non-ASCII text is written as UTF-8, at a tenth of ``json.dumps``'s cost; what orjson
+    refuses (an integer beyond 64 bits, a key that is not a string) falls back to ``json.dumps``,
+    so an event is never lost to its rendering.
+    """
+    if orjson is not None:
+        try:
+            return orjson.dumps(event_dict, default=_fallback).decode()
+        except TypeError:  # orjson.JSONEncodeError
+            pass
+    return json.dumps(event_dict, default=_fallback)
 
 
 def get_logger(name: str) -> Any:
