@@ -456,7 +456,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of wrk before each measured run [2]")
     parser.add_argument("--connections", type=int, default=32, help="wrk connections [32]")
     parser.add_argument("--mode", choices=["whole", "stream", "both"], default="both")
-    parser.add_argument("--only", help="comma-separated target names (substrings) to run")
+    parser.add_argument("--only", help="comma-separated target names to run: full names, or else substrings of names")
     parser.add_argument("--kvroute-arg", action="append", default=[], help="an extra argument to every kvroute target")
     parser.add_argument(
         "--cache-dir",
@@ -489,7 +489,8 @@ def main() -> None:
         ]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
-        targets = [t for t in targets if any(w in t.name for w in wanted)]
+        exact = [t for t in targets if t.name in wanted]  # a full name picks that target alone
+        targets = exact or [t for t in targets if any(w in t.name for w in wanted)]
     ensure_debian_tools()
     sglang = ensure_sglang_router(args.cache_dir) if any(t.kind == "sglang" for t in targets) else Path()
     modes = ["whole", "stream"] if args.mode == "both" else [args.mode]
