@@ -80,13 +80,15 @@ class DecisionRecord:
 class DecisionLog:
     """The last ``size`` routed requests, and per backend how many were spilled to it, by reason.
 
-    `record` runs on the request path once per finished request: it appends to a bounded deque
-    and bumps a counter; `Decision.explain` is only called when the status is read.
+    `record` runs on the request path once per finished request: it appends the raw pieces, a
+    plain tuple, to a bounded deque and bumps a counter; the `DecisionRecord` (a frozen attrs
+    instance, ~3x the cost of the tuple) is built, and `Decision.explain` called, only when the
+    status is read.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._records: collections.deque[DecisionRecord] = collections.deque(maxlen=size)
+        self._records: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=size)
         self._spills: dict[str, collections.Counter[str]] = {}
 
     def record(
@@ -106,12 +108,12 @@ class DecisionLog:
             self._spills.setdefault(decision.backend.id, collections.Counter())[cause] += 1
         if self.size:
             self._records.append(
-                DecisionRecord(time.time(), request_id, model, decision, outcome, status, attempts, ttft_s, duration_s)
+                (time.time(), request_id, model, decision, outcome, status, attempts, ttft_s, duration_s)
             )
 
     def recent(self) -> list[dict[str, Any]]:
         """The recorded decisions, newest first."""
-        return [r.to_json() for r in reversed(self._records)]
+        return [DecisionRecord(*r).to_json() for r in reversed(self._records)]
 
     def spills_to(self, backend_id: str) -> dict[str, int]:
         """Requests spilled to ``backend_id`` away from their first choice, by reason."""
