@@ -14,7 +14,7 @@ from collections import Counter
 
 #: (part, substrings of a frame "function (file:line)"), tried in this order for each frame.
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("logging (structlog)", ("structlog/", "ProxyApp._finish")),
+    ("logging (structlog)", ("structlog/", "kvroute/logs.py", "ProxyApp._finish")),
     ("metrics (prometheus-client)", ("prometheus_client/", "kvroute_server/metrics.py")),
     ("JSON parse", ("loads_body", "orjson")),
     ("routing (RouteRequest, router, strategy)", ("kvroute/", "kvroute_bounded_load/", "kvroute_tokenizer_prefix/")),
