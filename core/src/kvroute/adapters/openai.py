@@ -115,6 +115,9 @@ class EngineMetrics:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     block_size: int | None = None
+    #: The KV cache's size in blocks (an engine's subclass fills it from its own report, e.g. vLLM's
+    #: ``num_gpu_blocks``).
+    kv_blocks: int | None = None
 
     def to_load(self, observed_at: float | None = None) -> EngineLoad:
         """The core's `EngineLoad`, stamped ``observed_at`` (a ``time.monotonic()`` reading, default now).
