@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
@@ -224,10 +226,23 @@ class TestSliceState:
 
 class TestCreate:
     def test_registered_as_the_kubernetes_discovery_kind(self) -> None:
-        """The entry point registers kind ``kubernetes`` with KubernetesDiscovery.create as the factory."""
+        """The entry point registers kind ``kubernetes``; its factory builds a KubernetesDiscovery from the options."""
         registration = PluginManager().discovery_kinds["kubernetes"]
-        assert registration.factory == KubernetesDiscovery.create
         assert registration.plugin.distribution == "kvroute-kubernetes"
+        provider = registration.factory(target="inference/vllm:8000", kubeconfig="/tmp/kc")
+        assert isinstance(provider, KubernetesDiscovery)
+        assert provider.target == KubernetesDiscovery.create(target="inference/vllm:8000", kubeconfig="/tmp/kc").target
+
+    def test_loading_the_entry_point_imports_no_client(self) -> None:
+        """Loading the plugins (as every kvroute command does) imports neither kubernetes_asyncio nor aiohttp."""
+        code = (
+            "import sys\n"
+            "from kvroute.plugins import PluginManager\n"
+            "assert 'kubernetes' in PluginManager().discovery_kinds\n"
+            "print([m for m in ('kubernetes_asyncio', 'aiohttp', 'kvroute_kubernetes.provider') if m in sys.modules])\n"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        assert result.stdout == "[]\n", result.stdout
 
     def test_options_reach_the_provider(self) -> None:
         """Every documented option is taken: defaults for backends, timeouts and backoff."""

@@ -7,25 +7,28 @@ Public API:
 * `KubernetesTarget`: ``NAMESPACE/SERVICE:PORT``.
 * `SliceState`, `slice_backends`, `endpoint_state`, `Defaults`: EndpointSlices to backends.
 * `Backoff`: the capped exponential backoff between reconnects.
+
+The entry point is `kvroute_kubernetes.plugin`, which registers the kind without importing this
+package's client (kubernetes_asyncio) until a source is created.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import kvroute
-from kvroute_kubernetes.backoff import Backoff
-from kvroute_kubernetes.provider import KubernetesDiscovery
-from kvroute_kubernetes.slices import (
-    ANNOTATION_KIND,
-    ANNOTATION_MODELS,
-    ANNOTATION_WEIGHT,
-    Defaults,
-    SliceState,
-    endpoint_state,
-    slice_backends,
-)
-from kvroute_kubernetes.target import KubernetesTarget
+if TYPE_CHECKING:
+    from kvroute_kubernetes.backoff import Backoff
+    from kvroute_kubernetes.provider import KubernetesDiscovery
+    from kvroute_kubernetes.slices import (
+        ANNOTATION_KIND,
+        ANNOTATION_MODELS,
+        ANNOTATION_WEIGHT,
+        Defaults,
+        SliceState,
+        endpoint_state,
+        slice_backends,
+    )
+    from kvroute_kubernetes.target import KubernetesTarget
 
 __all__ = [
     "ANNOTATION_KIND",
@@ -37,11 +40,36 @@ __all__ = [
     "KubernetesTarget",
     "SliceState",
     "endpoint_state",
-    "kvroute_register_discovery",
     "slice_backends",
 ]
 
+# Where each public name lives: imported on first access (PEP 562), so that loading the entry
+# point (`kvroute_kubernetes.plugin`, which imports this package first) costs nothing.
+_HOMES = {
+    "Backoff": "backoff",
+    "KubernetesDiscovery": "provider",
+    "KubernetesTarget": "target",
+    **dict.fromkeys(
+        (
+            "ANNOTATION_KIND",
+            "ANNOTATION_MODELS",
+            "ANNOTATION_WEIGHT",
+            "Defaults",
+            "SliceState",
+            "endpoint_state",
+            "slice_backends",
+        ),
+        "slices",
+    ),
+}
 
-@kvroute.hookimpl
-def kvroute_register_discovery(register: Callable[..., None]) -> None:
-    register("kubernetes", KubernetesDiscovery.create)
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvroute_kubernetes' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"kvroute_kubernetes.{home}"), name)
+    globals()[name] = value
+    return value
