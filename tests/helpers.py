@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -10,8 +11,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BLOCKER", "blocking_env", "free_port", "free_ports", "help_commands", "installed", "run_kvroute"]
+from kvroute import RouteRequest
+
+__all__ = [
+    "BLOCKER",
+    "blocking_env",
+    "chat",
+    "conversation",
+    "free_port",
+    "free_ports",
+    "help_commands",
+    "installed",
+    "run_kvroute",
+    "words",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,3 +115,26 @@ def installed(distribution: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+# -- chats for the key and placement tests -------------------------------------------------------
+
+
+def words(rng: random.Random, chars: int) -> str:
+    """About ``chars`` characters of distinct pseudo-words (seeded by ``rng``)."""
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
+
+
+def chat(messages: list[dict[str, Any]]) -> RouteRequest:
+    return RouteRequest.from_openai({"model": "m", "messages": messages})
+
+
+def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[RouteRequest]:
+    """The requests of one conversation: turn N+1 is turn N, its answer and a new question."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
+    requests = []
+    for question, answer in turns:
+        messages = [*messages, {"role": "user", "content": question}]
+        requests.append(chat(messages))
+        messages = [*messages, {"role": "assistant", "content": answer}]
+    return requests

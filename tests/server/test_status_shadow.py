@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 from kvroute_server.status import page
 from tests.server.harness import Servers, chat_body, http
 from tests.server.test_shadow import samples, shared_prefix_texts
 from tests.server.test_status import status
-from tests.server.test_status_workers import _free_port, answer
+from tests.server.test_status_workers import answer, serve_workers
 
 
 class TestStatusShadow:
@@ -59,37 +53,10 @@ class TestStatusShadow:
 
     def test_merged_under_workers(self, servers: Servers) -> None:
         """Under --workers 2 each worker runs the shadows on its requests and either worker shows the merged counts."""
-        emulators = servers.emulators(2)
-        exe = shutil.which("kvroute", path=str(Path(sys.executable).parent)) or shutil.which("kvroute")
-        assert exe, "the kvroute command is not installed in this environment"
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = [exe, "serve", "--workers", "2", "--port", str(port), "--no-access-log", "--log-level", "error"]
-        command += ["--strategy", "random", "--shadow", "least-outstanding"]
-        for i, emulator in enumerate(emulators):
-            command += ["--backend", f"e{i}={emulator.url}"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                assert process.poll() is None, f"kvroute serve --workers 2 exited with {process.returncode}"
-                try:
-                    if http("GET", url + "/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "kvroute serve --workers 2 was not healthy within 30 s"
-                time.sleep(0.1)
+        with serve_workers(servers, "--strategy", "random", "--shadow", "least-outstanding") as url:
             for text in shared_prefix_texts(12):
                 body = chat_body(text)
                 assert http("POST", url + "/v1/chat/completions", body, headers={"connection": "close"})[0] == 200
             for _ in range(4):
                 rows = {r["name"]: r for r in answer(url)["shadow"]["strategies"]}
                 assert rows["random"]["decisions"] == rows["least-outstanding"]["decisions"] == 12
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -25,14 +26,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def two_workers(servers: Servers) -> Iterator[str]:
-    """``kvroute serve --workers 2`` in front of two emulators; yields its URL and stops it at teardown."""
+@contextlib.contextmanager
+def serve_workers(servers: Servers, *options: str) -> Iterator[str]:
+    """``kvroute serve --workers 2 OPTIONS`` in front of two emulators; yields its URL once healthy, then stops it."""
     emulators = servers.emulators(2)
     exe = shutil.which("kvroute", path=str(Path(sys.executable).parent)) or shutil.which("kvroute")
     assert exe, "the kvroute command is not installed in this environment"
     port = _free_port()
     command = [exe, "serve", "--workers", "2", "--port", str(port), "--no-access-log", "--log-level", "error"]
+    command += options
     for i, emulator in enumerate(emulators):
         command += ["--backend", f"e{i}={emulator.url}"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -56,6 +58,13 @@ def two_workers(servers: Servers) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.fixture
+def two_workers(servers: Servers) -> Iterator[str]:
+    """``kvroute serve --workers 2`` in front of two emulators; yields its URL and stops it at teardown."""
+    with serve_workers(servers) as url:
+        yield url
 
 
 def answer(url: str) -> dict[str, Any]:

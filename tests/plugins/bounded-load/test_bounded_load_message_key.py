@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,30 +11,12 @@ from kvroute_bounded_load import BoundedLoad
 
 from kvroute import Backend, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
+from tests.helpers import chat, conversation, words
 from tests.strategies import prompt_text
 
 
 def router(**options: object) -> Router:
     return Router.create(Fleet([Backend(f"instance-{i}") for i in range(7)]), "bounded-load", options)
-
-
-def words(rng: random.Random, chars: int) -> str:
-    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
-
-
-def chat(messages: list[dict[str, Any]]) -> RouteRequest:
-    return RouteRequest.from_openai({"model": "m", "messages": messages})
-
-
-def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[RouteRequest]:
-    """The requests of one conversation: turn N+1 is turn N, its answer and a new question."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
-    requests = []
-    for question, answer in turns:
-        messages = [*messages, {"role": "user", "content": question}]
-        requests.append(chat(messages))
-        messages = [*messages, {"role": "assistant", "content": answer}]
-    return requests
 
 
 class TestBoundedLoadMessageKey:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +15,7 @@ from kvroute_consistent_hash.groups import MIN_EVIDENCE
 from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
 from kvroute.keys import message_cuts, prefix_key
 from kvroute.testing import ScalingStateMachine
+from tests.helpers import chat, conversation, words
 from tests.strategies import prompt_text
 
 
@@ -29,10 +29,6 @@ def strategy(**options: object) -> ConsistentHash:
     return chosen
 
 
-def words(rng: random.Random, chars: int) -> str:
-    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(chars // 8))[:chars]
-
-
 def issue_traffic(requests: int = 300, prompts: int = 24, seed: int = 0) -> list[tuple[int, RouteRequest]]:
     """Issue 15's traffic: 24 system prompts of ~2,500 characters, each request with its own ~2,000-character
     question."""
@@ -44,21 +40,6 @@ def issue_traffic(requests: int = 300, prompts: int = 24, seed: int = 0) -> list
         messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": words(rng, 2000)}]
         out.append((group, RouteRequest.from_openai({"model": "m", "messages": messages})))
     return out
-
-
-def chat(messages: list[dict[str, Any]]) -> RouteRequest:
-    return RouteRequest.from_openai({"model": "m", "messages": messages})
-
-
-def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[RouteRequest]:
-    """The requests of one conversation: turn N+1 is turn N, its answer and a new question."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
-    requests = []
-    for question, answer in turns:
-        messages = [*messages, {"role": "user", "content": question}]
-        requests.append(chat(messages))
-        messages = [*messages, {"role": "assistant", "content": answer}]
-    return requests
 
 
 class TestPrefixOption:
