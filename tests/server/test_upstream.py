@@ -5,15 +5,62 @@ from __future__ import annotations
 import itertools
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute_server.forwarding import _event_end, _stream_error_event
-from kvroute_server.upstream import UsageSniffer, filter_request_headers, filter_response_headers
+from kvroute_server.upstream import HOP_BY_HOP, UsageSniffer, filter_request_headers, filter_response_headers
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode(), v.encode()) for k, v in headers.items()]
+
+
+# -- a simple model of the header rules, to hold the optimised filters to --------------
+
+_NAMES = ["X-A", "x-a", "x-b", "X-\xc0", "x-\xe0", "authorization", "x-request-id", "Keep-Alive", "host", "te", "date"]
+_TOKENS = [*_NAMES, "keep-alive", "close", "", "X-B"]
+_SPACE = st.sampled_from(["", " ", "\t", "\xa0", "\x85", "\x1f"])
+_connection_value = st.lists(st.tuples(_SPACE, st.sampled_from(_TOKENS), _SPACE), max_size=4).map(
+    lambda parts: ",".join(f"{before}{token}{after}" for before, token, after in parts)
+)
+_header = st.one_of(
+    st.tuples(st.sampled_from(["connection", "Connection"]), _connection_value),
+    st.tuples(st.sampled_from(_NAMES), st.sampled_from(["1", "2", "v\xe9"])),
+)
+_headers = st.lists(_header, max_size=8).map(
+    lambda pairs: [(k.encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+)
+
+
+def _model_drop(raw: list[tuple[bytes, bytes]], always: frozenset[str]) -> set[str]:
+    """The lower-case names not to forward: ``always``, plus each name listed in any Connection header."""
+    named = {
+        token.strip().lower()
+        for name, value in raw
+        if name.decode("latin-1").lower() == "connection"
+        for token in value.decode("latin-1").split(",")
+    }
+    return set(always) | (named - {""})
+
+
+def _model_request(raw: list[tuple[bytes, bytes]], forward: bool, api_key: str | None) -> dict[str, str]:
+    drop = _model_drop(raw, HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"})
+    if api_key is not None or not forward:
+        drop.add("authorization")
+    out = {}
+    for name, value in raw:
+        if name.decode("latin-1").lower() not in drop:
+            out[name.decode("latin-1").lower()] = value.decode("latin-1")
+    if api_key is not None:
+        out["authorization"] = f"Bearer {api_key}"
+    out["x-request-id"] = "rid"
+    return out
+
+
+def _model_response(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    drop = _model_drop(raw, HOP_BY_HOP | {"content-length", "date", "server"})
+    return [(name.lower(), value) for name, value in raw if name.decode("latin-1").lower() not in drop]
 
 
 class TestRequestHeaders:
@@ -70,6 +117,26 @@ class TestRequestHeaders:
         )
         assert out["x-request-id"] == "new"
 
+    def test_names_listed_in_connection_are_dropped_wherever_they_come(self) -> None:
+        """A name listed in any Connection header is dropped, even before that header; others keep their last value."""
+        raw = [
+            (b"x-a", b"1"),
+            (b"connection", b"keep-alive"),
+            (b"X-C", b"1"),
+            (b"connection", b" X-A ,, x-b"),
+            (b"x-b", b"2"),
+            (b"x-c", b"2"),
+        ]
+        out = filter_request_headers(raw, forward_authorization=True, api_key=None, request_id="r")
+        assert list(out.items()) == [("x-c", "2"), ("x-request-id", "r")]
+
+    @settings(max_examples=400, derandomize=True, deadline=None)
+    @given(_headers, st.booleans(), st.sampled_from([None, "k"]))
+    def test_same_as_the_model(self, raw: list[tuple[bytes, bytes]], forward: bool, api_key: str | None) -> None:
+        """Any header list is filtered as the model says: names, values, order, Latin-1 case and spacing rules."""
+        out = filter_request_headers(raw, forward_authorization=forward, api_key=api_key, request_id="rid")
+        assert list(out.items()) == list(_model_request(raw, forward, api_key).items())
+
 
 class TestResponseHeaders:
     def test_response_headers_filtered(self) -> None:
@@ -89,6 +156,17 @@ class TestResponseHeaders:
         )
         assert out == [(b"content-type", b"text/event-stream"), (b"x-engine", b"vllm")]
 
+    def test_names_listed_in_connection_are_dropped(self) -> None:
+        """A backend's header named in its Connection header does not reach the client, in any case or spacing."""
+        raw = [(b"X-Hop", b"1"), (b"Connection", b"keep-alive,\tx-hop "), (b"X-Kept", b"2")]
+        assert filter_response_headers(raw) == [(b"x-kept", b"2")]
+
+    @settings(max_examples=400, derandomize=True, deadline=None)
+    @given(_headers)
+    def test_same_as_the_model(self, raw: list[tuple[bytes, bytes]]) -> None:
+        """Any header list is filtered as the model says: names lower-cased, order kept, Connection-named ones gone."""
+        assert filter_response_headers(raw) == _model_response(raw)
+
 
 USAGE_EVENT = (
     b'data: {"choices":[],"usage":{"prompt_tokens":1234,"completion_tokens":5,'
@@ -106,6 +184,47 @@ class TestUsageSniffer:
         sniffer = UsageSniffer()
         for start, end in itertools.pairwise(points):
             sniffer.feed(body[start:end])
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
+
+    def test_last_usage_wins(self) -> None:
+        """With two usage objects in the bytes, the later one's numbers are kept."""
+        sniffer = UsageSniffer()
+        sniffer.feed(USAGE_EVENT + USAGE_EVENT.replace(b"1234", b"77").replace(b"1024", b"66"))
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (77, 66)
+
+    def test_a_last_mention_without_a_number_keeps_the_earlier_number(self) -> None:
+        """A later ``"prompt_tokens"`` not followed by a number does not hide the number before it."""
+        sniffer = UsageSniffer()
+        sniffer.feed(
+            USAGE_EVENT + b'data: {"usage":{"prompt_tokens":null,"prompt_tokens_details":{"cached_tokens":"x"}}}'
+        )
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
+
+    def test_pretty_printed_usage(self) -> None:
+        """Spaces and line breaks around the colon are allowed (an indented JSON answer)."""
+        sniffer = UsageSniffer()
+        sniffer.feed(
+            json.dumps(
+                {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}, indent=2
+            ).encode()
+        )
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (9, 8)
+
+    def test_cached_tokens_found_next_to_prompt_tokens_details_alone(self) -> None:
+        """Bytes mentioning only ``prompt_tokens_details`` are still searched for ``cached_tokens``."""
+        sniffer = UsageSniffer()
+        sniffer.feed(b'{"prompt_tokens_details":{"cached_tokens":5}}')
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (None, 5)
+
+    @given(st.integers(min_value=1, max_value=2000), st.lists(st.integers(min_value=1, max_value=700), max_size=8))
+    def test_found_in_a_long_stream_whatever_the_chunk_sizes(self, filler: int, sizes: list[int]) -> None:
+        """Usage after long other events is found with any chunk sizes, also chunks longer than the kept tail."""
+        body = b'data: {"x":"' + b"a" * filler + b'"}\n\n' + USAGE_EVENT + b"data: [DONE]\n\n"
+        sniffer = UsageSniffer()
+        start = 0
+        for size in [*sizes, len(body)]:
+            sniffer.feed(body[start : start + size])
+            start += size
         assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
 
     def test_absent_usage_leaves_none(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import re
 import socket
@@ -62,14 +63,29 @@ HOP_BY_HOP = frozenset(
 _DROP_UP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
 # Recomputed by the ASGI server on the way down.
 _DROP_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
+# The same, as the bytes names of a backend's answer are compared with.
+_DROP_DOWN_BYTES = frozenset(name.encode("ascii") for name in _DROP_DOWN)
 
 
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    out: set[str] = set()
-    for name, value in headers:
-        if name == "connection":
-            out.update(t.strip().lower() for t in value.split(",") if t.strip())
-    return out
+def _named_by_connection(value: bytes) -> frozenset[str]:
+    """The header names a Connection header's ``value`` lists, beyond those always dropped (lower case).
+
+    RFC 9110 section 7.6.1: a header named in Connection is hop-by-hop too. Almost every
+    Connection header says ``keep-alive`` or ``close``, already in `HOP_BY_HOP`, so the
+    answer is mostly empty. Short values are cached (the same few come again and again);
+    long ones are not, so that a client cannot fill the cache with large values.
+    """
+    if len(value) > 64:
+        return _parse_connection(value)
+    return _parse_connection_cached(value)
+
+
+def _parse_connection(value: bytes) -> frozenset[str]:
+    tokens = (token.strip().lower() for token in value.decode("latin-1").split(","))
+    return frozenset(token for token in tokens if token) - HOP_BY_HOP
+
+
+_parse_connection_cached = functools.lru_cache(maxsize=256)(_parse_connection)
 
 
 def filter_request_headers(
@@ -79,14 +95,26 @@ def filter_request_headers(
     api_key: str | None,
     request_id: str,
 ) -> dict[str, str]:
-    """Headers to send upstream: hop-by-hop dropped, Authorization forwarded or replaced, request id set."""
-    pairs = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in raw]
-    drop = _DROP_UP | _connection_tokens(pairs)
+    """Headers to send upstream: hop-by-hop dropped, Authorization forwarded or replaced, request id set.
+
+    Names listed in a Connection header are removed after the pass, only when there are such
+    names beyond the usual ``keep-alive``/``close``: the last value of each other name is
+    kept, in the order the names first came, as if they had been skipped in the pass.
+    """
+    drop_authorization = api_key is not None or not forward_authorization
     out: dict[str, str] = {}
-    for name, value in pairs:
-        if name in drop or (name == "authorization" and (api_key is not None or not forward_authorization)):
+    named: frozenset[str] = frozenset()
+    for raw_name, raw_value in raw:
+        name = raw_name.decode("latin-1").lower()
+        if name in _DROP_UP:
+            if name == "connection":
+                named |= _named_by_connection(raw_value)
             continue
-        out[name] = value
+        if name == "authorization" and drop_authorization:
+            continue
+        out[name] = raw_value.decode("latin-1")
+    for name in named:
+        out.pop(name, None)
     if api_key is not None:
         out["authorization"] = f"Bearer {api_key}"
     out["x-request-id"] = request_id
@@ -94,11 +122,24 @@ def filter_request_headers(
 
 
 def filter_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Headers to send back to the client: hop-by-hop and length/date/server dropped."""
-    items = list(headers)
-    tokens = _connection_tokens((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in items)
-    drop = _DROP_DOWN | tokens
-    return [(k.lower(), v) for k, v in items if k.decode("latin-1").lower() not in drop]
+    """Headers to send back to the client: hop-by-hop and length/date/server dropped, names in lower case.
+
+    One pass in bytes: ``bytes.lower`` and ``str.lower`` agree on whether a Latin-1 name is one
+    of the (ASCII) dropped names. Names listed in a Connection header are dropped in a second
+    pass, only when there are such names beyond the usual ``keep-alive``/``close``.
+    """
+    out: list[tuple[bytes, bytes]] = []
+    named: frozenset[str] = frozenset()
+    for name, value in headers:
+        lower = name.lower()
+        if lower in _DROP_DOWN_BYTES:
+            if lower == b"connection":
+                named |= _named_by_connection(value)
+            continue
+        out.append((lower, value))
+    if named:
+        out = [(name, value) for name, value in out if name.decode("latin-1").lower() not in named]
+    return out
 
 
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -121,12 +162,32 @@ class UsageSniffer:
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk if self._tail else chunk
         self._tail = data[-256:]
-        if b"prompt_tokens" not in data:
+        # rfind, not ``in``: bytes' ``in`` first tries its operand as an int (a caught
+        # TypeError each time); and usage comes at the end of the bytes that carry it.
+        if data.rfind(b"prompt_tokens") < 0:
             return
-        for match in _PROMPT.finditer(data):
-            self.prompt_tokens = int(match.group(1))
-        for match in _CACHED.finditer(data):
-            self.cached_tokens = int(match.group(1))
+        prompt = _last_number(_PROMPT, b'"prompt_tokens"', data)
+        if prompt is not None:
+            self.prompt_tokens = prompt
+        cached = _last_number(_CACHED, b'"cached_tokens"', data)
+        if cached is not None:
+            self.cached_tokens = cached
+
+
+def _last_number(pattern: re.Pattern[bytes], key: bytes, data: bytes) -> int | None:
+    """The number in ``pattern``'s last match in ``data``, None without a match (``pattern`` starts with ``key``).
+
+    Looked for at the key's last mention, not by scanning all of ``data`` with the pattern;
+    only when that mention is not followed by a number are all matches looked at.
+    """
+    at = data.rfind(key)
+    if at < 0:
+        return None
+    match = pattern.match(data, at)
+    if match is not None:
+        return int(match.group(1))
+    numbers = pattern.findall(data)
+    return int(numbers[-1]) if numbers else None
 
 
 def _nodelay_socket(addr_info: tuple[Any, ...]) -> socket.socket:
@@ -214,7 +275,7 @@ class UpstreamResponse:
     ``close()``), so the forwarding logic did not change with the client.
     """
 
-    __slots__ = ("_buffer", "_conn", "_done", "_error", "_waiter", "content_type", "raw_headers", "status")
+    __slots__ = ("_buffer", "_buffered", "_conn", "_done", "_error", "_waiter", "content_type", "raw_headers", "status")
 
     def __init__(self, conn: _Connection, status: int, raw_headers: list[tuple[bytes, bytes]], content_type: str):
         self._conn: _Connection | None = conn
@@ -222,6 +283,7 @@ class UpstreamResponse:
         self.raw_headers = raw_headers
         self.content_type = content_type
         self._buffer: list[bytes] = []
+        self._buffered = 0  # bytes in _buffer, kept as they come and go (not summed on each arrival)
         self._done = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -237,6 +299,7 @@ class UpstreamResponse:
         if self._buffer:
             data = self._buffer[0] if len(self._buffer) == 1 else b"".join(self._buffer)
             self._buffer.clear()
+            self._buffered = 0
             if self._conn is not None:
                 self._conn.resume()
             return data
@@ -264,6 +327,7 @@ class UpstreamResponse:
 
     def _feed(self, data: bytes) -> None:
         self._buffer.append(data)
+        self._buffered += len(data)
         self._wake()
 
     def _end(self, error: Exception | None) -> None:
@@ -278,9 +342,6 @@ class UpstreamResponse:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def _buffered(self) -> int:
-        return sum(len(b) for b in self._buffer)
 
 
 class _Connection(asyncio.Protocol):
@@ -355,7 +416,7 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is not None:
             response._feed(body)
-            if not self._paused and response._buffered() > _READ_HIGH_WATER and self.transport is not None:
+            if not self._paused and response._buffered > _READ_HIGH_WATER and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
 
@@ -462,7 +523,7 @@ class _Target:
 
     pool: _HostPool
     base_path: str
-    host_header: bytes
+    host: str  # the Host header's value: the URL's host and port, IDNA-encoded (ASCII)
 
 
 class UpstreamPool:
@@ -494,7 +555,8 @@ class UpstreamPool:
             pool = self._pools.get(key)
             if pool is None:
                 pool = self._pools[key] = _HostPool(scheme, host, port, self.keepalive_s)
-            target = _Target(pool, parts.path.rstrip("/"), parts.netloc.rpartition("@")[2].encode("idna"))
+            host_header = parts.netloc.rpartition("@")[2].encode("idna").decode("ascii")
+            target = _Target(pool, parts.path.rstrip("/"), host_header)
             self._targets[base_url] = target
         return target
 
@@ -505,18 +567,16 @@ class UpstreamPool:
         """
         where = self._target(base_url)
         path = where.base_path + target
-        try:
-            raw_path = path.encode("ascii")
-        except UnicodeEncodeError:  # a non-ASCII query or configured path: percent-encoded, as aiohttp did
-            raw_path = quote(path, safe="/?&=%:@!$'()*+,;~").encode("ascii")
-        lines = [b"POST ", raw_path, b" HTTP/1.1\r\nhost: ", where.host_header]
-        lines.append(b"\r\ncontent-length: %d\r\n" % len(body))
+        if not path.isascii():  # a non-ASCII query or configured path: percent-encoded, as aiohttp did
+            path = quote(path, safe="/?&=%:@!$'()*+,;~")
+        # The head is put together as text and encoded once (Latin-1, as HTTP/1.1 header values are).
+        lines = [f"POST {path} HTTP/1.1\r\nhost: {where.host}\r\ncontent-length: {len(body)}\r\n"]
         for name, value in headers.items():
             if "\n" in value or "\r" in value:
                 raise ValueError(f"header {name!r} must not contain a line break (got {value!r})")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        head = b"".join(lines)
+            lines.append(f"{name}: {value}\r\n")
+        lines.append("\r\n")
+        head = "".join(lines).encode("latin-1")
         pool = where.pool
         conn = pool.take(asyncio.get_running_loop().time())
         if conn is None:
