@@ -81,6 +81,7 @@ def _named_by_connection(value: bytes) -> frozenset[str]:
 
 
 def _parse_connection(value: bytes) -> frozenset[str]:
+    """`_named_by_connection` without the cache: comma-separated tokens, trimmed and lower-cased as text."""
     tokens = (token.strip().lower() for token in value.decode("latin-1").split(","))
     return frozenset(token for token in tokens if token) - HOP_BY_HOP
 
