@@ -32,7 +32,8 @@ class Servers:
     def emulators(self, count: int, **config: Any) -> list[ServerThread]:
         return [self.emulator(**config) for _ in range(count)]
 
-    def proxy(self, backends: list[ServerThread] | None = None, **config: Any) -> ServerThread:
+    def proxy(self, backends: list[ServerThread] | None = None, *, http: Any = None, **config: Any) -> ServerThread:
+        """A proxy in front of ``backends``; ``http`` picks uvicorn's protocol (default: kvroute's own)."""
         if backends is not None:
             config["backends"] = tuple(BackendConfig(id=f"e{i}", url=b.url) for i, b in enumerate(backends))
         config.setdefault("health", HealthConfig(interval=0.2, timeout=1.0, unhealthy_threshold=2, healthy_threshold=1))
@@ -40,7 +41,7 @@ class Servers:
         config.setdefault("strategy", "least-outstanding")
         if config["strategy"] in ("least-outstanding", "random"):
             config.setdefault("options", {"seed": 0})  # deterministic tie-breaks
-        server = ServerThread(ProxyApp(ServerConfig(**config))).start()
+        server = ServerThread(ProxyApp(ServerConfig(**config)), http=http).start()
         self.started.append(server)
         return server
 

@@ -193,10 +193,15 @@ class TestKillAndRestart:
 
 
 class TestClientSide:
-    def test_client_disconnect_cancels_upstream(self, servers: Servers) -> None:
-        """Closing the client connection mid-stream closes the upstream request too."""
+    @pytest.mark.parametrize("protocol", [None, "httptools"], ids=["kvroute-protocol", "uvicorn-protocol"])
+    def test_client_disconnect_cancels_upstream(self, servers: Servers, protocol: str | None) -> None:
+        """Closing the client connection mid-stream closes the upstream request too, under either HTTP protocol.
+
+        kvroute's protocol calls the proxy back (the ``kvroute.disconnect`` extension); under uvicorn's
+        the proxy learns it from ``receive()``.
+        """
         emulator = servers.emulator(time_scale=0.2)  # 5,000 steps of 3 ms: far longer than the test
-        proxy = servers.proxy([emulator])
+        proxy = servers.proxy([emulator], http=protocol)
         conn = hc.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
         conn.request(
             "POST",

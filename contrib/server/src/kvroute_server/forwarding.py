@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -27,6 +28,7 @@ from kvroute.strategy import Decision
 from kvroute_server._asgi import Receive, Scope, Send, dumps, openai_error, send_error
 from kvroute_server.backends import BackendSet
 from kvroute_server.config import ServerConfig
+from kvroute_server.http1 import DISCONNECT_EXTENSION, DisconnectNotice
 from kvroute_server.metrics import ProxyMetrics
 from kvroute_server.shadow import ProxyShadows
 from kvroute_server.upstream import (
@@ -163,7 +165,7 @@ class Forwarder:
         """Forward ``raw`` (the body ``request`` was parsed from) and answer; a client leaving cancels it."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_watch_disconnect(receive, ex, task))
+        stop_watching = _watch_client(scope, receive, ex, task)
         try:
             await self._attempts(request, raw, scope, send, ex, id_header)
         except asyncio.CancelledError:
@@ -172,7 +174,7 @@ class Forwarder:
             task.uncancel()
             ex.outcome = "cancelled"
         finally:
-            watcher.cancel()
+            stop_watching()
             if ex.shadow is not None:
                 assert self.shadows is not None
                 self.shadows.finished(ex.shadow, ex.outcome, ex.started)
@@ -451,12 +453,32 @@ async def _no_backend(
     )
 
 
+def _watch_client(scope: Scope, receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> Callable[[], object]:
+    """Have ``task`` cancelled if the client leaves before the response is complete; returns the undo.
+
+    Under kvroute's own HTTP protocol the server calls back (the ``kvroute.disconnect`` extension,
+    `kvroute_server.http1`); under any other ASGI server a task waits in ``receive()`` for
+    ``http.disconnect``.
+    """
+    extensions = scope.get("extensions")
+    notice: DisconnectNotice | None = extensions.get(DISCONNECT_EXTENSION) if extensions else None
+    if notice is not None:
+        notice.callback = lambda: _client_gone(ex, task)
+        return notice.forget
+    return asyncio.create_task(_watch_disconnect(receive, ex, task)).cancel
+
+
+def _client_gone(ex: Exchange, task: asyncio.Task[Any]) -> None:
+    """Cancel the request's task: its client went away before the response was complete."""
+    if not ex.complete:
+        ex.client_gone = True
+        task.cancel()
+
+
 async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:
-    """Cancel the request's task when its client goes away before the response is complete."""
+    """Wait in ``receive()`` for ``http.disconnect`` (ASGI servers without the disconnect extension)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not ex.complete:
-                ex.client_gone = True
-                task.cancel()
+            _client_gone(ex, task)
             return

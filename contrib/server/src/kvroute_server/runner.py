@@ -1,11 +1,9 @@
 """Running ASGI apps under uvicorn: the CLI's blocking ``serve`` and a thread helper for tests.
 
-Both use `NoDelayHttpToolsProtocol` (or the h11 equivalent when httptools is missing), which
-sets TCP_NODELAY on every accepted connection explicitly: asyncio and uvloop already do, and
-this keeps it true whatever loop runs the server. A streamed first chunk must never wait
-for Nagle's algorithm and a delayed ACK. It also answers a request uvicorn cannot parse
-(broken chunk framing, a bad header line) with a 400 in OpenAI's error shape rather than
-uvicorn's plain text.
+uvicorn runs the process (sockets, lifespan, signals, graceful shutdown); each connection is
+served by our own protocol class, `kvroute_server.http1.HttpProtocol` (TCP_NODELAY, a response
+head and its first body bytes in one write, the ``kvroute.disconnect`` extension, a 400 in
+OpenAI's error shape for a request that is not valid HTTP; why: docs/performance.md).
 
 A server process (`run_server`, and each worker of ``--workers N``) runs `ProcessServer`, which
 freezes the garbage collector's view of everything that exists once the app has started
@@ -27,103 +25,9 @@ from typing import Any
 
 import uvicorn
 
-from kvroute_server._asgi import dumps, openai_error
+from kvroute_server.http1 import HttpProtocol
 
-__all__ = ["ProcessServer", "ServerThread", "make_uvicorn_config", "nodelay_protocol", "run_server"]
-
-
-def _set_nodelay(transport: Any) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _CoalescingTransport:
-    """Holds a response's status line and headers until its first body bytes, then writes both at once.
-
-    uvicorn writes the head on ``http.response.start`` and the body on the next message: two
-    syscalls and, with TCP_NODELAY, two packets, so the client waits for the second one. The
-    ASGI app sends both in the same event-loop tick, so the head is held at most until the end
-    of that tick (a ``call_soon`` flush keeps any other app's timing unchanged). Interim 1xx
-    responses are never held. Everything else is delegated to the real transport.
-    """
-
-    __slots__ = ("_held", "_loop", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            if len(data) > 65536:
-                self._transport.writelines([held, data])
-            else:
-                self._transport.write(held + data)
-            return
-        if data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1") and data.endswith(b"\r\n\r\n"):
-            self._held = data
-            self._loop.call_soon(self.flush)
-            return
-        self._transport.write(data)
-
-    def writelines(self, lines: Any) -> None:
-        self.write(b"".join(lines))
-
-    def flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._held = None
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def _invalid_http_response() -> bytes:
-    """uvicorn's answer to a request it cannot parse, in OpenAI's error shape (the app never sees the request)."""
-    message = "The request is not valid HTTP/1.1 (malformed request line, header, Content-Length or chunked encoding)."
-    body = dumps(openai_error(400, message, code="invalid_http"))
-    head = (
-        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-    )
-    return head + body
-
-
-_INVALID_HTTP = _invalid_http_response()
-
-
-def nodelay_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's fastest available HTTP protocol class: TCP_NODELAY set on connect, head and body coalesced."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
-    except ImportError:  # httptools not installed: the pure-Python h11 parser
-        from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
-
-    class NoDelayProtocol(Base):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            _set_nodelay(transport)
-            super().connection_made(transport)
-            self.transport = _CoalescingTransport(transport, asyncio.get_running_loop())  # type: ignore[assignment]
-
-        def send_400_response(self, msg: str) -> None:
-            # uvicorn's own answer is plain text; ``msg`` is always "Invalid HTTP request received.".
-            self.transport.write(_INVALID_HTTP)
-            self.transport.close()
-
-    return NoDelayProtocol
+__all__ = ["ProcessServer", "ServerThread", "make_uvicorn_config", "run_server"]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -135,7 +39,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "warning", **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config with our choices: uvloop when installed, TCP_NODELAY, no access log of its own."""
+    """A uvicorn config with our choices: uvloop when installed, our HTTP protocol, no access log of its own."""
     try:
         import uvloop  # noqa: F401
 
@@ -143,11 +47,11 @@ def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "war
     except ImportError:
         loop = "asyncio"
     kwargs.setdefault("loop", loop)
+    kwargs.setdefault("http", HttpProtocol)
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=nodelay_protocol(),
         lifespan="on",
         access_log=False,
         log_level=log_level,
@@ -191,8 +95,11 @@ class ServerThread:
     a crashed process (for failure tests).
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 15.0) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 15.0, http: Any = None
+    ) -> None:
         self.app = app
+        self._http = http  # uvicorn's ``http`` protocol (class or name); None: kvroute's `HttpProtocol`
         self.host = host
         self._requested_port = port
         self.port = port
@@ -211,7 +118,8 @@ class ServerThread:
         return self._server
 
     def start(self) -> ServerThread:
-        config = make_uvicorn_config(self.app, self.host, self._requested_port, loop="asyncio")
+        extra = {} if self._http is None else {"http": self._http}
+        config = make_uvicorn_config(self.app, self.host, self._requested_port, loop="asyncio", **extra)
         self._server = server = uvicorn.Server(config)
 
         def run() -> None:
