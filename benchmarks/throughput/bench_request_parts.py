@@ -78,16 +78,27 @@ def chat_bodies(count: int, seed: int = 16) -> list[dict[str, Any]]:
     ]
 
 
+class _First:
+    """A strategy that costs almost nothing: the first candidate, as a `Decision` (what strategies return)."""
+
+    def pick(self, request: Any, candidates: Any) -> Any:
+        from kvroute import Decision
+
+        return Decision(candidates[0].backend, reason="first")
+
+
 def router_rows(calls: int, repeat: int) -> list[Row]:
     import structlog
 
-    from kvroute import Backend, Fleet, RouteRequest, Router
+    from kvroute import Backend, Fleet, Router, RouteRequest
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # fleet events stay quiet
     fleet = Fleet([Backend(f"e{i}", f"http://127.0.0.1:{9000 + i}") for i in range(4)])
     router = Router.create(fleet, "bounded-load")
     requests = [RouteRequest.from_openai(body, request_id=f"r{i}") for i, body in enumerate(chat_bodies(64))]
     strategy, candidates = router.strategy, fleet.candidates("m")
+    # The router's own cost: a strategy whose pick is a Decision for the first candidate.
+    bare = Router(Fleet([Backend(f"e{i}") for i in range(4)]), _First(), strategy_name="first")
 
     def pick(n: int) -> None:
         for i in range(n):
@@ -111,6 +122,11 @@ def router_rows(calls: int, repeat: int) -> list[Row]:
             async with router.route(requests[i & 63]):
                 pass
 
+    def own_cost(n: int) -> None:
+        for i in range(n):
+            with bare.route(requests[i & 63]):
+                pass
+
     loop = asyncio.new_event_loop()
     try:
         return [
@@ -118,7 +134,12 @@ def router_rows(calls: int, repeat: int) -> list[Row]:
             ("router", "Router.decide", best_us(decide, calls, repeat)),
             ("router", "Router.acquire + Router.release", best_us(acquire_release, calls, repeat)),
             ("router", "with router.route(...)", best_us(with_route, calls, repeat)),
-            ("router", "async with router.route(...)", best_us(lambda n: loop.run_until_complete(routes(n)), calls, repeat)),
+            (
+                "router",
+                "async with router.route(...)",
+                best_us(lambda n: loop.run_until_complete(routes(n)), calls, repeat),
+            ),
+            ("router", "with route(...), a strategy costing ~nothing", best_us(own_cost, calls, repeat)),
         ]
     finally:
         loop.close()

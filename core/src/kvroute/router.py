@@ -90,13 +90,34 @@ class _LeaseContext:
         assert self._lease is not None
         self._router.release(self._lease, *status_for(exc))
 
+    # The proxy's path: these repeat the two above rather than call them (a call less per request).
     async def __aenter__(self) -> Lease:
-        return self.__enter__()
+        self._lease = self._router.acquire(self._request, exclude=self._exclude)
+        return self._lease
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        assert self._lease is not None
+        self._router.release(self._lease, *status_for(exc))
+
+
+def _stamped(pick: Decision, strategy: str, duration_s: float) -> Decision:
+    """``attrs.evolve(pick, strategy=strategy, duration_s=duration_s)`` at half its cost (once per request).
+
+    Copies every field of `Decision` by name; tests/core/test_router_fast_paths.py fails when
+    `Decision` gains a field this does not copy.
+    """
+    return Decision(
+        backend=pick.backend,
+        reason=pick.reason,
+        strategy=strategy,
+        key=pick.key,
+        spilled=pick.spilled,
+        detail=pick.detail,
+        duration_s=duration_s,
+        spill_reason=pick.spill_reason,
+    )
 
 
 def status_for(exc: BaseException | None) -> tuple[Status, str | None]:
@@ -186,7 +207,9 @@ class Router:
     def _normalize(
         self, pick: Pick, candidates: Sequence[BackendState], elapsed: float
     ) -> tuple[Decision, BackendState]:
-        if isinstance(pick, Decision):
+        if type(pick) is Decision:
+            decision = _stamped(pick, self.strategy_name, elapsed)
+        elif isinstance(pick, Decision):  # a subclass may add fields: evolve copies them
             decision = attrs.evolve(pick, strategy=self.strategy_name, duration_s=elapsed)
         elif isinstance(pick, BackendState):
             decision = Decision(pick.backend, strategy=self.strategy_name, duration_s=elapsed)
@@ -197,8 +220,12 @@ class Router:
                 f"strategy {self.strategy_name!r} returned {type(pick).__name__} from pick(); "
                 "expected a Decision, a Backend or a BackendState."
             )
+        backend = decision.backend
+        for state in candidates:  # strategies return a candidate's own Backend: compare identities first
+            if state.backend is backend:
+                return decision, state
         for state in candidates:
-            if state.id == decision.backend.id:
+            if state.id == backend.id:
                 return decision, state
         raise KvrouteError(
             f"strategy {self.strategy_name!r} picked backend {decision.backend.id!r}, which is not a candidate."
@@ -207,13 +234,17 @@ class Router:
     def decide(self, request: RouteRequest, *, exclude: Collection[str] = ()) -> tuple[Decision, BackendState]:
         """Ask the strategy, without counting the request in flight (dry run)."""
         with self.fleet.lock:
-            candidates = self.fleet.candidates(request.model, exclude)
-            if not candidates:
-                raise self._no_backend(request, exclude)
-            t0 = time.perf_counter()
-            pick = self.strategy.pick(request, candidates)
-            elapsed = time.perf_counter() - t0
-            return self._normalize(pick, candidates, elapsed)
+            return self._decide(request, exclude)
+
+    def _decide(self, request: RouteRequest, exclude: Collection[str]) -> tuple[Decision, BackendState]:
+        """`decide` for a caller that holds the fleet's lock."""
+        candidates = self.fleet.candidates(request.model, exclude)
+        if not candidates:
+            raise self._no_backend(request, exclude)
+        t0 = time.perf_counter()
+        pick = self.strategy.pick(request, candidates)
+        elapsed = time.perf_counter() - t0
+        return self._normalize(pick, candidates, elapsed)
 
     # -- leasing -----------------------------------------------------------------------
 
@@ -226,7 +257,7 @@ class Router:
         stays counted.
         """
         with self.fleet.lock:
-            decision, state = self.decide(request, exclude=exclude)
+            decision, state = self._decide(request, exclude)
             self.fleet.request_started(state)
             lease = Lease(request, decision, state, time.monotonic())
             if self._on_start is not None:
@@ -262,7 +293,7 @@ class Router:
         with self.fleet.lock:
             if lease.outcome is not None:
                 return lease.outcome
-            kind = Status(status)
+            kind = status if type(status) is Status else Status(status)
             if kind is Status.OK and lease.failure is not None:
                 kind, error = Status.ERROR, lease.failure
             outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
