@@ -17,9 +17,9 @@ Parts (microseconds of process CPU per call, best of ``--repeat`` runs of ``--ca
   process whose prometheus-client writes to a temporary ``PROMETHEUS_MULTIPROC_DIR``; adds the
   in-flight gauges (the backend's and the worker's, an inc and a dec each per request).
 * ``access log``: one access line with the fields ``kvroute_server.app._access_line`` passes,
-  through the structlog configuration `kvroute.cli.configure_logging` makes for
-  ``--log-format json``, written to /dev/null; then with the ``worker`` processor that
-  ``kvroute serve --workers N`` adds.
+  through the processors `kvroute.cli.configure_logging` configures for ``--log-format json``,
+  written to /dev/null; with and without the ``worker`` processor that ``kvroute serve
+  --workers N`` adds, and with structlog's filtering bound logger and kvroute's leaner one.
 
 Run: ``python benchmarks/throughput/bench_request_parts.py`` (about 30 s; ``--only router,log``
 for some parts). The machine is usually shared: compare rows within one run, or runs made
@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import os
 import random
 import subprocess
@@ -216,6 +217,7 @@ def shared_rows(calls: int, repeat: int) -> list[Row]:
 def log_rows(calls: int, repeat: int) -> list[Row]:
     import structlog
 
+    import kvroute.logs
     from kvroute.cli import configure_logging
 
     saved = sys.stderr
@@ -223,16 +225,22 @@ def log_rows(calls: int, repeat: int) -> list[Row]:
     sys.stderr = sink  # configure_logging's logger factory writes to sys.stderr as it is then
     try:
         configure_logging("info", "json")
-        plain = access_line_loop(structlog.get_logger("bench.access"))
+        cli_processors = structlog.get_config()["processors"]
 
         def add_worker(logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
             event.setdefault("worker", 0)  # as kvroute_server.workers.worker_main adds it
             return event
 
-        rows = [("access log", "log.info('request', 15 fields), json", best_us(plain, calls, repeat))]
-        structlog.configure(processors=[add_worker, *structlog.get_config()["processors"]])
-        worker = access_line_loop(structlog.get_logger("bench.access.worker"))
-        rows.append(("access log", "same, with the --workers 'worker' field", best_us(worker, calls, repeat)))
+        wrappers = [("structlog's filtering logger", structlog.make_filtering_bound_logger(logging.INFO))]
+        lean = getattr(kvroute.logs, "filtering_bound_logger", None)  # added for issue 16
+        if lean is not None:
+            wrappers.append(("kvroute.logs.filtering_bound_logger", lean(logging.INFO)))
+        rows: list[Row] = []
+        for label, wrapper in wrappers:
+            for worker, processors in (("", cli_processors), (" + worker", [add_worker, *cli_processors])):
+                structlog.configure(processors=processors, wrapper_class=wrapper)
+                lines = access_line_loop(structlog.get_logger(f"bench.access.{len(rows)}"))
+                rows.append(("access log", f"json{worker}, {label}", best_us(lines, calls, repeat)))
         return rows
     finally:
         sys.stderr = saved
@@ -286,10 +294,10 @@ def main() -> None:
         "log": lambda: log_rows(args.calls, args.repeat),
     }
     print(f"µs of process CPU per call, best of {args.repeat} x {args.calls} calls (python {sys.version.split()[0]})")
-    print(f"{'part':<16} {'what':<46} {'µs/call':>8}")
+    print(f"{'part':<16} {'what':<54} {'µs/call':>8}")
     for part in only:
         for name, what, us in makers[part]():
-            print(f"{name:<16} {what:<46} {us:8.2f}")
+            print(f"{name:<16} {what:<54} {us:8.2f}")
 
 
 if __name__ == "__main__":

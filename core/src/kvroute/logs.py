@@ -10,27 +10,30 @@ structlog's default processors turn each event into one line handed to the stand
 
 The command-line entry points (`kvroute simulate`, `kvroute serve`, ...) configure both, so a
 process started from the CLI keeps its current output. They render with `stamp_utc` and
-`render_json` below, two cheaper stand-ins for structlog's own processors: the proxy writes one
+`render_json` below, two cheaper stand-ins for structlog's own processors, through
+`filtering_bound_logger`, a leaner stand-in for structlog's bound logger: the proxy writes one
 access line per request, and structlog's ISO timestamp and ``json.dumps`` cost it ~6 µs of the
-~18 µs a line took.
+~18 µs a line took, its bound logger's plumbing another ~1.7 µs of the ~6 µs left.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 try:  # installed with kvroute-server, whose access log is the hot path; optional for the library
     import orjson
 except ImportError:  # pragma: no cover - exercised only where orjson is not installed
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["get_logger"]
+__all__ = ["filtering_bound_logger", "get_logger", "render_json", "stamp_utc"]
 
 
 #: How an event is rendered when the host never configured structlog: one logfmt line,
@@ -104,6 +107,80 @@ def render_json(logger: Any, method_name: str, event_dict: MutableMapping[str, A
         except TypeError:  # orjson.JSONEncodeError
             pass
     return json.dumps(event_dict, default=_fallback)
+
+
+#: The level methods of structlog's bound loggers, and the level each writes at (aliases included:
+#: an alias passes its canonical name to the processors and the logger, as structlog's do).
+_LEVEL_METHODS: dict[str, tuple[str, int]] = {
+    "debug": ("debug", logging.DEBUG),
+    "info": ("info", logging.INFO),
+    "msg": ("info", logging.INFO),
+    "warning": ("warning", logging.WARNING),
+    "warn": ("warning", logging.WARNING),
+    "error": ("error", logging.ERROR),
+    "critical": ("critical", logging.CRITICAL),
+    "fatal": ("critical", logging.CRITICAL),
+}
+
+
+def _deliver(bound: Any, method_name: str, event_dict: Any) -> Any:
+    """Run the processors on ``event_dict`` and hand the result to the wrapped logger, as structlog does."""
+    wrapped = bound._logger
+    try:
+        for processor in bound._processors:
+            event_dict = processor(wrapped, method_name, event_dict)
+        if isinstance(event_dict, str | bytes | bytearray):
+            return getattr(wrapped, method_name)(event_dict)
+        if isinstance(event_dict, tuple):
+            args, kw = event_dict
+            return getattr(wrapped, method_name)(*args, **kw)
+        if isinstance(event_dict, dict):
+            return getattr(wrapped, method_name)(**event_dict)
+    except structlog.DropEvent:
+        return None
+    raise ValueError(
+        "the last processor must return a str, bytes, bytearray, an (args, kwargs) tuple or a dict "
+        f"(got {type(event_dict).__name__})."
+    )
+
+
+def _level_method(method_name: str, structlogs: Callable[..., Any]) -> Callable[..., Any]:
+    """A level method that builds the event dict once; with %-style arguments, structlog's own method."""
+
+    def method(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        if args:
+            return structlogs(self, event, *args, **kw)
+        context = self._context
+        if context or type(context) is not dict:
+            event_dict = context.copy()
+            event_dict.update(kw)
+        else:
+            event_dict = kw  # a new dict on every call: ours to fill
+        if event is not None:
+            event_dict["event"] = event
+        return _deliver(self, method_name, event_dict)
+
+    method.__name__ = method_name
+    return method
+
+
+@functools.cache
+def filtering_bound_logger(min_level: int) -> type[FilteringBoundLogger]:
+    """``structlog.make_filtering_bound_logger(min_level)`` whose enabled level methods cost less per event.
+
+    structlog's methods pass the event's keywords through two more calls, each copying them;
+    these build the event dict once and run the same processors on it, so a line is
+    byte-identical and the proxy's access line (15 fields) costs ~1.7 µs less. Everything
+    else (``bind``, ``exception``, ``log``, the async methods, levels below ``min_level``)
+    is structlog's own. Meant for `kvroute.cli.configure_logging`'s ``wrapper_class``.
+    """
+    base = structlog.make_filtering_bound_logger(min_level)
+    methods = {
+        name: _level_method(canonical, getattr(base, name))
+        for name, (canonical, level) in _LEVEL_METHODS.items()
+        if level >= min_level
+    }
+    return type(f"Lean{base.__name__}", (base,), methods)
 
 
 def get_logger(name: str) -> Any:
