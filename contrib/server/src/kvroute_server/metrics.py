@@ -15,7 +15,7 @@ path moves the in-flight gauges) instead of being read at scrape time.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -153,6 +153,9 @@ class ProxyMetrics:
         )
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
+        # `request_done`'s bound methods, made on first use (a series exists once it has a value).
+        self._count_done: dict[tuple[str, str], Callable[[], None]] = {}
+        self._observe_duration: dict[str, Callable[[float], None]] = {}
         self._fleet = fleet
         if not shared:
             r.register(_FleetCollector(fleet))
@@ -245,9 +248,16 @@ class ProxyMetrics:
         self._decision.observe(seconds)
 
     def request_done(self, backend: str, outcome: str, duration: float | None) -> None:
-        self.child(self.requests, backend, self.strategy, outcome).inc()
+        """Count a finished request, and observe its duration when it reached a backend (once per request)."""
+        count = self._count_done.get((backend, outcome))
+        if count is None:
+            count = self._count_done[backend, outcome] = self.requests.labels(backend, self.strategy, outcome).inc
+        count()
         if duration is not None:
-            self.child(self.duration, backend).observe(duration)
+            observe = self._observe_duration.get(backend)
+            if observe is None:
+                observe = self._observe_duration[backend] = self.duration.labels(backend).observe
+            observe(duration)
         if self.shared:
             self._worker_requests.inc()
 

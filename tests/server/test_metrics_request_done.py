@@ -1,0 +1,67 @@
+"""`ProxyMetrics.request_done`: the series one finished request moves, read back from the exposition text."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute import Backend, Fleet
+from kvroute_server.metrics import ProxyMetrics
+
+
+def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the rendered exposition, by name and sorted labels."""
+    text = metrics.render().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def make_metrics() -> ProxyMetrics:
+    return ProxyMetrics(Fleet([Backend("e1"), Backend("e2")]), "bounded-load")
+
+
+class TestRequestDone:
+    def test_counts_by_backend_and_outcome(self) -> None:
+        """Each call adds one to its (backend, strategy, outcome) series, whichever calls came before."""
+        metrics = make_metrics()
+        for backend, outcome in [("e1", "ok"), ("e2", "ok"), ("e1", "ok"), ("e1", "error")]:
+            metrics.request_done(backend, outcome, 0.01)
+        got = samples(metrics)
+        count = "kvroute_requests_total"
+        assert got[count, (("backend", "e1"), ("outcome", "ok"), ("strategy", "bounded-load"))] == 2
+        assert got[count, (("backend", "e2"), ("outcome", "ok"), ("strategy", "bounded-load"))] == 1
+        assert got[count, (("backend", "e1"), ("outcome", "error"), ("strategy", "bounded-load"))] == 1
+
+    def test_durations_by_backend(self) -> None:
+        """Durations land in the backend's histogram: count, sum and the bucket each falls in."""
+        metrics = make_metrics()
+        metrics.request_done("e1", "ok", 0.003)
+        metrics.request_done("e1", "error", 0.2)
+        metrics.request_done("e2", "ok", 0.003)
+        got = samples(metrics)
+        e1 = (("backend", "e1"),)
+        assert got["kvroute_request_duration_seconds_count", e1] == 2
+        assert abs(got["kvroute_request_duration_seconds_sum", e1] - 0.203) < 1e-9
+        assert got["kvroute_request_duration_seconds_bucket", (("backend", "e1"), ("le", "0.005"))] == 1
+        assert got["kvroute_request_duration_seconds_bucket", (("backend", "e1"), ("le", "0.25"))] == 2
+        assert got["kvroute_request_duration_seconds_count", (("backend", "e2"),)] == 1
+
+    def test_no_duration_series_without_a_backend(self) -> None:
+        """A request that never reached a backend (duration None) is counted but makes no duration series."""
+        metrics = make_metrics()
+        metrics.request_done("none", "rejected", None)
+        got = samples(metrics)
+        labels = (("backend", "none"), ("outcome", "rejected"), ("strategy", "bounded-load"))
+        assert got["kvroute_requests_total", labels] == 1
+        durations = [key for key in got if key[0].startswith("kvroute_request_duration")]
+        assert not [key for key in durations if ("backend", "none") in key[1]]
+
+    def test_same_series_as_child(self) -> None:
+        """Counts made through `ProxyMetrics.child` and through request_done add up in one series."""
+        metrics = make_metrics()
+        metrics.child(metrics.requests, "e1", "bounded-load", "ok").inc()
+        metrics.request_done("e1", "ok", None)
+        key = ("kvroute_requests_total", (("backend", "e1"), ("outcome", "ok"), ("strategy", "bounded-load")))
+        assert samples(metrics)[key] == 2
