@@ -10,7 +10,8 @@ Parts (microseconds of process CPU per call, best of ``--repeat`` runs of ``--ca
 * ``router``: a fleet of 4 backends and ``bounded-load``; requests are chat bodies of about
   3 KB over 16 shared system prompts (seeded). ``strategy.pick`` alone is the reference the
   router adds to; then `Router.decide`, `Router.acquire` + `Router.release`, and a whole
-  ``with`` / ``async with router.route(...)`` block (the proxy uses ``async with``).
+  ``with`` / ``async with router.route(...)`` block (the proxy uses ``async with``). Last, the
+  router's own cost: a ``with`` block whose strategy returns the first candidate at once.
 * ``metrics``: `ProxyMetrics` as one process builds it: ``observe_decision``, ``request_done``,
   and the updates one proxied request makes (those two and the usage token counters).
 * ``metrics, shared``: the same with ``shared=True`` (``kvroute serve --workers N``), in a child
