@@ -21,7 +21,7 @@ import structlog
 
 from kvroute import __version__
 from kvroute.errors import KvrouteError
-from kvroute.logs import render_json, stamp_utc
+from kvroute.logs import filtering_bound_logger, render_json, stamp_utc
 
 
 @attrs.frozen
@@ -74,7 +74,7 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        wrapper_class=filtering_bound_logger(numeric),
         # One write and a flush per line (PrintLogger's print writes the newline separately).
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

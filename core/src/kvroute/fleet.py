@@ -95,6 +95,8 @@ class Fleet:
         does not serve ``model`` is left out by `BackendState.serves`, not by the caller.
         """
         with self._lock:
+            if not exclude:  # the first attempt of every request
+                return [s for s in self._states.values() if s.healthy and not s.draining and s.serves(model)]
             return [
                 s
                 for s in self._states.values()

