@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvroute_server.runner import ProcessServer, make_uvicorn_config
+from kvroute_server.runner import GC_THRESHOLDS, ProcessServer, make_uvicorn_config
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -24,8 +24,10 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
 class TestProcessServer:
     @pytest.mark.anyio
     async def test_objects_alive_after_startup_are_frozen(self) -> None:
-        """Once the app has started, the objects then alive are out of the collector's walks (gc.freeze)."""
+        """Once the app has started, the objects then alive are out of the collector's walks (gc.freeze) and the
+        young generation is larger."""
         assert gc.get_freeze_count() == 0
+        defaults = gc.get_threshold()
         server = ProcessServer(make_uvicorn_config(_app, "127.0.0.1", 0, loop="asyncio"))
         task = asyncio.create_task(server.serve())
         try:
@@ -35,7 +37,9 @@ class TestProcessServer:
                 await asyncio.sleep(0.01)
             assert server.started
             assert gc.get_freeze_count() > 1000
+            assert gc.get_threshold() == GC_THRESHOLDS
         finally:
             server.should_exit = True
             await asyncio.wait_for(task, 10)
             gc.unfreeze()
+            gc.set_threshold(*defaults)
