@@ -90,7 +90,7 @@ class _LeaseContext:
         assert self._lease is not None
         self._router.release(self._lease, *status_for(exc))
 
-    # The proxy's path: these repeat the two above rather than call them (a call less per request).
+    # For async code (the proxy uses plain ``with``): these repeat the two above rather than call them.
     async def __aenter__(self) -> Lease:
         self._lease = self._router.acquire(self._request, exclude=self._exclude)
         return self._lease

@@ -187,7 +187,7 @@ class Forwarder:
         for _ in range(self.config.max_attempts):
             failure: _Failure | None = None
             try:
-                async with self.router.route(request, exclude=failed) as lease:
+                with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
                     ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.status): one assignment
