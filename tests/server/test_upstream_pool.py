@@ -150,6 +150,35 @@ class TestUpstreamPool:
         response.release()
         pool.close()
 
+    async def test_deadlines(self, backend_factory: Callable[[Handler], Awaitable[Backend]]) -> None:
+        """A head or body bytes not there by the deadline raise TimeoutError; bytes already there never time out."""
+        go_on = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, backend: Backend) -> None:
+            if len(backend.requests) == 1:
+                await go_on.wait()  # the first request: no head until released
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n")
+            await writer.drain()
+            await go_on.wait()
+
+        backend = await backend_factory(handler)
+        pool = UpstreamPool(5.0)
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            await pool.post(backend.url, "/", b"x", {}, loop.time() + 0.05)
+        response = await pool.post(backend.url, "/", b"x", {}, loop.time() + 5)
+        await asyncio.sleep(0.05)
+        assert await response.readany(loop.time() - 1) == b"ab"  # buffered: the passed deadline does not matter
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await response.readany(loop.time() + 0.05)
+        assert 0.04 < loop.time() - started < 2
+        response.close()
+        go_on.set()
+        assert backend.connections == 2  # the timed-out connection was not reused
+        pool.close()
+
     async def test_body_ended_by_close(self, backend_factory: Callable[[Handler], Awaitable[Backend]]) -> None:
         """An answer with neither Content-Length nor chunking ends, whole, when the backend closes."""
 

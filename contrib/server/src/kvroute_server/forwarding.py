@@ -267,9 +267,9 @@ class Forwarder:
         response: UpstreamResponse | None = None
         try:
             try:
-                async with asyncio.timeout(timeouts.first_byte):
-                    response = await self.upstream.post(lease.backend.url, target, raw, headers)
-                    first = await response.readany()
+                deadline = asyncio.get_running_loop().time() + timeouts.first_byte
+                response = await self.upstream.post(lease.backend.url, target, raw, headers, deadline)
+                first = await response.readany(deadline)
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
                     return _Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
@@ -306,8 +306,7 @@ class Forwarder:
         parts = [first]
         try:
             while first and not response.at_eof():
-                async with asyncio.timeout(self.config.timeouts.idle):
-                    chunk = await response.readany()
+                chunk = await response.readany(asyncio.get_running_loop().time() + self.config.timeouts.idle)
                 if not chunk:
                     break
                 parts.append(chunk)
@@ -345,14 +344,14 @@ class Forwarder:
         """Pass SSE events through as they arrive; never split an event on failure."""
         backend_id = ex.backend
         idle = self.config.timeouts.idle
+        loop = asyncio.get_running_loop()
         sniffer = UsageSniffer()
         pending = first
         try:
             # Wait for the first complete event before committing to this backend, so that
             # a backend dying before it is still a failure the client never sees.
             while not _event_end(pending):
-                async with asyncio.timeout(idle):
-                    chunk = await response.readany()
+                chunk = await response.readany(loop.time() + idle)
                 if not chunk:
                     break
                 pending += chunk
@@ -378,8 +377,7 @@ class Forwarder:
         await send({"type": "http.response.body", "body": out, "more_body": True})
         try:
             while True:
-                async with asyncio.timeout(idle):
-                    chunk = await response.readany()
+                chunk = await response.readany(loop.time() + idle)
                 if not chunk:
                     break
                 if pending:

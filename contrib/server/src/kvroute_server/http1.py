@@ -495,10 +495,12 @@ class HttpProtocol(asyncio.Protocol):
         """The response head; decides the body's framing (Content-Length, chunked, none)."""
         parts = [_STATUS_LINES.get(status) or _status_line(status)]
         close = False
+        names = []
+        values = []
         for name, value in headers:
             name = name.lower()
-            if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
-                raise RuntimeError(f"Invalid HTTP response header {name!r}: {value!r}")
+            names.append(name)
+            values.append(value)
             if name == b"content-length":
                 if cycle.length_left is None:
                     cycle.length_left = int(value)
@@ -510,6 +512,12 @@ class HttpProtocol(asyncio.Protocol):
                 cycle.keep_alive = False
                 close = True
             parts += (name, b": ", value, b"\r\n")
+        # One search each over all names and all values (a tab, allowed in values, joins them).
+        if _BAD_NAME.search(b"".join(names)) or _BAD_VALUE.search(b"\t".join(values)):
+            bad = next(
+                (n, v) for n, v in zip(names, values, strict=True) if _BAD_NAME.search(n) or _BAD_VALUE.search(v)
+            )
+            raise RuntimeError(f"Invalid HTTP response header {bad[0]!r}: {bad[1]!r}")
         if not cycle.keep_alive and not close:
             parts.append(b"connection: close\r\n")
         if cycle.length_left is None and not cycle.chunked and not cycle.is_head and status not in (204, 304):

@@ -289,14 +289,22 @@ class UpstreamResponse:
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    async def readany(self) -> bytes:
-        """The body bytes received since the last call, waiting for some; ``b""`` at the end of the body."""
+    async def readany(self, deadline: float | None = None) -> bytes:
+        """The body bytes received since the last call, waiting for some; ``b""`` at the end of the body.
+
+        ``deadline`` (event-loop time): a wait past it raises ``TimeoutError``. The timer is only
+        set when there is something to wait for (one ``call_at``, cheaper than ``asyncio.timeout``).
+        """
         if not self._buffer and not self._done and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
         if self._buffer:
             data = self._buffer[0] if len(self._buffer) == 1 else b"".join(self._buffer)
             self._buffer.clear()
@@ -343,6 +351,12 @@ class UpstreamResponse:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    """A deadline timer: the wait it guards ends with ``TimeoutError``."""
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("the deadline passed"))
 
 
 class _Connection(asyncio.Protocol):
@@ -561,10 +575,14 @@ class UpstreamPool:
             self._targets[base_url] = target
         return target
 
-    async def post(self, base_url: str, target: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+    async def post(
+        self, base_url: str, target: str, body: bytes, headers: Mapping[str, str], deadline: float | None = None
+    ) -> UpstreamResponse:
         """``POST`` ``body`` to ``base_url`` + ``target`` (path and query) with ``headers``; returns the answer's head.
 
-        ``Host`` and ``Content-Length`` are the client's own; ``headers`` must hold neither.
+        ``Host`` and ``Content-Length`` are the client's own; ``headers`` must hold neither. With a
+        ``deadline`` (event-loop time), a head that has not arrived by then raises ``TimeoutError``
+        (and so does a connect that has not finished).
         """
         where = self._target(base_url)
         path = where.base_path + target
@@ -579,14 +597,24 @@ class UpstreamPool:
         lines.append("\r\n")
         head = "".join(lines).encode("latin-1")
         pool = where.pool
-        conn = pool.take(asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        conn = pool.take(loop.time())
         if conn is None:
-            conn = await self._connect(pool)
+            if deadline is None:
+                conn = await self._connect(pool)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    conn = await self._connect(pool)
+        answer = conn.request(head, body)
+        timer = loop.call_at(deadline, _expire, answer) if deadline is not None else None
         try:
-            return await conn.request(head, body)
+            return await answer
         except BaseException:
             conn.close()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _connect(self, pool: _HostPool) -> _Connection:
         loop = asyncio.get_running_loop()
