@@ -151,6 +151,24 @@ class TestResponses:
         assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"0\r\n\r\n"]
 
     @pytest.mark.anyio
+    async def test_head_with_a_length_waits_for_its_body(self) -> None:
+        """A head with a Content-Length is written with the body, however late the body comes."""
+        release = asyncio.Event()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await release.wait()
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        protocol, transport, _ = _connect(app)
+        protocol.data_received(GET)
+        await _settle()
+        assert transport.writes == []
+        release.set()
+        await _settle()
+        assert transport.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+
+    @pytest.mark.anyio
     async def test_head_request_and_204_have_no_body(self) -> None:
         """HEAD answers carry the head only; a 204 is neither chunked nor given a body."""
 

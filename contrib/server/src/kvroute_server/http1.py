@@ -13,8 +13,10 @@ by a wrapper. Here (docs/performance.md, "Round 3"):
   task, started when its headers are complete, as in uvicorn;
 - ``receive()`` returns the body without waiting when it has already arrived (the usual case
   for a chat body of a few KB: headers and body come in one read);
-- the response head waits for the first body bytes and both leave in one write; a head sent
-  alone goes out on the next event-loop iteration, so an app that streams later is not held;
+- the response head waits for the first body bytes and both leave in one write; the head of a
+  streamed answer (no Content-Length) sent alone goes out on the next event-loop iteration, so
+  a client waiting for a stream's headers is not held (a head with a Content-Length is of no use
+  without its body and waits for it);
 - a client that disconnects is reported through the ``kvroute.disconnect`` ASGI extension
   (`DisconnectNotice`, in ``scope["extensions"]``): the app registers a callback instead of
   keeping a task parked in ``receive()`` for every request; ``receive()`` still returns
@@ -461,7 +463,8 @@ class HttpProtocol(asyncio.Protocol):
             cycle.head = self._head(cycle, message["status"], message.get("headers") or ())
             cycle.response_started = True
             cycle.continue_100 = False
-            self.loop.call_soon(self._flush_head, cycle)
+            if cycle.length_left is None:  # streamed: the head must not wait for the app's first chunk
+                self.loop.call_soon(self._flush_head, cycle)
             return
         if cycle.response_done:
             raise RuntimeError(f"Unexpected ASGI message {kind!r} sent, after the response completed.")
