@@ -18,12 +18,13 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("metrics (prometheus-client)", ("prometheus_client/", "kvroute_server/metrics.py")),
     ("JSON parse", ("loads_body", "orjson")),
     ("routing (RouteRequest, router, strategy)", ("kvroute/", "kvroute_bounded_load/", "kvroute_tokenizer_prefix/")),
-    ("client I/O: response writes", ("_CoalescingTransport", "runner.py")),
+    # uvicorn's writes went through _CoalescingTransport (runner.py); kvroute's protocol writes in these two.
+    ("client I/O: response writes", ("_CoalescingTransport", "runner.py", "HttpProtocol._finish", "_flush_head")),
     (
         "upstream client (aiohttp, or kvroute's UpstreamPool)",
         ("aiohttp/", "yarl/", "multidict/", "UpstreamPool", "_Connection.", "UpstreamResponse.", "_HostPool."),
     ),
-    ("HTTP server and ASGI (uvicorn)", ("uvicorn/", "httptools", "granian/")),
+    ("HTTP server and ASGI (uvicorn, kvroute_server.http1)", ("uvicorn/", "httptools", "granian/", "http1.py")),
     ("forwarding (headers, relay, retries)", ("kvroute_server/forwarding.py", "kvroute_server/upstream.py")),
     ("app (dispatch, body read, request id)", ("kvroute_server/app.py", "kvroute_server/_asgi.py")),
     ("event loop (uvloop) and asyncio (tasks, timeouts)", ("asyncio/", "uvloop/")),
