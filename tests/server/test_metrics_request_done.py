@@ -1,11 +1,19 @@
-"""`ProxyMetrics.request_done`: the series one finished request moves, read back from the exposition text."""
+"""`ProxyMetrics.request_done`: the series one finished request moves, read back from the exposition text; and
+`render_merged`, the workers' merged exposition."""
 
 from __future__ import annotations
 
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute import Backend, Fleet
-from kvroute_server.metrics import ProxyMetrics
+from kvroute_server.metrics import ProxyMetrics, render_merged
 
 
 def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -65,3 +73,28 @@ class TestRequestDone:
         metrics.request_done("e1", "ok", None)
         key = ("kvroute_requests_total", (("backend", "e1"), ("outcome", "ok"), ("strategy", "bounded-load")))
         assert samples(metrics)[key] == 2
+
+
+class TestRenderMerged:
+    def test_a_worker_file_caught_being_created_is_read_again(self, tmp_path: Path) -> None:
+        """An empty worker file (created, not yet sized) is read again until it is valid, instead of a 500."""
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        db = tmp_path / "counter_123.db"
+        db.write_bytes(b"")
+        with pytest.raises(struct.error):
+            generate_latest(registry)  # what prometheus-client does on its own
+        timer = threading.Timer(0.002, lambda: db.write_bytes(struct.pack("i", 8) + b"\0" * 4))
+        timer.start()
+        try:
+            assert render_merged(registry) == b""
+        finally:
+            timer.join()
+
+    def test_a_file_that_stays_unreadable_still_raises(self, tmp_path: Path) -> None:
+        """A file that never becomes readable is not hidden: the error comes out after the retries."""
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        (tmp_path / "counter_123.db").write_bytes(b"")
+        with pytest.raises(struct.error):
+            render_merged(registry)

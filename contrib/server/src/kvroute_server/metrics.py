@@ -15,6 +15,8 @@ path moves the in-flight gauges) instead of being read at scrape time.
 from __future__ import annotations
 
 import os
+import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.shadow import Verdict
 
-__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "ShadowMetrics"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "ShadowMetrics", "render_merged"]
 
 #: The environment variable prometheus-client reads, once, when it is imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -272,7 +274,30 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         """The exposition text: this process's registry, or every worker's values merged."""
-        return generate_latest(self._merged if self.shared else self.registry)
+        return render_merged(self._merged) if self.shared else generate_latest(self.registry)
+
+
+#: How often `render_merged` reads the workers' files again after catching one being created.
+_MERGE_ATTEMPTS = 5
+_MERGE_RETRY_S = 0.005
+
+
+def render_merged(registry: CollectorRegistry) -> bytes:
+    """``generate_latest`` over the workers' multiprocess files, read again when one is caught being created.
+
+    A worker that starts (or restarts after a crash) creates its file empty and sizes it a moment
+    later; prometheus-client reading it in between fails with ``struct.error``. That window is
+    microseconds long, so a short wait and another read get past it; a file that stays unreadable
+    still raises after `_MERGE_ATTEMPTS` reads.
+    """
+    for attempt in range(_MERGE_ATTEMPTS):
+        try:
+            return generate_latest(registry)
+        except struct.error:
+            if attempt + 1 == _MERGE_ATTEMPTS:
+                raise
+            time.sleep(_MERGE_RETRY_S)  # blocks this worker's loop a few ms, only in that rare case
+    raise AssertionError("unreachable")
 
 
 class ShadowMetrics:
