@@ -355,6 +355,14 @@ class TestConnection:
         assert transport.closed
 
     @pytest.mark.anyio
+    async def test_a_request_head_left_unfinished_is_closed(self) -> None:
+        """Half a request head does not keep a connection: it closes ``timeout_keep_alive`` after the last answer."""
+        protocol, transport, _ = _connect(_ok(), keep_alive_s=0.05)
+        protocol.data_received(b"GET /a HTTP/1.1\r\nhost: t\r\nx-slow: ")
+        await asyncio.sleep(0.2)
+        assert transport.closed and transport.writes == []
+
+    @pytest.mark.anyio
     async def test_shutdown(self) -> None:
         """shutdown() closes an idle connection at once and a busy one after its response."""
         release = asyncio.Event()

@@ -206,6 +206,15 @@ class TestUsageSniffer:
         )
         assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
 
+    def test_absurd_counts_are_ignored_not_raised(self) -> None:
+        """A count of thousands of digits (a hostile backend) is not a token count: ignored, never an exception."""
+        huge = b"9" * 5000
+        sniffer = UsageSniffer()
+        sniffer.feed(USAGE_EVENT.replace(b"1234", huge))
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (None, 1024)
+        sniffer.feed(USAGE_EVENT + USAGE_EVENT.replace(b"1024", b"1" * 19))  # later absurd value: earlier one kept
+        assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
+
     def test_pretty_printed_usage(self) -> None:
         """Spaces and line breaks around the colon are allowed (an indented JSON answer)."""
         sniffer = UsageSniffer()

@@ -21,7 +21,9 @@ by a wrapper. Here (docs/performance.md, "Round 3"):
   (`DisconnectNotice`, in ``scope["extensions"]``): the app registers a callback instead of
   keeping a task parked in ``receive()`` for every request; ``receive()`` still returns
   ``http.disconnect`` as the ASGI spec says, for apps that do not use the extension;
-- one idle timer per connection (re-armed only when it fires) instead of one per request;
+- one idle timer per connection (re-armed only when it fires) instead of one per request; it
+  also closes a connection whose next request head is still unfinished ``timeout_keep_alive``
+  seconds after the previous answer (uvicorn's protocol kept such a connection open);
 - TCP_NODELAY on every connection, so that a streamed chunk never waits for a delayed ACK.
 
 What it keeps from uvicorn's behaviour: the ASGI 3 HTTP scope (``type``, ``asgi``,

@@ -143,8 +143,10 @@ def filter_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tupl
     return out
 
 
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+#: A count of more than 18 digits is no token count (and ``int`` refuses numbers over 4,300 digits):
+#: such a value is not matched, so a hostile backend cannot make the sniffer raise.
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,18})(?!\d)')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,18})(?!\d)')
 
 
 @attrs.define
