@@ -42,6 +42,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import aiohttp
 
@@ -67,9 +68,14 @@ def wait_ready(url: str, timeout: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def process(args: Sequence[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server process in its own group, wait for it, and stop it (by its pid) afterwards."""
-    proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def process(args: Sequence[str], ready_url: str, log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server process in its own group, wait for it, and stop it (by its pid) afterwards.
+
+    Its output goes to ``log`` when given (e.g. the proxy's JSON log lines), else nowhere.
+    """
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(ready_url)
         # free_port() can race with other programs: a server that lost its port exits at once,

@@ -153,7 +153,8 @@ def ensure_sglang_router(cache: Path) -> Path:
 # -- engines: nginx -------------------------------------------------------------------
 
 
-def _completion() -> str:
+def completion() -> str:
+    """The engines' fixed chat completion (about 350 bytes, usage last)."""
     return json.dumps(
         {
             "id": "chatcmpl-bench",
@@ -178,7 +179,7 @@ def _completion() -> str:
     )
 
 
-def _sse_stream() -> str:
+def sse_stream() -> str:
     """A chat completion stream: a role event, 16 token events, a usage event and ``[DONE]``."""
 
     def chunk(delta: dict[str, str], finish: str | None = None, usage: dict[str, int] | None = None) -> str:
@@ -211,8 +212,8 @@ def nginx_conf(root: Path, whole_ports: Sequence[int], stream_ports: Sequence[in
     models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
     servers = []
     for ports, content_type, body in (
-        (whole_ports, "application/json", _completion()),
-        (stream_ports, "text/event-stream", _sse_stream()),
+        (whole_ports, "application/json", completion()),
+        (stream_ports, "text/event-stream", sse_stream()),
     ):
         for port in ports:
             servers.append(

@@ -36,15 +36,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,26 +68,6 @@ def warm_flags(variant: str, window: float) -> list[str]:
 
 def system_prompt(i: int) -> str:
     return f"You are assistant {i}. " + " ".join(f"policy{i}w{j}" for j in range(SYSTEM_WORDS))
-
-
-@contextlib.contextmanager
-def logged_process(args: Sequence[str], ready_url: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Like bench_proxy.process, with the process's output kept in `log` (the proxy's JSON log lines)."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            bp.wait_ready(ready_url)
-            if proc.poll() is not None:
-                raise RuntimeError(f"expected {args[3]} to keep running, it exited with {proc.returncode}: {log}")
-            yield proc
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
 
 
 async def chat(client: httpx.AsyncClient, proxy: str, system: int, n: int, t0: float) -> dict[str, Any]:
@@ -168,7 +145,7 @@ def run_once(variant: str, seed: int, args: argparse.Namespace, out: Path) -> di
         for url in urls:
             emulate = [*KVROUTE, "emulate", "--port", url.rsplit(":", 1)[1], "--model", "m"]
             stack.enter_context(bp.process([*emulate, "--time-scale", str(args.time_scale)], url + "/health"))
-        stack.enter_context(logged_process(serve, proxy + "/health", log))
+        stack.enter_context(bp.process(serve, proxy + "/health", log))
 
         async def bounded() -> tuple[float, list[dict[str, Any]], dict[int, str]]:
             async with asyncio.timeout(args.seconds_before + args.window + args.timeout):

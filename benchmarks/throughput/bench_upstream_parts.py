@@ -39,8 +39,10 @@ from typing import Any
 import kvroute_server.upstream
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_vs_sglang as vs  # noqa: E402  (the engines' bodies, defined once)
+
 SOURCE = "contrib/server/src/kvroute_server/upstream.py"
-MODEL = "bench-model"
 
 #: Header lists as uvicorn hands them over (names lower-cased), from wrk and from the openai SDK.
 WRK_HEADERS = [(b"host", b"127.0.0.1:8000"), (b"content-length", b"3512"), (b"content-type", b"application/json")]
@@ -73,50 +75,13 @@ NGINX_HEADERS = [
 
 
 def completion() -> bytes:
-    """The fixed chat completion of the throughput benchmark's engines (about 350 bytes, usage last)."""
-    answer = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion",
-        "created": 1700000000,
-        "model": MODEL,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "The answer is in the third clause of the policy."},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": 700,
-            "completion_tokens": 16,
-            "total_tokens": 716,
-            "prompt_tokens_details": {"cached_tokens": 640},
-        },
-    }
-    return json.dumps(answer, separators=(",", ":")).encode()
+    """The throughput benchmark's fixed chat completion (about 350 bytes, usage last)."""
+    return vs.completion().encode()
 
 
 def sse_stream() -> bytes:
-    """The engines' stream: a role event, 16 token events, a finish event, a usage event and ``[DONE]``."""
-
-    def event(delta: dict[str, str], finish: str | None = None, usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion.chunk",
-            "created": 1700000000,
-            "model": MODEL,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if usage is None else [],
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
-
-    text = "The answer is in the third clause of the policy as written in section four"
-    events = [event({"role": "assistant", "content": ""})]
-    events += [event({"content": " " + word}) for word in text.split(" ")]
-    events.append(event({}, finish="stop"))
-    events.append(event({}, usage={"prompt_tokens": 700, "completion_tokens": 16, "total_tokens": 716}))
-    return ("".join(events) + "data: [DONE]\n\n").encode()
+    """The throughput benchmark's stream: role, 16 token, finish and usage events, then ``[DONE]``."""
+    return vs.sse_stream().encode()
 
 
 def chat_body(seed: int = 16) -> bytes:
@@ -129,7 +94,7 @@ def chat_body(seed: int = 16) -> bytes:
         {"role": "system", "content": "You are support agent 3. Follow these rules. " + " ".join(words)},
         {"role": "user", "content": f"Question number {rng.randrange(1024)}: which clause covers refunds?"},
     ]
-    return json.dumps({"model": MODEL, "max_tokens": 16, "messages": messages}).encode()
+    return json.dumps({"model": vs.MODEL, "max_tokens": 16, "messages": messages}).encode()
 
 
 def best_us(fn: Callable[[], object], n: int) -> float:

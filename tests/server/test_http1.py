@@ -82,6 +82,16 @@ def _ok(body: bytes = b"hello", headers: list[tuple[bytes, bytes]] | None = None
     return app
 
 
+def _recording(seen: list[dict[str, Any]]) -> App:
+    """`_ok`'s app that also keeps each scope it is given."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope)
+        await _ok()(scope, receive, send)
+
+    return app
+
+
 GET = b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n"
 
 
@@ -90,12 +100,7 @@ class TestScope:
     async def test_scope_fields(self) -> None:
         """The scope has ASGI's fields: decoded path, raw path, query, lower-case headers, addresses, extension."""
         seen: list[dict[str, Any]] = []
-
-        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            seen.append(scope)
-            await _ok()(scope, receive, send)
-
-        protocol, _, _ = _connect(app)
+        protocol, _, _ = _connect(_recording(seen))
         protocol.data_received(b"GET /v1/a%20b?x=1&y=2 HTTP/1.1\r\nHost: t\r\nX-Thing: V\r\n\r\n")
         await _settle()
         scope = seen[0]
@@ -110,12 +115,7 @@ class TestScope:
     async def test_absolute_form_target(self) -> None:
         """A request target in absolute form gives the path and query alone."""
         seen: list[dict[str, Any]] = []
-
-        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            seen.append(scope)
-            await _ok()(scope, receive, send)
-
-        protocol, _, _ = _connect(app)
+        protocol, _, _ = _connect(_recording(seen))
         protocol.data_received(b"GET http://example.com/v1/models?a=b HTTP/1.1\r\nhost: t\r\n\r\n")
         await _settle()
         assert seen[0]["path"] == "/v1/models" and seen[0]["query_string"] == b"a=b"

@@ -490,7 +490,7 @@ class HttpProtocol(asyncio.Protocol):
         head = cycle.head
         if head is not None:
             cycle.head = None
-            body = head + body if len(body) <= 65536 else b"".join((head, body))
+            body = head + body
         if not more:
             self._finish(cycle, body, close=not cycle.keep_alive)
         elif body:
@@ -525,12 +525,12 @@ class HttpProtocol(asyncio.Protocol):
             raise RuntimeError(f"Invalid HTTP response header {bad[0]!r}: {bad[1]!r}")
         if not cycle.keep_alive and not close:
             parts.append(b"connection: close\r\n")
-        if cycle.length_left is None and not cycle.chunked and not cycle.is_head and status not in (204, 304):
-            cycle.chunked = True
-            parts.append(b"transfer-encoding: chunked\r\n")
-        if status in (204, 304) or status < 200:
+        if status in (204, 304):  # no body, whatever the headers say
             cycle.chunked = False
             cycle.length_left = None
+        elif cycle.length_left is None and not cycle.chunked and not cycle.is_head:
+            cycle.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
 
