@@ -118,7 +118,7 @@ def httpx_app(upstream: str) -> Any:
 
 
 def serve_candidate(kind: str, port: int, upstream: str) -> None:
-    from kvroute_server.runner import run_server
+    from kvroute_server.http.runner import run_server
 
     app = aiohttp_app(upstream) if kind == "aiohttp" else httpx_app(upstream)
     run_server(app, "127.0.0.1", port)

@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvroute_server import _asgi
-from kvroute_server import app as app_module
+from kvroute_server.http import asgi as _asgi
+from kvroute_server.proxy import app as app_module
 
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "prefixes", "é", "ü", "日本"]
 

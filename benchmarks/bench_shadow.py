@@ -35,8 +35,8 @@ import structlog
 
 from kvroute import Backend, CacheView, Fleet, PluginManager, Router, RouteRequest, ShadowSet
 from kvroute_server.config import ServerConfig
-from kvroute_server.metrics import ProxyMetrics
-from kvroute_server.shadow import ProxyShadows
+from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.ops.shadow import ProxyShadows
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 

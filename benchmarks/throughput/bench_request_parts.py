@@ -17,7 +17,7 @@ Parts (microseconds of process CPU per call, best of ``--repeat`` runs of ``--ca
 * ``metrics, shared``: the same with ``shared=True`` (``kvroute serve --workers N``), in a child
   process whose prometheus-client writes to a temporary ``PROMETHEUS_MULTIPROC_DIR``; adds the
   in-flight gauges (the backend's and the worker's, an inc and a dec each per request).
-* ``access log``: one access line with the fields ``kvroute_server.app._access_line`` passes,
+* ``access log``: one access line with the fields ``kvroute_server.proxy.app._access_line`` passes,
   through the processors `kvroute.cli.configure_logging` configures for ``--log-format json``,
   written to /dev/null; with and without the ``worker`` processor that ``kvroute serve
   --workers N`` adds, and with structlog's filtering bound logger and kvroute's leaner one.
@@ -149,7 +149,7 @@ def router_rows(calls: int, repeat: int) -> list[Row]:
 
 def metrics_rows(calls: int, repeat: int, *, shared: bool) -> list[Row]:
     from kvroute import Backend, Fleet
-    from kvroute_server.metrics import ProxyMetrics
+    from kvroute_server.ops.metrics import ProxyMetrics
 
     part = "metrics, shared" if shared else "metrics"
     fleet = Fleet([Backend(f"e{i}", f"http://127.0.0.1:{9000 + i}") for i in range(4)])
@@ -229,7 +229,7 @@ def log_rows(calls: int, repeat: int) -> list[Row]:
         cli_processors = structlog.get_config()["processors"]
 
         def add_worker(logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-            event.setdefault("worker", 0)  # as kvroute_server.workers.worker_main adds it
+            event.setdefault("worker", 0)  # as kvroute_server.ops.workers.worker_main adds it
             return event
 
         wrappers = [("structlog's filtering logger", structlog.make_filtering_bound_logger(logging.INFO))]

@@ -1,4 +1,4 @@
-"""CPU per call of the upstream client's parts (kvroute_server.upstream), without a network.
+"""CPU per call of the upstream client's parts (kvroute_server.http.upstream), without a network.
 
 The proxy's own HTTP/1.1 client runs once per proxied request; this measures its Python parts
 one by one on the inputs of the throughput benchmark (benchmarks/bench_vs_sglang.py): a 3.5 KB
@@ -36,13 +36,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import kvroute_server.upstream
+import kvroute_server.http.upstream
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_vs_sglang as vs  # noqa: E402  (the engines' bodies, defined once)
 
-SOURCE = "contrib/server/src/kvroute_server/upstream.py"
+SOURCE = "contrib/server/src/kvroute_server/http/upstream.py"
 
 #: Header lists as uvicorn hands them over (names lower-cased), from wrk and from the openai SDK.
 WRK_HEADERS = [(b"host", b"127.0.0.1:8000"), (b"content-length", b"3512"), (b"content-type", b"application/json")]
@@ -167,7 +167,7 @@ def cycle_us(module: ModuleType, answer: bytes, body: bytes, headers: dict[str, 
 
 
 def parts(module: ModuleType, n: int) -> dict[str, Callable[[], float]]:
-    """Every part's measurement (µs per call) with ``module`` as kvroute_server.upstream."""
+    """Every part's measurement (µs per call) with ``module`` as kvroute_server.http.upstream."""
     whole = completion()
     stream = sse_stream()
     body = chat_body()
@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV", help="also measure upstream.py as of this git revision")
     parser.add_argument("-n", type=int, default=20000, help="calls per run (default 20000)")
     args = parser.parse_args()
-    columns = {"this checkout": kvroute_server.upstream}
+    columns = {"this checkout": kvroute_server.http.upstream}
     if args.baseline:
         columns[args.baseline] = load_revision(args.baseline)
     measures = {name: parts(module, args.n) for name, module in columns.items()}

@@ -15,7 +15,7 @@ from collections import Counter
 #: (part, substrings of a frame "function (file:line)"), tried in this order for each frame.
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("logging (structlog)", ("structlog/", "kvroute/logs.py", "ProxyApp._finish")),
-    ("metrics (prometheus-client)", ("prometheus_client/", "kvroute_server/metrics.py")),
+    ("metrics (prometheus-client)", ("prometheus_client/", "kvroute_server/ops/metrics.py")),
     ("JSON parse", ("loads_body", "orjson")),
     ("routing (RouteRequest, router, strategy)", ("kvroute/", "kvroute_bounded_load/", "kvroute_tokenizer_prefix/")),
     # uvicorn's writes went through _CoalescingTransport (runner.py); kvroute's protocol writes in these two.
@@ -24,13 +24,13 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "upstream client (aiohttp, or kvroute's UpstreamPool)",
         ("aiohttp/", "yarl/", "multidict/", "UpstreamPool", "_Connection.", "UpstreamResponse.", "_HostPool."),
     ),
-    ("HTTP server and ASGI (uvicorn, kvroute_server.http1)", ("uvicorn/", "httptools", "granian/", "http1.py")),
-    ("forwarding (headers, relay, retries)", ("kvroute_server/forwarding.py", "kvroute_server/upstream.py")),
-    ("app (dispatch, body read, request id)", ("kvroute_server/app.py", "kvroute_server/_asgi.py")),
+    ("HTTP server and ASGI (uvicorn, kvroute_server.http.protocol)", ("uvicorn/", "httptools", "granian/", "http1.py")),
+    ("forwarding (headers, relay, retries)", ("kvroute_server/proxy/forwarding.py", "kvroute_server/http/upstream.py")),
+    ("app (dispatch, body read, request id)", ("kvroute_server/proxy/app.py", "kvroute_server/http/asgi.py")),
     ("event loop (uvloop) and asyncio (tasks, timeouts)", ("asyncio/", "uvloop/")),
 )
 #: Frames below every request (the process's entry point), never a part.
-SKIP = ("kvroute/__main__.py", "click/", "runpy", "kvroute_server/cli.py", "kvroute_server/workers.py")
+SKIP = ("kvroute/__main__.py", "click/", "runpy", "kvroute_server/cli.py", "kvroute_server/ops/workers.py")
 OTHER = "the rest"
 
 

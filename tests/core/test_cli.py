@@ -207,9 +207,9 @@ class TestStandIns:
             "uvicorn",
             "aiohttp",
             "matplotlib",
-            "kvroute_server.app",
-            "kvroute_server.runner",
-            "kvroute_server.upstream",
+            "kvroute_server.proxy.app",
+            "kvroute_server.http.runner",
+            "kvroute_server.http.upstream",
         )
         code = (
             "import sys\n"

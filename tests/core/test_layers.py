@@ -280,7 +280,7 @@ class TestChecker:
                     "from typing import TYPE_CHECKING\n"
                     "import kvroute_random\n"
                     "if TYPE_CHECKING:\n"
-                    "    from kvroute_server.app import App\n"
+                    "    from kvroute_server.proxy.app import App\n"
                     "def late():\n"
                     "    import kvroute_simulator.driver\n"
                     "    return __import__('kvroute_vllm')\n"
@@ -296,7 +296,7 @@ class TestChecker:
         assert found >= {
             ("kvroute", "kvroute.fleet", 1, True),
             ("kvroute.fleet", "kvroute_random", 2, True),
-            ("kvroute.fleet", "kvroute_server.app", 4, False),
+            ("kvroute.fleet", "kvroute_server.proxy.app", 4, False),
             ("kvroute.fleet", "kvroute_simulator.driver", 6, False),
             ("kvroute.fleet", "kvroute_vllm", 7, False),
             ("kvroute.fleet", "kvroute_litellm.routing", 11, False),
@@ -306,7 +306,7 @@ class TestChecker:
         bad = violations([(src, "kvroute")], lambda top: top.startswith("kvroute_"))
         assert [line.rpartition(": ")[2] for line in bad] == [
             "kvroute.fleet imports kvroute_random",
-            "kvroute.fleet imports kvroute_server.app",
+            "kvroute.fleet imports kvroute_server.proxy.app",
             "kvroute.fleet imports kvroute_simulator.driver",
             "kvroute.fleet imports kvroute_vllm",
             "kvroute.fleet imports kvroute_litellm.routing",

@@ -14,7 +14,7 @@ import structlog
 from kvroute.cli import configure_logging
 from kvroute.logs import filtering_bound_logger, stamp_utc
 
-#: The access line's fields as the proxy passes them (kvroute_server.app._access_line).
+#: The access line's fields as the proxy passes them (kvroute_server.proxy.app._access_line).
 ACCESS = {
     "request_id": "5f0c6a1e9b7d4c2a8e3f1b0d6c9a7e21",
     "model": "m",
@@ -34,7 +34,7 @@ ACCESS = {
 
 
 def add_worker(logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """The processor ``kvroute serve --workers N`` puts first (kvroute_server.workers)."""
+    """The processor ``kvroute serve --workers N`` puts first (kvroute_server.ops.workers)."""
     event.setdefault("worker", 1)
     return event
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider
 from kvroute.errors import ConfigError
-from kvroute_server.providers.dns import DnsDiscovery
+from kvroute_server.fleet.providers.dns import DnsDiscovery
 from tests.discovery import dnsmasq as dnsmasq_module
 from tests.discovery.conftest import RecordingSink
 from tests.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv

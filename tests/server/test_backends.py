@@ -187,9 +187,9 @@ class TestAdapterLifetime:
         self, servers: Servers, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """An aclose that never returns is given up after CLOSE_TIMEOUT, with a warning naming the backend."""
-        import kvroute_server.backends
+        import kvroute_server.fleet.backends
 
-        monkeypatch.setattr(kvroute_server.backends, "CLOSE_TIMEOUT", 0.2)
+        monkeypatch.setattr(kvroute_server.fleet.backends, "CLOSE_TIMEOUT", 0.2)
         EVENTS.clear()
         a = servers.emulator()
         app = _app(BackendConfig(id="stuck", url=a.url, kind="hanging-test"))

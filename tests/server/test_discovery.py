@@ -18,8 +18,8 @@ from kvroute.errors import ConfigError
 from kvroute_server import ProxyApp
 from kvroute_server.cli import build_config, serve
 from kvroute_server.config import DiscoveryConfig, DiscoveryPolicy, load_toml, parse_discovery_flag
-from kvroute_server.providers.file import FileDiscovery
-from kvroute_server.runner import ServerThread
+from kvroute_server.fleet.providers.file import FileDiscovery
+from kvroute_server.http.runner import ServerThread
 from tests.server.harness import Servers, chat_body, http
 
 #: Every wait on the proxy is bounded by this many seconds.

@@ -13,7 +13,7 @@ import kvroute
 from kvroute.discovery import DiscoveredBackend, DiscoverySink, Snapshot
 from kvroute.errors import ConfigError
 from kvroute.plugins import PluginManager
-from kvroute_server.app import ProxyApp
+from kvroute_server.proxy.app import ProxyApp
 from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolicy, HealthConfig, ServerConfig
 
 #: Every wait in these tests is bounded by this many seconds.
@@ -137,7 +137,7 @@ async def until(check: Callable[[], bool], what: str) -> None:
 
 @pytest.mark.anyio
 class TestReconciler:
-    """`kvroute_server.discovery.Discovery`: snapshots in, fleet changes out."""
+    """`kvroute_server.fleet.discovery.Discovery`: snapshots in, fleet changes out."""
 
     async def test_adds_the_union_of_sources_beside_static_backends(
         self, plugin: FakePlugin, running: Callable[..., Any]
@@ -310,7 +310,7 @@ class TestReconciler:
         self, plugin: FakePlugin, running: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A provider that raises (a bug) marks its source stale, keeps its backends and is run again."""
-        monkeypatch.setattr("kvroute_server.discovery._RESTART_DELAY", 0.3)
+        monkeypatch.setattr("kvroute_server.fleet.discovery._RESTART_DELAY", 0.3)
         provider = plugin.providers["a"] = FakeProvider("fake:a", [found("x")], crash=True)
         app = await running("a")
         assert app.discovery is not None
@@ -329,7 +329,7 @@ class TestReconciler:
         self, plugin: FakePlugin, running: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A provider that never reports started is reported failed after the first-answer timeout; others serve."""
-        monkeypatch.setattr("kvroute_server.discovery.FIRST_ANSWER_TIMEOUT", 0.2)
+        monkeypatch.setattr("kvroute_server.fleet.discovery.FIRST_ANSWER_TIMEOUT", 0.2)
         plugin.providers["a"] = FakeProvider("fake:a", None, hang=True)
         plugin.providers["b"] = FakeProvider("fake:b", [found("y")])
         app = await running("a", "b")

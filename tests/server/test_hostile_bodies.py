@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvroute_server import _asgi
-from kvroute_server import app as app_module
-from kvroute_server._asgi import InvalidBody, loads_body
-from kvroute_server.runner import ServerThread
+from kvroute_server.http import asgi as _asgi
+from kvroute_server.proxy import app as app_module
+from kvroute_server.http.asgi import InvalidBody, loads_body
+from kvroute_server.http.runner import ServerThread
 from tests.server.harness import MODEL, Servers, chat_body, http
 
 pytestmark = pytest.mark.e2e

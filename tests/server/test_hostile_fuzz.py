@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
-from kvroute_server._asgi import read_body, send_json
-from kvroute_server.runner import ServerThread
+from kvroute_server.http.asgi import read_body, send_json
+from kvroute_server.http.runner import ServerThread
 from tests.server.harness import MODEL, chat_body, http
 from tests.strategies import conversations
 

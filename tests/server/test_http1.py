@@ -1,4 +1,4 @@
-"""kvroute's HTTP/1.1 server protocol (`kvroute_server.http1`): framing, keep-alive, pipelining, disconnects.
+"""kvroute's HTTP/1.1 server protocol (`kvroute_server.http.protocol`): framing, keep-alive, pipelining, disconnects.
 
 Most tests drive `HttpProtocol` directly with a recording transport (what it writes, when it
 closes); the last class runs it under uvicorn on loopback with real sockets.
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvroute_server.http1 import DISCONNECT_EXTENSION, INVALID_HTTP_RESPONSE, DisconnectNotice, HttpProtocol
-from kvroute_server.runner import ServerThread
+from kvroute_server.http.protocol import DISCONNECT_EXTENSION, INVALID_HTTP_RESPONSE, DisconnectNotice, HttpProtocol
+from kvroute_server.http.runner import ServerThread
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 

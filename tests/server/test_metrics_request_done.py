@@ -13,7 +13,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute import Backend, Fleet
-from kvroute_server.metrics import ProxyMetrics, render_merged
+from kvroute_server.ops.metrics import ProxyMetrics, render_merged
 
 
 def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvroute_server.runner import GC_THRESHOLDS, ProcessServer, make_uvicorn_config
+from kvroute_server.http.runner import GC_THRESHOLDS, ProcessServer, make_uvicorn_config
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:

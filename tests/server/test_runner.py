@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute_server.runner import ServerThread
+from kvroute_server.http.runner import ServerThread
 from tests.server.harness import http
 
 

@@ -17,7 +17,7 @@ from kvroute.errors import ConfigError
 from kvroute_server import ProxyApp, ServerConfig, ServerThread
 from kvroute_server.cli import build_config
 from kvroute_server.config import DiscoveryConfig, config_from_mapping
-from kvroute_server.status import page
+from kvroute_server.ops.status import page
 from tests.server.harness import Servers, chat_body, http, in_loop
 
 TOKEN = "status-admin-token-0123456789"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroute_server.status import page
+from kvroute_server.ops.status import page
 from tests.server.harness import Servers, chat_body, http
 from tests.server.test_shadow import samples, shared_prefix_texts
 from tests.server.test_status import status

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
 from kvroute_server.cli import serve
-from kvroute_server.journal import AdminJournal, WorkerContext
+from kvroute_server.ops.journal import AdminJournal, WorkerContext
 from tests.server.harness import Servers, chat_body, http
 
 TOKEN = "journal-test-admin-token"

@@ -12,21 +12,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute_server.app import ProxyApp
+    from kvroute_server.proxy.app import ProxyApp
     from kvroute_server.config import BackendConfig, HealthConfig, ServerConfig, TimeoutConfig, load_toml
-    from kvroute_server.runner import ServerThread, run_server
+    from kvroute_server.http.runner import ServerThread, run_server
     from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "ProxyApp": "kvroute_server.app",
+    "ProxyApp": "kvroute_server.proxy.app",
     "BackendConfig": "kvroute_server.config",
     "HealthConfig": "kvroute_server.config",
     "ServerConfig": "kvroute_server.config",
     "TimeoutConfig": "kvroute_server.config",
     "load_toml": "kvroute_server.config",
-    "ServerThread": "kvroute_server.runner",
-    "run_server": "kvroute_server.runner",
+    "ServerThread": "kvroute_server.http.runner",
+    "run_server": "kvroute_server.http.runner",
     "import_sagemaker": "kvroute_server.sagemaker",
     "load_sagemaker": "kvroute_server.sagemaker",
 }

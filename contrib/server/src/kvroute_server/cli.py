@@ -394,7 +394,7 @@ def serve(
             **flags,
         )
         configure_logging(log_level, log_format)
-        from kvroute_server.app import ProxyApp
+        from kvroute_server.proxy.app import ProxyApp
 
         plugins = PluginManager()
         _check_default_strategy(config, plugins)
@@ -407,7 +407,7 @@ def serve(
     if not config.backends and not config.discovery and config.admin_token is None:
         click.echo("warning: no backends and no admin token: every request will get 503.", err=True)
     if config.workers > 1:
-        from kvroute_server.workers import Supervisor
+        from kvroute_server.ops.workers import Supervisor
 
         app.router.close()  # built only to check the configuration: each worker builds its own
         try:
@@ -417,7 +417,7 @@ def serve(
         if status:
             raise click.exceptions.Exit(status)
         return
-    from kvroute_server.runner import run_server
+    from kvroute_server.http.runner import run_server
 
     run_server(
         app,

@@ -28,13 +28,13 @@ def kvroute_register_commands(cli: click.Group) -> None:
 
 
 def _file(**options: Any) -> DiscoveryProvider:
-    from kvroute_server.providers.file import FileDiscovery
+    from kvroute_server.fleet.providers.file import FileDiscovery
 
     return FileDiscovery.create(**options)
 
 
 def _dns(**options: Any) -> DiscoveryProvider:
-    from kvroute_server.providers.dns import DnsDiscovery
+    from kvroute_server.fleet.providers.dns import DnsDiscovery
 
     return DnsDiscovery.create(**options)
 

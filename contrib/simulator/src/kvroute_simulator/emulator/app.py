@@ -23,7 +23,7 @@ import attrs
 import structlog
 
 from kvroute import __version__
-from kvroute_server._asgi import ClientGone, Receive, Scope, Send, send_bytes, send_error, send_json
+from kvroute_server.http.asgi import ClientGone, Receive, Scope, Send, send_bytes, send_error, send_json
 from kvroute_simulator.emulator.config import EmulatorConfig, EmulatorStats, Faults
 from kvroute_simulator.emulator.generation import GenerationHandler
 from kvroute_simulator.emulator.metrics import CONTENT_TYPE, EmulatedMetrics

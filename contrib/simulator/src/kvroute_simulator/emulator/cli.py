@@ -83,7 +83,7 @@ def emulate(
     Timing and prefix caching come from the simulator's engine model, run in real time.
     """
     from kvroute.cli import configure_logging
-    from kvroute_server.runner import run_server
+    from kvroute_server.http.runner import run_server
 
     configure_logging(log_level, "json")
     try:

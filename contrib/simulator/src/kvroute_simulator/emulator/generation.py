@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from kvroute.hashing import hash64, hash_parts
-from kvroute_server._asgi import Receive, Send, dumps, send_error, send_json
+from kvroute_server.http.asgi import Receive, Send, dumps, send_error, send_json
 from kvroute_simulator.emulator.config import EmulatorConfig, EmulatorStats, Faults
 from kvroute_simulator.emulator.metrics import EmulatedMetrics
 from kvroute_simulator.emulator.parsing import BadRequest

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvroute_server._asgi import BodyTooLarge, InvalidBody, Receive, Scope, loads_body, read_body
+from kvroute_server.http.asgi import BodyTooLarge, InvalidBody, Receive, Scope, loads_body, read_body
 from kvroute_simulator.tokens import Vocabulary, vocabulary
 
 __all__ = ["MAX_BODY", "BadRequest", "check_model", "prompt_tokens", "read_json", "tokenize_chat", "tokenize_text"]

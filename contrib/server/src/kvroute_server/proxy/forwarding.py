@@ -25,13 +25,13 @@ from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.shadow import ShadowRound
 from kvroute.strategy import Decision
-from kvroute_server._asgi import Receive, Scope, Send, dumps, openai_error, send_error
-from kvroute_server.backends import BackendSet
+from kvroute_server.http.asgi import Receive, Scope, Send, dumps, openai_error, send_error
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import ServerConfig
-from kvroute_server.http1 import DISCONNECT_EXTENSION, DisconnectNotice
-from kvroute_server.metrics import ProxyMetrics
-from kvroute_server.shadow import ProxyShadows
-from kvroute_server.upstream import (
+from kvroute_server.http.protocol import DISCONNECT_EXTENSION, DisconnectNotice
+from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.ops.shadow import ProxyShadows
+from kvroute_server.http.upstream import (
     UpstreamPool,
     UpstreamResponse,
     UsageSniffer,
@@ -75,9 +75,9 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
-    #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.status).
+    #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
     decision: Decision | None = None
-    #: Every strategy's verdict on this request when shadows are on (kvroute_server.shadow), else None.
+    #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
     shadow: ShadowRound | None = None
 
 
@@ -190,7 +190,7 @@ class Forwarder:
                 with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
-                    ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.status): one assignment
+                    ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.ops.status): one assignment
                     if self.shadows is not None and ex.shadow is None:  # shadows score the first attempt
                         ex.shadow = self.shadows.routed(request, decision, failed)
                     ex.backend, ex.reason, ex.key, ex.spilled = (
@@ -455,7 +455,7 @@ def _watch_client(scope: Scope, receive: Receive, ex: Exchange, task: asyncio.Ta
     """Have ``task`` cancelled if the client leaves before the response is complete; returns the undo.
 
     Under kvroute's own HTTP protocol the server calls back (the ``kvroute.disconnect`` extension,
-    `kvroute_server.http1`); under any other ASGI server a task waits in ``receive()`` for
+    `kvroute_server.http.protocol`); under any other ASGI server a task waits in ``receive()`` for
     ``http.disconnect``.
     """
     extensions = scope.get("extensions")

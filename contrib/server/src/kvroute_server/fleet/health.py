@@ -24,7 +24,7 @@ from kvroute.backend import EngineLoad
 from kvroute.errors import UnknownBackend
 from kvroute.fleet import Fleet
 from kvroute_server.config import HealthConfig
-from kvroute_server.metrics import ProxyMetrics
+from kvroute_server.ops.metrics import ProxyMetrics
 
 __all__ = ["HealthChecker"]
 

@@ -3,7 +3,7 @@
 Off unless an admin token is configured; every call needs ``Authorization: Bearer <token>``.
 The admin API talks to the proxy's `BackendSet` (and through it the `Fleet`, so the strategy
 sees a change like any other membership change), never to the app. With ``kvroute serve
---workers N`` a change also goes through the workers' shared journal (`kvroute_server.journal`),
+--workers N`` a change also goes through the workers' shared journal (`kvroute_server.ops.journal`),
 which this API owns, so every worker makes it before the call returns.
 
 =======  ================================  ================================================
@@ -29,7 +29,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from kvroute.errors import ConfigError, UnknownBackend
-from kvroute_server._asgi import (
+from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
     InvalidBody,
@@ -41,9 +41,9 @@ from kvroute_server._asgi import (
     send_error,
     send_json,
 )
-from kvroute_server.backends import BackendSet
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import BackendConfig
-from kvroute_server.journal import AdminJournal, WorkerContext
+from kvroute_server.ops.journal import AdminJournal, WorkerContext
 
 __all__ = ["AdminApi"]
 

@@ -2,17 +2,17 @@
 
 ``ProxyApp(config)`` is an ASGI callable (run it with uvicorn, see `kvroute_server.cli`).
 Per request: read and validate the body, build a `RouteRequest`, and hand it to the
-`Forwarder` (`kvroute_server.forwarding`), which asks the `Router` for a lease, forwards the
+`Forwarder` (`kvroute_server.proxy.forwarding`), which asks the `Router` for a lease, forwards the
 original bytes to the chosen backend and passes the answer back, retrying before the first
 byte (see docs/serve.md). The backends themselves (membership, health, adapters' tasks) are the
-`BackendSet` (`kvroute_server.backends`), which the admin API (`kvroute_server.admin`) and
-discovery (`kvroute_server.discovery`) change.
+`BackendSet` (`kvroute_server.fleet.backends`), which the admin API (`kvroute_server.ops.admin`) and
+discovery (`kvroute_server.fleet.discovery`) change.
 
 The rooms import one way: ``app`` -> ``forwarding``, ``admin`` -> ``backends`` -> ``health``;
 nothing imports ``app``, except the entry points that run it (``cli``, ``workers``).
 
 Hostile input: every body the proxy cannot route gets a 4xx in OpenAI's error shape
-(`kvroute_server._asgi.loads_body` turns any parse failure into `InvalidBody`), a body over
+(`kvroute_server.http.asgi.loads_body` turns any parse failure into `InvalidBody`), a body over
 the limit gets its 413 before the connection closes, bodies over 1 MiB are parsed in a
 worker thread so that they do not stall other requests, and an unexpected exception is
 logged once and answered 500 with a JSON body.
@@ -37,7 +37,7 @@ from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Endpoint, RouteRequest
 from kvroute.router import Router
 from kvroute.strategy import HasPromptTokenizer
-from kvroute_server._asgi import (
+from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
     InvalidBody,
@@ -50,16 +50,16 @@ from kvroute_server._asgi import (
     send_error_draining,
     send_json,
 )
-from kvroute_server.admin import AdminApi
-from kvroute_server.backends import BackendSet
+from kvroute_server.ops.admin import AdminApi
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import ServerConfig
-from kvroute_server.discovery import Discovery
-from kvroute_server.forwarding import Exchange, Forwarder, count_reject, reject
-from kvroute_server.journal import WorkerContext
-from kvroute_server.metrics import CONTENT_TYPE, ProxyMetrics
-from kvroute_server.shadow import ProxyShadows
-from kvroute_server.status import StatusRoutes
-from kvroute_server.warm_join import WarmJoin
+from kvroute_server.fleet.discovery import Discovery
+from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
+from kvroute_server.ops.journal import WorkerContext
+from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics
+from kvroute_server.ops.shadow import ProxyShadows
+from kvroute_server.ops.status import StatusRoutes
+from kvroute_server.fleet.warm_join import WarmJoin
 
 __all__ = ["ProxyApp"]
 
@@ -159,7 +159,7 @@ class ProxyApp:
     ``metrics`` and ``admin`` (`AdminApi`, when an admin token is configured).
 
     ``worker`` is set in the workers of ``kvroute serve --workers N`` (see
-    `kvroute_server.workers`): metrics are then shared between the workers and admin
+    `kvroute_server.ops.workers`): metrics are then shared between the workers and admin
     changes reach all of them through the shared journal.
     """
 

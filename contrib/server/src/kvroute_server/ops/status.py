@@ -29,13 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.fleet import Fleet
 from kvroute.router import Router
 from kvroute.strategy import Decision
-from kvroute_server._asgi import Receive, Scope, Send, send_bytes, send_json
-from kvroute_server.backends import BackendSet
+from kvroute_server.http.asgi import Receive, Scope, Send, send_bytes, send_json
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import ServerConfig
-from kvroute_server.discovery import Discovery
-from kvroute_server.forwarding import Exchange, reject
-from kvroute_server.journal import WorkerContext
-from kvroute_server.metrics import ProxyMetrics
+from kvroute_server.fleet.discovery import Discovery
+from kvroute_server.proxy.forwarding import Exchange, reject
+from kvroute_server.ops.journal import WorkerContext
+from kvroute_server.ops.metrics import ProxyMetrics
 
 __all__ = ["DecisionLog", "StatusRoutes", "StatusView", "bearer_matches", "page"]
 #: Version of the ``/status.json`` document's shape; raised when a field changes meaning or goes.
@@ -376,7 +376,7 @@ def bearer_matches(scope: Mapping[str, Any], token: str | None) -> bool:
 
 def page() -> bytes:
     """The status page: one self-contained HTML file (inline CSS and script, no external resources)."""
-    return resources.files("kvroute_server").joinpath("static/status.html").read_bytes()
+    return resources.files("kvroute_server.ops").joinpath("static/status.html").read_bytes()
 
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]

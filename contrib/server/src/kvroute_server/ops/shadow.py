@@ -23,7 +23,7 @@ from kvroute.request import RouteRequest
 from kvroute.shadow import ShadowRound, ShadowSet
 from kvroute.strategy import Decision, Outcome, Status
 from kvroute_server.config import ServerConfig
-from kvroute_server.metrics import ProxyMetrics, ShadowMetrics
+from kvroute_server.ops.metrics import ProxyMetrics, ShadowMetrics
 
 __all__ = ["ProxyShadows", "cache_view_factory"]
 

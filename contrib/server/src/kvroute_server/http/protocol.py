@@ -57,7 +57,7 @@ from typing import Any
 
 import httptools
 
-from kvroute_server._asgi import dumps, openai_error
+from kvroute_server.http.asgi import dumps, openai_error
 
 __all__ = ["DISCONNECT_EXTENSION", "DisconnectNotice", "HttpProtocol", "INVALID_HTTP_RESPONSE"]
 

@@ -37,7 +37,7 @@ from kvroute.request import RouteRequest
 from kvroute.router import Router
 from kvroute.strategy import Decision
 from kvroute.warmup import HotPrefix, HotPrefixes, SlowStart, WeightRamp, warm_plan
-from kvroute_server.backends import BackendSet
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import WarmJoinConfig
 
 __all__ = ["WarmJoin"]
@@ -84,7 +84,7 @@ class WarmJoin:
         hot = None
         if config.prefill > 0:
             hot = HotPrefixes()
-            plugins.register(_RoutedObserver(hot), name=f"kvroute_server.warm_join.{id(hot):x}")
+            plugins.register(_RoutedObserver(hot), name=f"kvroute_server.fleet.warm_join.{id(hot):x}")
         return cls(config, backends, hot)
 
     async def run(self, router: Router, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

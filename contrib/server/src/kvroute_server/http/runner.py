@@ -1,7 +1,7 @@
 """Running ASGI apps under uvicorn: the CLI's blocking ``serve`` and a thread helper for tests.
 
 uvicorn runs the process (sockets, lifespan, signals, graceful shutdown); each connection is
-served by our own protocol class, `kvroute_server.http1.HttpProtocol` (TCP_NODELAY, a response
+served by our own protocol class, `kvroute_server.http.protocol.HttpProtocol` (TCP_NODELAY, a response
 head and its first body bytes in one write, the ``kvroute.disconnect`` extension, a 400 in
 OpenAI's error shape for a request that is not valid HTTP; why: docs/performance.md).
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from kvroute_server.http1 import HttpProtocol
+from kvroute_server.http.protocol import HttpProtocol
 
 __all__ = ["GC_THRESHOLDS", "ProcessServer", "ServerThread", "make_uvicorn_config", "run_server"]
 

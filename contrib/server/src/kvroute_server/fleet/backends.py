@@ -1,7 +1,7 @@
 """The backend set: which backends the proxy has, how to reach them, and their adapters' lifetimes.
 
 `BackendSet` is the one place that changes membership: at start from the configuration, then through
-the admin API and discovery (`kvroute_server.discovery`), which call the same methods. Each backend
+the admin API and discovery (`kvroute_server.fleet.discovery`), which call the same methods. Each backend
 has a `BackendConfig` (URL, credentials), an adapter built by its kind's factory, and a state in the
 `Fleet` (health, draining, in flight, load, and the models its engine reports serving, which
 `HealthChecker` discovers and `Fleet.set_served_models` stores).
@@ -13,7 +13,7 @@ backend leaves or the proxy stops, ``await adapter.aclose()`` (`kvroute.adapters
 Capabilities are declared protocols, checked with ``isinstance``.
 
 A backend is drained in the fleet while either the operator (admin API, discovery) drained it or
-the proxy holds it for its own work (`hold`: a warm join's pre-fill, `kvroute_server.warm_join`);
+the proxy holds it for its own work (`hold`: a warm join's pre-fill, `kvroute_server.fleet.warm_join`);
 the two are kept apart, so that releasing a hold never undoes an operator's drain. Whoever needs
 to know when members join or leave subscribes with `watch`.
 """
@@ -36,9 +36,9 @@ from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.strategy import HasPromptTokenizer
 from kvroute_server.config import BackendConfig, HealthConfig
-from kvroute_server.health import HealthChecker
-from kvroute_server.metrics import ProxyMetrics
-from kvroute_server.upstream import BackendHttp, create_session
+from kvroute_server.fleet.health import HealthChecker
+from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.http.upstream import BackendHttp, create_session
 
 __all__ = ["BackendSet"]
 

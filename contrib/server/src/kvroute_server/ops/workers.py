@@ -21,7 +21,7 @@ prometheus-client picks its multiprocess mode when it is imported, and a forked 
 inherit the supervisor's imported state, locks and loggers.
 
 The run directory (``tempfile.mkdtemp``, mode 0700) holds prometheus-client's multiprocess
-files and the admin journal (`kvroute_server.journal`).
+files and the admin journal (`kvroute_server.ops.journal`).
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ import structlog
 
 from kvroute.errors import ConfigError
 from kvroute_server.config import ServerConfig
-from kvroute_server.journal import WorkerContext, announce
-from kvroute_server.metrics import MULTIPROC_ENV
+from kvroute_server.ops.journal import WorkerContext, announce
+from kvroute_server.ops.metrics import MULTIPROC_ENV
 
 __all__ = ["Supervisor", "WorkerContext", "bind_socket", "worker_main"]
 
 log = structlog.get_logger(__name__)
 
-_WORKER_CODE = "from kvroute_server.workers import worker_main; worker_main()"
+_WORKER_CODE = "from kvroute_server.ops.workers import worker_main; worker_main()"
 #: A worker that dies within this many seconds of its start counts as a quick death.
 _QUICK_DEATH_S = 10.0
 #: Quick deaths in a row (one worker slot) after which the supervisor gives up.
@@ -297,8 +297,8 @@ def worker_main() -> None:
     processors = structlog.get_config()["processors"]
     structlog.configure(processors=[add_worker, *processors])
 
-    from kvroute_server.app import ProxyApp
-    from kvroute_server.runner import ProcessServer, make_uvicorn_config
+    from kvroute_server.proxy.app import ProxyApp
+    from kvroute_server.http.runner import ProcessServer, make_uvicorn_config
 
     app = ProxyApp(config, worker=spec.context)
     sock = socket.socket(fileno=spec.fd)
