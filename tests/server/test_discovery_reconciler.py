@@ -13,8 +13,8 @@ import kvroute
 from kvroute.discovery import DiscoveredBackend, DiscoverySink, Snapshot
 from kvroute.errors import ConfigError
 from kvroute.plugins import PluginManager
-from kvroute_server.proxy.app import ProxyApp
 from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolicy, HealthConfig, ServerConfig
+from kvroute_server.proxy.app import ProxyApp
 
 #: Every wait in these tests is bounded by this many seconds.
 WAIT = 5.0

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from kvroute_server.http import asgi as _asgi
-from kvroute_server.proxy import app as app_module
 from kvroute_server.http.asgi import InvalidBody, loads_body
 from kvroute_server.http.runner import ServerThread
+from kvroute_server.proxy import app as app_module
 from tests.server.harness import MODEL, Servers, chat_body, http
 
 pytestmark = pytest.mark.e2e

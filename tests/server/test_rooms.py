@@ -75,7 +75,9 @@ class TestRooms:
             wrong = sorted(dep for dep in others if _part(dep) not in PARTS[part])
             assert not wrong, f"{module} imports {wrong}"
             if part == "fleet":
-                assert {d for d in others if _part(d) == "ops"} <= FLEET_MAY_IMPORT_OF_OPS, f"{module}: {sorted(others)}"
+                assert {d for d in others if _part(d) == "ops"} <= FLEET_MAY_IMPORT_OF_OPS, (
+                    f"{module}: {sorted(others)}"
+                )
 
     def test_layout_is_the_documented_one(self) -> None:
         """Every module of the proxy lives in one of the documented parts (or is a top-level entry point)."""

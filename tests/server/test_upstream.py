@@ -8,8 +8,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute_server.proxy.forwarding import _event_end, _stream_error_event
 from kvroute_server.http.upstream import HOP_BY_HOP, UsageSniffer, filter_request_headers, filter_response_headers
+from kvroute_server.proxy.forwarding import _event_end, _stream_error_event
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

@@ -18,9 +18,9 @@ from kvroute.errors import ConfigError, KvrouteError
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute_server import ServerThread
-from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.cli import build_config
 from kvroute_server.config import BackendConfig, DiscoveryConfig, HealthConfig, WarmJoinConfig, load_toml
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.ops.metrics import ProxyMetrics
 from tests.server.harness import MODEL, Servers, http, in_loop
 

@@ -12,9 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute_server.proxy.app import ProxyApp
     from kvroute_server.config import BackendConfig, HealthConfig, ServerConfig, TimeoutConfig, load_toml
     from kvroute_server.http.runner import ServerThread, run_server
+    from kvroute_server.proxy.app import ProxyApp
     from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
 
 #: Public name -> the module that defines it.

@@ -39,8 +39,8 @@ from anyio.abc import TaskStatus
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider, Snapshot
 from kvroute.errors import ConfigError
 from kvroute.plugins import PluginManager
-from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolicy
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.ops.metrics import ProxyMetrics
 
 __all__ = ["Discovery", "SourceStatus", "build_providers"]

@@ -37,8 +37,8 @@ from kvroute.request import RouteRequest
 from kvroute.router import Router
 from kvroute.strategy import Decision
 from kvroute.warmup import HotPrefix, HotPrefixes, SlowStart, WeightRamp, warm_plan
-from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import WarmJoinConfig
+from kvroute_server.fleet.backends import BackendSet
 
 __all__ = ["WarmJoin"]
 

@@ -29,6 +29,8 @@ import structlog
 from anyio.abc import TaskStatus
 
 from kvroute.errors import ConfigError, UnknownBackend
+from kvroute_server.config import BackendConfig
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -41,8 +43,6 @@ from kvroute_server.http.asgi import (
     send_error,
     send_json,
 )
-from kvroute_server.fleet.backends import BackendSet
-from kvroute_server.config import BackendConfig
 from kvroute_server.ops.journal import AdminJournal, WorkerContext
 
 __all__ = ["AdminApi"]

@@ -29,13 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.fleet import Fleet
 from kvroute.router import Router
 from kvroute.strategy import Decision
-from kvroute_server.http.asgi import Receive, Scope, Send, send_bytes, send_json
-from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.config import ServerConfig
+from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.fleet.discovery import Discovery
-from kvroute_server.proxy.forwarding import Exchange, reject
+from kvroute_server.http.asgi import Receive, Scope, Send, send_bytes, send_json
 from kvroute_server.ops.journal import WorkerContext
 from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.proxy.forwarding import Exchange, reject
 
 __all__ = ["DecisionLog", "StatusRoutes", "StatusView", "bearer_matches", "page"]
 #: Version of the ``/status.json`` document's shape; raised when a field changes meaning or goes.

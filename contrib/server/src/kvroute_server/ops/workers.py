@@ -297,8 +297,8 @@ def worker_main() -> None:
     processors = structlog.get_config()["processors"]
     structlog.configure(processors=[add_worker, *processors])
 
-    from kvroute_server.proxy.app import ProxyApp
     from kvroute_server.http.runner import ProcessServer, make_uvicorn_config
+    from kvroute_server.proxy.app import ProxyApp
 
     app = ProxyApp(config, worker=spec.context)
     sock = socket.socket(fileno=spec.fd)

@@ -37,6 +37,10 @@ from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Endpoint, RouteRequest
 from kvroute.router import Router
 from kvroute.strategy import HasPromptTokenizer
+from kvroute_server.config import ServerConfig
+from kvroute_server.fleet.backends import BackendSet
+from kvroute_server.fleet.discovery import Discovery
+from kvroute_server.fleet.warm_join import WarmJoin
 from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -51,15 +55,11 @@ from kvroute_server.http.asgi import (
     send_json,
 )
 from kvroute_server.ops.admin import AdminApi
-from kvroute_server.fleet.backends import BackendSet
-from kvroute_server.config import ServerConfig
-from kvroute_server.fleet.discovery import Discovery
-from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
 from kvroute_server.ops.journal import WorkerContext
 from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
-from kvroute_server.fleet.warm_join import WarmJoin
+from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
 
 __all__ = ["ProxyApp"]
 
