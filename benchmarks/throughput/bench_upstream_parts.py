@@ -1,4 +1,4 @@
-"""CPU per call of the upstream client's parts (kvroute_server.http.upstream), without a network.
+"""CPU per call of the upstream client's parts, without a network.
 
 The proxy's own HTTP/1.1 client runs once per proxied request; this measures its Python parts
 one by one on the inputs of the throughput benchmark (benchmarks/bench_vs_sglang.py): a 3.5 KB
@@ -14,8 +14,9 @@ fixed 350-byte chat completion (with usage), and its 18-event SSE stream.
   does per request except the socket's system calls.
 
 Each figure is the best of 7 runs of N calls, in CPU time (``time.process_time``), in µs per
-call. ``--baseline REV`` loads upstream.py as of git revision REV as well and prints both
-columns, so that a change is judged within one run (the machine may be shared).
+call. ``--baseline REV`` loads the parts' modules (kvroute_server.http.client, .proxy.headers,
+.proxy.usage; or the one module that held them, http/upstream.py) as of git revision REV as well and
+prints both columns, so that a change is judged within one run (the machine may be shared).
 
 Run: ``python benchmarks/throughput/bench_upstream_parts.py [--baseline REV] [-n N]``.
 """
@@ -33,16 +34,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
-import kvroute_server.http.upstream
+import kvroute_server.http.client
+import kvroute_server.proxy.headers
+import kvroute_server.proxy.usage
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_vs_sglang as vs  # noqa: E402  (the engines' bodies, defined once)
 
-SOURCE = "contrib/server/src/kvroute_server/http/upstream.py"
+#: The modules the measured parts live in, and the one module that held them all before.
+SOURCES = tuple(
+    f"contrib/server/src/kvroute_server/{name}.py" for name in ("http/client", "proxy/headers", "proxy/usage")
+)
+OLD_SOURCE = "contrib/server/src/kvroute_server/http/upstream.py"
 
 #: Header lists as uvicorn hands them over (names lower-cased), from wrk and from the openai SDK.
 WRK_HEADERS = [(b"host", b"127.0.0.1:8000"), (b"content-length", b"3512"), (b"content-type", b"application/json")]
@@ -134,7 +141,7 @@ class _AnsweringTransport:
         pass
 
 
-def cycle_us(module: ModuleType, answer: bytes, body: bytes, headers: dict[str, str], n: int) -> float:
+def cycle_us(module: SimpleNamespace, answer: bytes, body: bytes, headers: dict[str, str], n: int) -> float:
     """CPU µs per whole client round trip (post, parse, read, release) on a pooled in-memory connection."""
 
     async def run() -> float:
@@ -166,8 +173,8 @@ def cycle_us(module: ModuleType, answer: bytes, body: bytes, headers: dict[str, 
         return runner.run(run())
 
 
-def parts(module: ModuleType, n: int) -> dict[str, Callable[[], float]]:
-    """Every part's measurement (µs per call) with ``module`` as kvroute_server.http.upstream."""
+def parts(module: SimpleNamespace, n: int) -> dict[str, Callable[[], float]]:
+    """Every part's measurement (µs per call) with ``module`` holding the parts (see `merged`)."""
     whole = completion()
     stream = sse_stream()
     body = chat_body()
@@ -211,12 +218,23 @@ def parts(module: ModuleType, n: int) -> dict[str, Callable[[], float]]:
     }
 
 
-def load_revision(rev: str) -> ModuleType:
-    """upstream.py as of git revision ``rev``, loaded as a separate module."""
-    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True).stdout
-    path = Path(tempfile.mkdtemp()) / "upstream_baseline.py"
-    path.write_bytes(text)
-    spec = importlib.util.spec_from_file_location("upstream_baseline", path)
+def merged(*modules: ModuleType) -> SimpleNamespace:
+    """One namespace with every name of ``modules`` (the parts are measured by name, wherever they live)."""
+    names: dict[str, Any] = {}
+    for module in modules:
+        names.update(vars(module))
+    return SimpleNamespace(**names)
+
+
+def _load(rev: str, source: str) -> ModuleType | None:
+    """``source`` as of git revision ``rev``, loaded as a separate module; None when it did not exist then."""
+    shown = subprocess.run(["git", "show", f"{rev}:{source}"], cwd=ROOT, capture_output=True)
+    if shown.returncode != 0:
+        return None
+    name = "baseline_" + Path(source).stem
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_bytes(shown.stdout)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -224,12 +242,25 @@ def load_revision(rev: str) -> ModuleType:
     return module
 
 
+def load_revision(rev: str) -> SimpleNamespace:
+    """The parts as of git revision ``rev`` (from their modules, or from upstream.py before they were split)."""
+    modules = [_load(rev, source) for source in SOURCES]
+    if all(module is not None for module in modules):
+        return merged(*(m for m in modules if m is not None))
+    old = _load(rev, OLD_SOURCE)
+    if old is None:
+        raise SystemExit(f"{rev} has neither {SOURCES[0]} nor {OLD_SOURCE}")
+    return merged(old)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--baseline", metavar="REV", help="also measure upstream.py as of this git revision")
+    parser.add_argument("--baseline", metavar="REV", help="also measure the parts as of this git revision")
     parser.add_argument("-n", type=int, default=20000, help="calls per run (default 20000)")
     args = parser.parse_args()
-    columns = {"this checkout": kvroute_server.http.upstream}
+    columns = {
+        "this checkout": merged(kvroute_server.http.client, kvroute_server.proxy.headers, kvroute_server.proxy.usage)
+    }
     if args.baseline:
         columns[args.baseline] = load_revision(args.baseline)
     measures = {name: parts(module, args.n) for name, module in columns.items()}

@@ -25,7 +25,15 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("aiohttp/", "yarl/", "multidict/", "UpstreamPool", "_Connection.", "UpstreamResponse.", "_HostPool."),
     ),
     ("HTTP server and ASGI (uvicorn, kvroute_server.http.protocol)", ("uvicorn/", "httptools", "granian/", "http1.py")),
-    ("forwarding (headers, relay, retries)", ("kvroute_server/proxy/forwarding.py", "kvroute_server/http/upstream.py")),
+    (
+        "forwarding (headers, relay, retries)",
+        (
+            "kvroute_server/proxy/forwarding.py",
+            "kvroute_server/http/client.py",
+            "kvroute_server/proxy/headers.py",
+            "kvroute_server/proxy/usage.py",
+        ),
+    ),
     ("app (dispatch, body read, request id)", ("kvroute_server/proxy/app.py", "kvroute_server/http/asgi.py")),
     ("event loop (uvloop) and asyncio (tasks, timeouts)", ("asyncio/", "uvloop/")),
 )

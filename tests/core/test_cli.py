@@ -209,7 +209,7 @@ class TestStandIns:
             "matplotlib",
             "kvroute_server.proxy.app",
             "kvroute_server.http.runner",
-            "kvroute_server.http.upstream",
+            "kvroute_server.http.client",
         )
         code = (
             "import sys\n"

@@ -13,7 +13,7 @@ import kvroute
 from kvroute import PluginManager
 from kvroute.adapters import HttpReply
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
-from kvroute_server.http.upstream import BackendHttp
+from kvroute_server.fleet.adapter_http import BackendHttp
 from tests.server.harness import Servers, http, in_loop
 
 pytestmark = pytest.mark.e2e
@@ -193,7 +193,7 @@ class TestBackendHttp:
     async def test_get_and_post(self, servers: Servers) -> None:
         """The adapters' client GETs and POSTs JSON relative to the backend URL, and wraps transport errors as
         OSError."""
-        from kvroute_server.http.upstream import create_session
+        from kvroute_server.fleet.adapter_http import create_session
 
         emulator = servers.emulator()
         session = create_session(2.0)

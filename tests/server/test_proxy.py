@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute_server import HealthConfig
-from kvroute_server.http.upstream import _nodelay_socket
+from kvroute_server.fleet.adapter_http import _nodelay_socket
 from tests.server.harness import MODEL, Servers, chat_body, http
 
 pytestmark = pytest.mark.e2e

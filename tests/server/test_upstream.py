@@ -8,8 +8,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute_server.http.upstream import HOP_BY_HOP, UsageSniffer, filter_request_headers, filter_response_headers
 from kvroute_server.proxy.forwarding import _event_end, _stream_error_event
+from kvroute_server.proxy.headers import HOP_BY_HOP, filter_request_headers, filter_response_headers
+from kvroute_server.proxy.usage import UsageSniffer
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
@@ -275,7 +276,7 @@ class TestSseBoundaries:
 class TestBackendHttpTimeout:
     def test_with_timeout_copies_the_client_with_another_timeout(self) -> None:
         """`with_timeout` gives the same session, URL and headers with the new timeout, leaving the original alone."""
-        from kvroute_server.http.upstream import BackendHttp
+        from kvroute_server.fleet.adapter_http import BackendHttp
 
         session = object()
         http = BackendHttp(session, "http://127.0.0.1:1", 2.0, {"authorization": "Bearer x"})  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute_server.http.upstream import UpstreamPool, _Connection
+from kvroute_server.http.client import UpstreamPool, _Connection
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute_server.http.upstream import UpstreamConnectionError, UpstreamPool, UpstreamResponse
+from kvroute_server.http.client import UpstreamConnectionError, UpstreamPool, UpstreamResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Backend"], Awaitable[None]]
 

@@ -18,7 +18,7 @@ from kvroute import Backend
 from kvroute.adapters import HttpReply
 from kvroute.backend import EngineLoad
 from kvroute.plugins import PluginManager
-from kvroute_server.http.upstream import BackendHttp
+from kvroute_server.fleet.adapter_http import BackendHttp
 
 pytestmark = pytest.mark.anyio
 

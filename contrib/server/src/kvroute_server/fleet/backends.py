@@ -36,8 +36,8 @@ from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.strategy import HasPromptTokenizer
 from kvroute_server.config import BackendConfig, HealthConfig
+from kvroute_server.fleet.adapter_http import BackendHttp, create_session
 from kvroute_server.fleet.health import HealthChecker
-from kvroute_server.http.upstream import BackendHttp, create_session
 from kvroute_server.ops.metrics import ProxyMetrics
 
 __all__ = ["BackendSet"]

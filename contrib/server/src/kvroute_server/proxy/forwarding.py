@@ -28,16 +28,12 @@ from kvroute.strategy import Decision
 from kvroute_server.config import ServerConfig
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.http.asgi import Receive, Scope, Send, dumps, openai_error, send_error
+from kvroute_server.http.client import UpstreamPool, UpstreamResponse
 from kvroute_server.http.protocol import DISCONNECT_EXTENSION, DisconnectNotice
-from kvroute_server.http.upstream import (
-    UpstreamPool,
-    UpstreamResponse,
-    UsageSniffer,
-    filter_request_headers,
-    filter_response_headers,
-)
 from kvroute_server.ops.metrics import ProxyMetrics
 from kvroute_server.ops.shadow import ProxyShadows
+from kvroute_server.proxy.headers import filter_request_headers, filter_response_headers
+from kvroute_server.proxy.usage import UsageSniffer
 
 __all__ = ["Exchange", "Forwarder", "reject"]
 
