@@ -1,8 +1,13 @@
-"""Loopback servers for the proxy tests: emulators and proxies in threads, stopped by the owner."""
+"""Loopback servers for the proxy tests: emulators and proxies in threads, stopped by the owner.
+
+``KVROUTE_TEST_HTTP=httptools pytest tests/server`` runs every proxy the harness starts on uvicorn's
+stock HTTP protocol instead of kvroute's own (a test that names a protocol keeps its own).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -13,6 +18,8 @@ from kvroute_simulator.emulator import EmulatorApp, EmulatorConfig
 MODEL = "m"
 #: Fast emulators: a simulated second lasts 20 ms.
 TIME_SCALE = 0.02
+#: The HTTP protocol of the proxies the harness starts (`kvroute_server.http.runner.HTTP_PROTOCOLS`).
+PROXY_HTTP = os.environ.get("KVROUTE_TEST_HTTP", "kvroute")
 
 
 class Servers:
@@ -32,8 +39,10 @@ class Servers:
     def emulators(self, count: int, **config: Any) -> list[ServerThread]:
         return [self.emulator(**config) for _ in range(count)]
 
-    def proxy(self, backends: list[ServerThread] | None = None, *, http: Any = None, **config: Any) -> ServerThread:
-        """A proxy in front of ``backends``; ``http`` picks uvicorn's protocol (default: kvroute's own)."""
+    def proxy(
+        self, backends: list[ServerThread] | None = None, *, http: str | None = None, **config: Any
+    ) -> ServerThread:
+        """A proxy in front of ``backends``; ``http`` names its HTTP protocol (default: `PROXY_HTTP`)."""
         if backends is not None:
             config["backends"] = tuple(BackendConfig(id=f"e{i}", url=b.url) for i, b in enumerate(backends))
         config.setdefault("health", HealthConfig(interval=0.2, timeout=1.0, unhealthy_threshold=2, healthy_threshold=1))
@@ -41,7 +50,7 @@ class Servers:
         config.setdefault("strategy", "least-outstanding")
         if config["strategy"] in ("least-outstanding", "random"):
             config.setdefault("options", {"seed": 0})  # deterministic tie-breaks
-        server = ServerThread(ProxyApp(ServerConfig(**config)), http=http).start()
+        server = ServerThread(ProxyApp(ServerConfig(**config)), http=http or PROXY_HTTP).start()
         self.started.append(server)
         return server
 

@@ -193,8 +193,8 @@ class TestKillAndRestart:
 
 
 class TestClientSide:
-    @pytest.mark.parametrize("protocol", [None, "httptools"], ids=["kvroute-protocol", "uvicorn-protocol"])
-    def test_client_disconnect_cancels_upstream(self, servers: Servers, protocol: str | None) -> None:
+    @pytest.mark.parametrize("protocol", ["kvroute", "httptools"], ids=["kvroute-protocol", "uvicorn-protocol"])
+    def test_client_disconnect_cancels_upstream(self, servers: Servers, protocol: str) -> None:
         """Closing the client connection mid-stream closes the upstream request too, under either HTTP protocol.
 
         kvroute's protocol calls the proxy back (the ``kvroute.disconnect`` extension); under uvicorn's

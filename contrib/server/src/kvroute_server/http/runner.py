@@ -1,9 +1,11 @@
 """Running ASGI apps under uvicorn: the CLI's blocking ``serve`` and a thread helper for tests.
 
 uvicorn runs the process (sockets, lifespan, signals, graceful shutdown); each connection is
-served by our own protocol class, `kvroute_server.http.protocol.HttpProtocol` (TCP_NODELAY, a response
-head and its first body bytes in one write, the ``kvroute.disconnect`` extension, a 400 in
-OpenAI's error shape for a request that is not valid HTTP; why: docs/performance.md).
+served by the protocol ``http`` names (`HTTP_PROTOCOLS`): ``"kvroute"``, our own protocol class
+`kvroute_server.http.protocol.HttpProtocol` (TCP_NODELAY, a response head and its first body bytes
+in one write, the ``kvroute.disconnect`` extension, a 400 in OpenAI's error shape for a request
+that is not valid HTTP; why: docs/performance.md), or ``"httptools"``, uvicorn's stock protocol on
+the same parser. The proxy works under either; ours costs less CPU per request.
 
 A server process (`run_server`, and each worker of ``--workers N``) runs `ProcessServer`, which
 freezes the garbage collector's view of everything that exists once the app has started
@@ -27,12 +29,15 @@ import uvicorn
 
 from kvroute_server.http.protocol import HttpProtocol
 
-__all__ = ["GC_THRESHOLDS", "ProcessServer", "ServerThread", "make_uvicorn_config", "run_server"]
+__all__ = ["GC_THRESHOLDS", "HTTP_PROTOCOLS", "ProcessServer", "ServerThread", "make_uvicorn_config", "run_server"]
+
+#: The HTTP/1.1 protocols a server can run, by name: kvroute's own, or uvicorn's stock one.
+HTTP_PROTOCOLS = ("kvroute", "httptools")
 
 #: The collector's thresholds in a serving process (Python's defaults: 700, 10, 10). A proxied
 #: request allocates a few hundred container objects that reference counting frees anyway; with the
 #: default a young-generation collection ran every few requests and cost ~5 % of the CPU per request
-#: (A/B in docs/performance.md, "Round 3"). Cycles wait longer to be collected, which costs little memory.
+#: (A/B in docs/performance.md). Cycles wait longer to be collected, which costs little memory.
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
@@ -44,8 +49,20 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "warning", **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config with our choices: uvloop when installed, our HTTP protocol, no access log of its own."""
+def _protocol(http: str) -> type[asyncio.Protocol] | str:
+    """uvicorn's ``http`` setting for the protocol named ``http`` (one of `HTTP_PROTOCOLS`)."""
+    if http == "kvroute":
+        return HttpProtocol
+    if http == "httptools":
+        return "httptools"
+    raise ValueError(f"'http' must be one of {', '.join(HTTP_PROTOCOLS)} (got {http!r}).")
+
+
+def make_uvicorn_config(
+    app: Any, host: str, port: int, *, log_level: str = "warning", http: str = "kvroute", **kwargs: Any
+) -> uvicorn.Config:
+    """A uvicorn config with our choices: uvloop when installed, the HTTP protocol ``http`` names (see
+    `HTTP_PROTOCOLS`), no access log of its own."""
     try:
         import uvloop  # noqa: F401
 
@@ -53,9 +70,9 @@ def make_uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "war
     except ImportError:
         loop = "asyncio"
     kwargs.setdefault("loop", loop)
-    kwargs.setdefault("http", HttpProtocol)
     return uvicorn.Config(
         app,
+        http=_protocol(http),
         host=host,
         port=port,
         lifespan="on",
@@ -86,12 +103,18 @@ class ProcessServer(uvicorn.Server):
 
 
 def run_server(
-    app: Any, host: str, port: int, *, log_level: str = "warning", shutdown_timeout: float | None = None
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "warning",
+    shutdown_timeout: float | None = None,
+    http: str = "kvroute",
 ) -> None:
-    """Serve ``app`` until interrupted (blocking); a stop waits at most ``shutdown_timeout`` s for requests in
-    flight."""
+    """Serve ``app`` until interrupted (blocking) over the HTTP protocol ``http`` names; a stop waits at most
+    ``shutdown_timeout`` s for requests in flight."""
     extra = {} if shutdown_timeout is None else {"timeout_graceful_shutdown": shutdown_timeout}
-    ProcessServer(make_uvicorn_config(app, host, port, log_level=log_level, **extra)).run()
+    ProcessServer(make_uvicorn_config(app, host, port, log_level=log_level, http=http, **extra)).run()
 
 
 class ServerThread:
@@ -99,14 +122,21 @@ class ServerThread:
 
     ``with ServerThread(app) as server: ... server.url ...`` waits until the server is up
     (lifespan done) and stops it on exit; ``kill()`` drops every connection at once, like
-    a crashed process (for failure tests).
+    a crashed process (for failure tests). ``http`` names the HTTP protocol (`HTTP_PROTOCOLS`).
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 15.0, http: Any = None
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        startup_timeout: float = 15.0,
+        http: str = "kvroute",
     ) -> None:
+        _protocol(http)  # a wrong name fails here, not in the server's thread
         self.app = app
-        self._http = http  # uvicorn's ``http`` protocol (class or name); None: kvroute's `HttpProtocol`
+        self.http = http
         self.host = host
         self._requested_port = port
         self.port = port
@@ -125,8 +155,7 @@ class ServerThread:
         return self._server
 
     def start(self) -> ServerThread:
-        extra = {} if self._http is None else {"http": self._http}
-        config = make_uvicorn_config(self.app, self.host, self._requested_port, loop="asyncio", **extra)
+        config = make_uvicorn_config(self.app, self.host, self._requested_port, loop="asyncio", http=self.http)
         self._server = server = uvicorn.Server(config)
 
         def run() -> None:

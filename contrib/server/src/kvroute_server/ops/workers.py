@@ -70,6 +70,7 @@ class _WorkerSpec:
     fd: int
     log_level: str
     log_format: str
+    http: str = "kvroute"
 
 
 def bind_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
@@ -98,12 +99,18 @@ class _Slot:
 
 
 class Supervisor:
-    """Runs ``config.workers`` proxy workers on one socket until a stop signal (see the module docstring)."""
+    """Runs ``config.workers`` proxy workers on one socket until a stop signal (see the module docstring).
 
-    def __init__(self, config: ServerConfig, *, log_level: str = "info", log_format: str = "json") -> None:
+    ``http`` names the HTTP protocol every worker serves with (`kvroute_server.http.runner.HTTP_PROTOCOLS`).
+    """
+
+    def __init__(
+        self, config: ServerConfig, *, log_level: str = "info", log_format: str = "json", http: str = "kvroute"
+    ) -> None:
         self.config = config
         self.log_level = log_level
         self.log_format = log_format
+        self.http = http
         self.run_dir = ""
         self.socket: socket.socket | None = None
         self._slots = [_Slot(i) for i in range(config.workers)]
@@ -198,7 +205,7 @@ class Supervisor:
         assert self.socket is not None
         fd = self.socket.fileno()
         context = WorkerContext(index=slot.index, count=len(self._slots), run_dir=self.run_dir)
-        spec = _WorkerSpec(context, self.config, fd, self.log_level, self.log_format)
+        spec = _WorkerSpec(context, self.config, fd, self.log_level, self.log_format, self.http)
         env = {**os.environ, MULTIPROC_ENV: str(context.metrics_dir)}
         proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE], stdin=subprocess.PIPE, pass_fds=(fd,), env=env)
         assert proc.stdin is not None
@@ -304,7 +311,12 @@ def worker_main() -> None:
     sock = socket.socket(fileno=spec.fd)
     level = spec.log_level if spec.log_level != "info" else "warning"
     uvicorn_config = make_uvicorn_config(
-        app, config.host, config.port, log_level=level, timeout_graceful_shutdown=config.shutdown_timeout
+        app,
+        config.host,
+        config.port,
+        log_level=level,
+        http=spec.http,
+        timeout_graceful_shutdown=config.shutdown_timeout,
     )
     try:
         ProcessServer(uvicorn_config).run(sockets=[sock])
