@@ -24,7 +24,18 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "upstream client (aiohttp, or kvroute's UpstreamPool)",
         ("aiohttp/", "yarl/", "multidict/", "UpstreamPool", "_Connection.", "UpstreamResponse.", "_HostPool."),
     ),
-    ("HTTP server and ASGI (uvicorn, kvroute_server.http.protocol)", ("uvicorn/", "httptools", "granian/", "http1.py")),
+    (
+        "HTTP server and ASGI (uvicorn, kvroute_server.http.protocol)",
+        (
+            "uvicorn/",
+            "httptools",
+            "granian/",
+            "kvroute_server/http/protocol.py",
+            "kvroute_server/http/reader.py",
+            "kvroute_server/http/response.py",
+            "kvroute_server/http/cycle.py",
+        ),
+    ),
     (
         "forwarding (headers, relay, retries)",
         (

@@ -47,8 +47,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_JSON = (b"content-type", b"application/json")
-
 #: OpenAI's error ``type`` for each status we produce.
 _ERROR_TYPES = {
     400: "invalid_request_error",

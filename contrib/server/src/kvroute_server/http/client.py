@@ -37,9 +37,9 @@ _READ_HIGH_WATER = 256 * 1024
 class UpstreamResponse:
     """A backend's answer: status and headers at once, the body as it arrives (`readany`).
 
-    Its surface is the part of aiohttp's ``ClientResponse`` the forwarder used (``status``,
+    Its surface is the part of aiohttp's ``ClientResponse`` the forwarder needs (``status``,
     ``content_type``, ``raw_headers``, ``readany()``, ``at_eof()``, ``release()``,
-    ``close()``), so the forwarding logic did not change with the client.
+    ``close()``), so that the forwarding logic does not depend on which client answers.
     """
 
     __slots__ = ("_buffer", "_buffered", "_conn", "_done", "_error", "_waiter", "content_type", "raw_headers", "status")
@@ -311,7 +311,7 @@ class UpstreamPool:
     """The client of the proxied requests: ``await pool.post(url, body, headers)`` returns an `UpstreamResponse`.
 
     Keeps idle connections per backend host for ``keepalive_s`` (no limit on their number,
-    like the aiohttp pool it replaced); a request takes the most recently used one or opens a
+    like aiohttp's pool); a request takes the most recently used one or opens a
     new one within ``connect_timeout``. Every failure to connect, or a connection that closes
     before the answer ended, is an `UpstreamConnectionError`. The caller keeps its own
     timeouts around ``post`` and ``readany`` and must end each response with ``release()``
@@ -352,7 +352,7 @@ class UpstreamPool:
         """
         where = self._target(base_url)
         path = where.base_path + target
-        if not path.isascii():  # a non-ASCII query or configured path: percent-encoded, as aiohttp did
+        if not path.isascii():  # a non-ASCII query or configured path: percent-encoded, as aiohttp does
             path = quote(path, safe="/?&=%:@!$'()*+,;~")
         # The head is put together as text and encoded once (Latin-1, as HTTP/1.1 header values are).
         lines = [f"POST {path} HTTP/1.1\r\nhost: {where.host}\r\ncontent-length: {len(body)}\r\n"]
