@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvroute.errors import ConfigError
 from kvroute_server import BackendConfig, ServerConfig
 from kvroute_server.http.protocol import INVALID_HTTP_RESPONSE, HttpProtocol
 from kvroute_server.http.runner import GC_THRESHOLDS, ProcessServer, ServerThread, make_uvicorn_config
@@ -92,6 +93,12 @@ class TestHttpChoice:
 
 
 class TestSupervisorHttp:
+    def test_other_names_are_refused(self) -> None:
+        """A supervisor is refused a protocol name that is neither, before any worker starts."""
+        config = ServerConfig(backends=(BackendConfig(id="e0", url="http://127.0.0.1:9"),), workers=2)
+        with pytest.raises(ConfigError, match=re.escape("'http' must be one of kvroute, httptools (got 'h11').")):
+            Supervisor(config, http="h11")
+
     @pytest.mark.parametrize("http, answer", [("kvroute", INVALID_HTTP_RESPONSE), ("httptools", UVICORN_400)])
     def test_workers_serve_with_the_named_protocol(self, http: str, answer: bytes) -> None:
         """Every ``--workers`` process serves with the protocol the supervisor was given."""

@@ -107,6 +107,10 @@ class Supervisor:
     def __init__(
         self, config: ServerConfig, *, log_level: str = "info", log_format: str = "json", http: str = "kvroute"
     ) -> None:
+        from kvroute_server.http.runner import HTTP_PROTOCOLS
+
+        if http not in HTTP_PROTOCOLS:  # here, not as a crash loop of every worker
+            raise ConfigError(f"'http' must be one of {', '.join(HTTP_PROTOCOLS)} (got {http!r}).")
         self.config = config
         self.log_level = log_level
         self.log_format = log_format
