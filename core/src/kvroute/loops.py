@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import anyio
 import attrs
-import tenacity
 
 from kvroute.logs import get_logger
+
+if TYPE_CHECKING:
+    import tenacity
 
 __all__ = ["Backoff", "KeepAlive", "keep_alive"]
 
@@ -144,6 +146,9 @@ class KeepAlive:
 
     async def run(self, work: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Await ``work(*args, **kwargs)`` until it returns (its value is returned), retrying failures."""
+
+        # Imported here: `import kvroute` (the CLI's start) need not pay for it.
+        import tenacity
 
         async def attempt() -> T:
             self._began = self._clock()
