@@ -240,7 +240,7 @@ class TestRemoveWhenIdle:
             await anyio.wait_all_tasks_blocked()
             assert "a" in backends and state.draining
             backends.fleet.request_finished(state)
-            await anyio.wait_all_tasks_blocked()  # the old wait slept 50 ms here, and counted as blocked
+            await anyio.wait_all_tasks_blocked()  # a waiter polling on a timer would still be asleep here
             assert "a" not in backends
 
     async def test_undrained_while_busy_is_kept(self) -> None:

@@ -326,7 +326,7 @@ class TestReconciler:
         provider.fail("lookup timed out")  # wakes it once more, with the counting look in place
         await anyio.wait_all_tasks_blocked()
         assert looks == 1
-        await anyio.sleep(0.3)  # the old reconciler looked every 0.1 s
+        await anyio.sleep(0.3)  # long enough for a reconciler polling on a timer to look again
         assert looks == 1
         provider.publish(found("x"), found("y"))
         await anyio.wait_all_tasks_blocked()
