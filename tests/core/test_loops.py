@@ -229,6 +229,21 @@ class TestKeepAlive:
             await KeepAlive("test_loop", Backoff(), sleep=sleep).run(work)
         assert scope.cancelled_caught and runs == 1
 
+    async def test_running_for_counts_from_the_current_run(self) -> None:
+        """running_for is the time since the latest run began, not since the first one."""
+        clock = Clock()
+        loop = keeper(clock, Backoff(initial=5, jitter=0))
+        seen = []
+
+        async def work() -> None:
+            clock.now += 2
+            seen.append(loop.running_for)
+            if len(seen) < 2:
+                raise OSError("refused")
+
+        await loop.run(work)
+        assert seen == [2, 2] and clock.waits == [5]
+
     async def test_back_off_waits_without_counting_a_failure(self) -> None:
         """back_off(n) waits the n-th failure's delay and leaves the failure count alone."""
         clock = Clock()

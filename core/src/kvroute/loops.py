@@ -9,7 +9,8 @@ they all retry the same way and log the same two lines:
   context the loop was given (``backend=...``, ``source=...``). A failure of a type outside ``expected``
   is a bug rather than the weather: its traceback is logged too.
 * ``background_loop_recovered`` (info): ``loop``, ``after`` (the failures in a row that ended), and the
-  context, when the work says it is going well again (`KeepAlive.healthy`).
+  context, when the work says it is going well again (`KeepAlive.healthy`; work that only knows it by
+  time calls it once `KeepAlive.running_for` reached ``healthy_after``).
 
 The policy is a `Backoff`: the n-th failure in a row waits ``initial * 2**(n-1)`` seconds, multiplied by a
 factor drawn from ``[1 - jitter, 1 + jitter]`` (so that replicas that lost the same server do not come
@@ -130,6 +131,11 @@ class KeepAlive:
         self.failures = 0
         self._began = 0.0
 
+    @property
+    def running_for(self) -> float:
+        """Seconds since the current run of the work started."""
+        return self._clock() - self._began
+
     def delay(self, failures: int) -> float:
         """The wait after the ``failures``-th failure in a row, with this loop's jitter."""
         return self.backoff.delay(failures, self._rng)
@@ -167,7 +173,7 @@ class KeepAlive:
         return result
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
-        if self._clock() - self._began >= self.backoff.healthy_after:
+        if self.running_for >= self.backoff.healthy_after:
             self.failures = 0  # it ran long enough to count as healthy: the series starts over
         self.failures += 1
         return self.delay(self.failures)

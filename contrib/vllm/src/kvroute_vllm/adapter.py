@@ -314,6 +314,9 @@ class VllmAdapter(OpenAIAdapter):
             blocks = self.metrics.num_gpu_blocks if self.metrics is not None else None
             if blocks != capacity and set_backend_capacity(sink, backend, blocks):
                 capacity = blocks
+            # Connecting proves nothing (ZMQ connects to anything): a subscription that lasted is the recovery.
+            if keeper.failures and keeper.running_for >= _BACKOFF.healthy_after:
+                keeper.healthy()
 
         keeper = KeepAlive(
             "vllm_kv_events",
