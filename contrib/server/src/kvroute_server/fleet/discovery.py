@@ -55,8 +55,6 @@ FIRST_ANSWER_TIMEOUT = 30.0
 #: A provider that crashes or returns (a bug: providers must not) is run again after 1 s, doubling on
 #: each stop in a row up to 30 s; one that ran 30 s before it stopped was not crash-looping: 1 s again.
 _RESTART = Backoff(initial=1.0, maximum=30.0, jitter=0.2, healthy_after=30.0)
-
-
 #: How long past a due time (a source going stale, the next gradual removal) `Discovery.run` looks (seconds).
 _MARGIN = 0.001
 
