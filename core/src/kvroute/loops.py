@@ -129,12 +129,12 @@ class KeepAlive:
         self._rng = rng if rng is not None else random.Random(self.backoff.seed)
         #: Failures in a row (0 after a healthy run or `healthy`).
         self.failures = 0
-        self._began = 0.0
+        self._began: float | None = None
 
     @property
     def running_for(self) -> float:
-        """Seconds since the current run of the work started."""
-        return self._clock() - self._began
+        """Seconds since the current run of the work started (0 before the first)."""
+        return 0.0 if self._began is None else self._clock() - self._began
 
     def delay(self, failures: int) -> float:
         """The wait after the ``failures``-th failure in a row, with this loop's jitter."""
