@@ -230,9 +230,11 @@ class TestKeepAlive:
         assert scope.cancelled_caught and runs == 1
 
     async def test_running_for_counts_from_the_current_run(self) -> None:
-        """running_for is the time since the latest run began, not since the first one."""
+        """running_for is 0 before any run, then the time since the latest run began, not since the first one."""
         clock = Clock()
+        clock.now = 100.0
         loop = keeper(clock, Backoff(initial=5, jitter=0))
+        assert loop.running_for == 0
         seen = []
 
         async def work() -> None:
