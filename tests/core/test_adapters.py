@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-import anyio
 import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvroute import Backend, EngineLoad
+from kvroute import Backend, EngineLoad, loops
 from kvroute.adapters import (
     RANKS,
     Backoff,
@@ -20,6 +19,7 @@ from kvroute.adapters import (
     EngineMetrics,
     ExactFlag,
     HttpReply,
+    KeepAlive,
     KvEventFeed,
     KvEventSink,
     ListsModels,
@@ -28,6 +28,7 @@ from kvroute.adapters import (
     Probes,
     StreamsEvents,
     check_path,
+    keep_alive,
     prometheus_subset,
     rank_key,
     set_backend_capacity,
@@ -431,23 +432,7 @@ class TestKvEventFeed:
         assert set(attrs.asdict(feed.stats)) <= set(report)
 
 
-class TestBackoff:
-    @pytest.mark.anyio
-    async def test_doubles_between_floor_and_most(self) -> None:
-        """Each failure waits the current delay, then doubles it (raised to the floor, capped at most); reset starts
-        over."""
-        backoff = Backoff(first=0.001, floor=0.004, most=0.01)
-        seen = []
-        for _ in range(4):
-            seen.append(backoff.delay)
-            await backoff.sleep()
-        assert seen == [0.001, 0.004, 0.008, 0.01]
-        backoff.reset()
-        assert backoff.delay == 0.001
-
-    @pytest.mark.anyio
-    async def test_sleeps_the_delay(self) -> None:
-        """sleep() really waits: it is cancellable like any anyio sleep."""
-        with anyio.move_on_after(0.01) as scope:
-            await Backoff(first=5.0).sleep()
-        assert scope.cancelled_caught
+class TestLoopsReexport:
+    def test_adapter_authors_get_the_loop_helpers_from_kvroute_adapters(self) -> None:
+        """kvroute.adapters offers the background-loop helpers of kvroute.loops under the same names."""
+        assert (Backoff, KeepAlive, keep_alive) == (loops.Backoff, loops.KeepAlive, loops.keep_alive)

@@ -13,8 +13,10 @@ import pytest
 from structlog.testing import capture_logs
 
 import kvroute
-from kvroute import PluginManager
+from kvroute import Fleet, PluginManager
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread
+from kvroute_server.fleet.backends import BackendSet
+from kvroute_server.ops.metrics import ProxyMetrics
 from tests.server.harness import Servers, chat_body, http, in_loop
 
 pytestmark = pytest.mark.e2e
@@ -213,3 +215,44 @@ class TestDeclaredCapabilities:
         with ServerThread(app):
             assert _wait(lambda: not app.fleet.get("wrong-path").healthy)
             assert app.fleet.get("ok").healthy and app.fleet.get("ok").served_models is None
+
+
+@pytest.mark.anyio
+class TestRemoveWhenIdle:
+    """`BackendSet.drain(..., remove_when_idle=True)`: woken by the change it waits for, never by a timer."""
+
+    @staticmethod
+    def _set() -> BackendSet:
+        fleet = Fleet()
+        backends = BackendSet(
+            fleet, PluginManager(), HealthConfig(interval=0), ProxyMetrics(fleet, "random"), connect_timeout=1.0
+        )
+        backends.add(BackendConfig(id="a", url="http://127.0.0.1:9"))
+        return backends
+
+    async def test_removed_as_the_last_request_finishes(self) -> None:
+        """A draining backend with a request in flight stays, and is removed as soon as that request finishes."""
+        backends = self._set()
+        async with backends.running(None):
+            state = backends.fleet.get("a")
+            backends.fleet.request_started(state)
+            backends.drain("a", remove_when_idle=True)
+            await anyio.wait_all_tasks_blocked()
+            assert "a" in backends and state.draining
+            backends.fleet.request_finished(state)
+            await anyio.wait_all_tasks_blocked()  # a waiter polling on a timer would still be asleep here
+            assert "a" not in backends
+
+    async def test_undrained_while_busy_is_kept(self) -> None:
+        """Undraining a backend waiting to be removed ends the wait at once: it stays once its requests finish."""
+        backends = self._set()
+        async with backends.running(None):
+            state = backends.fleet.get("a")
+            backends.fleet.request_started(state)
+            backends.drain("a", remove_when_idle=True)
+            await anyio.wait_all_tasks_blocked()
+            backends.drain("a", draining=False)
+            await anyio.wait_all_tasks_blocked()
+            backends.fleet.request_finished(state)
+            await anyio.wait_all_tasks_blocked()
+            assert "a" in backends and not state.draining

@@ -12,6 +12,7 @@ import pytest
 import kvroute
 from kvroute.discovery import DiscoveredBackend, DiscoverySink, Snapshot
 from kvroute.errors import ConfigError
+from kvroute.loops import Backoff
 from kvroute.plugins import PluginManager
 from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolicy, HealthConfig, ServerConfig
 from kvroute_server.proxy.app import ProxyApp
@@ -127,7 +128,7 @@ def metric(app: ProxyApp, name: str, **labels: str) -> float | None:
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
-    """Poll ``check`` until it holds (at most `WAIT` seconds; the reconciler has no event to wait on)."""
+    """Poll ``check`` until it holds (at most `WAIT` seconds; the reconciler offers the test no event to wait on)."""
     with anyio.fail_after(WAIT):
         while True:
             if check():
@@ -306,11 +307,36 @@ class TestReconciler:
         provider.publish(found("b"), found("c"), found("d"))
         await until(lambda: ids(app) == ["b", "c", "d"], "a one-in-four removal")
 
+    async def test_the_reconciler_wakes_on_changes_not_on_a_timer(
+        self, plugin: FakePlugin, running: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """With nothing due, the reconciler sleeps until an answer or a failure arrives, then looks at once."""
+        provider = plugin.providers["a"] = FakeProvider("fake:a", [found("x")])
+        app = await running("a", discovery_policy=DiscoveryPolicy(stale_after=3600))
+        assert app.discovery is not None
+        looks = 0
+        tick = app.discovery._tick
+
+        def counting() -> float:
+            nonlocal looks
+            looks += 1
+            return tick()
+
+        monkeypatch.setattr(app.discovery, "_tick", counting)
+        provider.fail("lookup timed out")  # wakes it once more, with the counting look in place
+        await anyio.wait_all_tasks_blocked()
+        assert looks == 1
+        await anyio.sleep(0.3)  # long enough for a reconciler polling on a timer to look again
+        assert looks == 1
+        provider.publish(found("x"), found("y"))
+        await anyio.wait_all_tasks_blocked()
+        assert looks == 2 and metric(app, "kvroute_discovery_stale", source="fake:a") == 0
+
     async def test_crashing_provider_is_reported_and_restarted(
         self, plugin: FakePlugin, running: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A provider that raises (a bug) marks its source stale, keeps its backends and is run again."""
-        monkeypatch.setattr("kvroute_server.fleet.discovery._RESTART_DELAY", 0.3)
+        monkeypatch.setattr("kvroute_server.fleet.discovery._RESTART", Backoff(initial=0.3, jitter=0))
         provider = plugin.providers["a"] = FakeProvider("fake:a", [found("x")], crash=True)
         app = await running("a")
         assert app.discovery is not None

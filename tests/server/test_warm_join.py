@@ -157,7 +157,7 @@ class TestWarmJoinConfig:
 
 
 class TestBackendSetHold:
-    """`BackendSet.hold`/`release` keep the proxy's own drain apart from the operator's."""
+    """`BackendSet.hold`/`end_hold` keep the proxy's own drain apart from the operator's."""
 
     def _set(self) -> BackendSet:
         fleet = Fleet()
@@ -171,11 +171,11 @@ class TestBackendSetHold:
         backends = self._set()
         backends.hold("a")
         assert backends.fleet.get("a").draining
-        backends.release("a")
+        backends.end_hold("a")
         assert not backends.fleet.get("a").draining
         backends.hold("a")
         backends.drain("a")
-        backends.release("a")
+        backends.end_hold("a")
         assert backends.fleet.get("a").draining
 
     def test_operator_undrain_waits_for_the_release(self) -> None:
@@ -185,7 +185,7 @@ class TestBackendSetHold:
         backends.hold("a")
         backends.drain("a", draining=False)
         assert backends.fleet.get("a").draining
-        backends.release("a")
+        backends.end_hold("a")
         assert not backends.fleet.get("a").draining
 
     def test_watch_reports_adds_and_removes(self) -> None:

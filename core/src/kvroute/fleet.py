@@ -54,6 +54,8 @@ class Fleet:
         # Removed backends with requests still in flight, by id (dropped when the count reaches 0).
         self._departed: dict[str, BackendState] = {}
         self._subscribers: list[Callable[[FleetEvent], None]] = []
+        # Callbacks waiting for a backend's last request to finish (`when_idle`), by id.
+        self._idle: dict[str, list[Callable[[], None]]] = {}
         self.version = 0
         for backend in backends:
             self.add(backend)
@@ -246,6 +248,28 @@ class Fleet:
             state.in_flight -= 1
             if state.in_flight == 0 and self._departed.get(state.id) is state:
                 del self._departed[state.id]
+            if state.in_flight == 0 and self._idle:
+                for callback in self._idle.pop(state.id, ()):
+                    callback()
+
+    def when_idle(self, backend_id: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` once, when the last request in flight on ``backend_id`` finishes; returns a cancel.
+
+        It runs inside `request_finished`, under the lock, on the thread that finished the request (so that a
+        waiter on an event loop need not poll `in_flight`).
+        """
+        with self._lock:
+            self._idle.setdefault(backend_id, []).append(callback)
+
+        def cancel() -> None:
+            with self._lock:
+                waiting = self._idle.get(backend_id)
+                if waiting is not None and callback in waiting:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._idle[backend_id]
+
+        return cancel
 
     def in_flight(self, backend_id: str) -> int:
         """Requests in flight on ``backend_id``, including ones still running after it was removed."""

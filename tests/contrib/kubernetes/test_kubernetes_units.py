@@ -1,4 +1,4 @@
-"""The provider's pure parts: target parsing, backoff, endpoint conditions, slices to backends, options."""
+"""The provider's pure parts: target parsing, endpoint conditions, slices to backends, options."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
-from kvroute_kubernetes import Backoff, Defaults, KubernetesDiscovery, KubernetesTarget, SliceState, endpoint_state
+from kvroute_kubernetes import Defaults, KubernetesDiscovery, KubernetesTarget, SliceState, endpoint_state
 
 from kvroute.plugins import PluginManager
 from tests.contrib.kubernetes.k8s_fakes import endpoint, endpoint_slice
@@ -76,37 +76,6 @@ class TestKubernetesTarget:
         assert KubernetesTarget("n", "s", 80).port_in(ports) is None
         assert KubernetesTarget("n", "s", "grpc").port_in(ports) is None
         assert KubernetesTarget("n", "s", "http").port_in(None) is None
-
-
-class TestBackoff:
-    def test_doubles_and_caps_without_jitter(self) -> None:
-        """Without jitter the n-th delay is initial * 2**(n-1), never above the cap."""
-        backoff = Backoff(initial=0.5, maximum=5, jitter=0)
-        assert [backoff.delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
-        assert backoff.delay(10_000) == 5.0
-
-    def test_jitter_is_bounded_and_reproducible_from_the_seed(self) -> None:
-        """With jitter j every delay lies within [1-j, 1+j] of the base (capped), and a seed repeats the sequence."""
-        first = [Backoff(initial=1, maximum=100, jitter=0.25, seed=7).delay(n) for n in (1, 2, 3)]
-        again = [Backoff(initial=1, maximum=100, jitter=0.25, seed=7).delay(n) for n in (1, 2, 3)]
-        assert first == again
-        for n, delay in zip((1, 2, 3), first, strict=True):
-            assert 0.75 * 2 ** (n - 1) <= delay <= 1.25 * 2 ** (n - 1)
-        assert len(set(first)) == 3 and first != [1.0, 2.0, 4.0]
-
-    @pytest.mark.parametrize(
-        ("kwargs", "message"),
-        [
-            ({"initial": 0}, "'initial' must be a positive number"),
-            ({"jitter": 1}, "'jitter' must be in [0, 1)"),
-            ({"initial": 2, "maximum": 1}, "'backoff_max' must be at least 'backoff_initial'"),
-        ],
-    )
-    def test_refuses_bad_settings(self, kwargs: dict[str, float], message: str) -> None:
-        """Impossible settings are refused with the setting's name and the value given."""
-        with pytest.raises(ValueError) as info:
-            Backoff(**kwargs)
-        assert message in str(info.value)
 
 
 class TestEndpointState:
@@ -266,6 +235,7 @@ class TestCreate:
         assert provider.defaults == Defaults(kind="vllm", models=["m"], scheme="https")
         assert (provider.watch_timeout, provider.request_timeout) == (120.0, 10.0)
         assert (provider.backoff.initial, provider.backoff.maximum, provider.backoff.jitter) == (1.0, 60.0, 0.1)
+        assert provider.backoff.seed == 3
 
     @pytest.mark.parametrize(
         ("options", "message"),
@@ -278,6 +248,12 @@ class TestCreate:
             ({"target": "inference/vllm:8000", "models": 3}, "'models' must be a list"),
             ({"target": "inference/vllm:8000", "watch_timeout": 0}, "'watch_timeout' must be a positive number"),
             ({"target": "inference/vllm:8000", "seed": "x"}, "'seed' must be an integer"),
+            ({"target": "inference/vllm:8000", "backoff_initial": 0}, "'backoff_initial' must be a positive number"),
+            ({"target": "inference/vllm:8000", "jitter": 1}, "'jitter' must be in [0, 1) (got 1.0)."),
+            (
+                {"target": "inference/vllm:8000", "backoff_initial": 2, "backoff_max": 1},
+                "'backoff_max' must be at least 'backoff_initial' (got 1.0 < 2.0).",
+            ),
             ({"target": "inference/vllm:8000", "kubeconfig": ""}, "'kubeconfig' must be a non-empty string"),
         ],
     )

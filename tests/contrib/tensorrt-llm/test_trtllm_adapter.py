@@ -292,6 +292,28 @@ class TestTensorRTLLMAdapter:
                 tg.cancel_scope.cancel()
         assert adapter.feed.stats.inexact_reasons.get("poll_status", 0) >= 1
 
+    async def test_failed_polls_back_off_and_an_answer_starts_over(self, trtllm: Any) -> None:
+        """Failed polls wait longer each time (background_loop_failed); an answer ends the series (recovered), so the
+        next failure waits one interval again."""
+        server, http = trtllm
+        server.events_status = 500
+        adapter = _adapter(server.url, kv_events_interval=0.01)
+        with anyio.fail_after(20), capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                await tg.start(adapter.run_events, http, BlockIndex(32))
+                await _until(lambda: server.calls.count("kv_cache_events") >= 3)
+                server.events_status = 200
+                await _until(lambda: any(log["event"] == "background_loop_recovered" for log in logs))
+                server.events_status = 500
+                await _until(lambda: sum(log["event"] == "background_loop_failed" for log in logs) >= 4)
+                tg.cancel_scope.cancel()
+        lines = [log for log in logs if log["event"].startswith("background_loop_")]
+        assert {"loop": "trtllm_kv_events", "backend": "t0", "attempt": 1}.items() <= lines[0].items()
+        recovered = next(i for i, log in enumerate(lines) if log["event"] == "background_loop_recovered")
+        assert [log["attempt"] for log in lines[:recovered]] == list(range(1, recovered + 1))
+        assert lines[recovered]["after"] == recovered and lines[recovered + 1]["attempt"] == 1
+        assert lines[recovered + 1]["wait_s"] <= 0.012  # one interval, jittered
+
     async def test_events_off(self, trtllm: Any) -> None:
         """kv_events=false: the task returns without asking the server."""
         server, http = trtllm

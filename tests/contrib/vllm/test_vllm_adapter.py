@@ -6,7 +6,8 @@ import socket
 
 import anyio
 import pytest
-from kvroute_vllm import VllmAdapter, ZmqSource
+import zmq
+from kvroute_vllm import VllmAdapter, ZmqSource, ZmqSubscriber
 
 from kvroute import Backend
 from kvroute.adapters import HttpReply, kv_event_sink
@@ -231,6 +232,42 @@ class TestVllmAdapter:
                 await wait_for(lambda: adapter.subscribers[0].connected)
                 assert sink.exact["b0"] is True
                 tg.cancel_scope.cancel()
+
+    async def test_back_off_starts_over_after_a_healthy_subscription(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Failed subscriptions wait longer each time, but one that ran for a minute before failing waits ~1 s again."""
+        real_time = anyio.current_time
+        skipped = 0.0  # seconds the fake clock is ahead of the event loop's
+        waits: list[float] = []
+
+        async def sleep(seconds: float) -> None:  # records the back-off instead of waiting it
+            nonlocal skipped
+            waits.append(seconds)
+            skipped += seconds
+            await anyio.lowlevel.checkpoint()
+
+        monkeypatch.setattr(anyio, "sleep", sleep)
+        monkeypatch.setattr(anyio, "current_time", lambda: real_time() + skipped)
+        lasted = iter([0.0, 0.0, 0.0, 60.0, 0.0])  # how long each subscription runs before it fails
+        done = anyio.Event()
+
+        async def run(self: ZmqSubscriber, feed: object, **callbacks: object) -> None:
+            nonlocal skipped
+            seconds = next(lasted, None)
+            if seconds is None:
+                done.set()
+                await anyio.sleep_forever()
+            skipped += seconds or 0.0
+            raise zmq.ZMQError(zmq.EADDRINUSE)
+
+        monkeypatch.setattr(ZmqSubscriber, "run", run)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(_adapter(kv_events="tcp://127.0.0.1:5557").run_events, FakeHttp(), RecordingSink())
+                await done.wait()
+                tg.cancel_scope.cancel()
+        assert len(waits) == 5
+        assert 0.8 <= waits[0] <= 1.2 and 1.6 <= waits[1] <= 2.4 and 3.2 <= waits[2] <= 4.8
+        assert 0.8 <= waits[3] <= 1.2 and 1.6 <= waits[4] <= 2.4  # the healthy run reset the series
 
     async def test_run_events_without_sources_returns(self) -> None:
         """With kv_events off the task returns at once and never touches the sink."""

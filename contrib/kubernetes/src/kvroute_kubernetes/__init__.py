@@ -6,7 +6,6 @@ Public API:
   its factory, options in docs/kubernetes.md).
 * `KubernetesTarget`: ``NAMESPACE/SERVICE:PORT``.
 * `SliceState`, `slice_backends`, `endpoint_state`, `Defaults`: EndpointSlices to backends.
-* `Backoff`: the capped exponential backoff between reconnects.
 
 The entry point is `kvroute_kubernetes.plugin`, which registers the kind without importing this
 package's client (kubernetes_asyncio) until a source is created.
@@ -17,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute_kubernetes.backoff import Backoff
     from kvroute_kubernetes.provider import KubernetesDiscovery
     from kvroute_kubernetes.slices import (
         ANNOTATION_KIND,
@@ -34,7 +32,6 @@ __all__ = [
     "ANNOTATION_KIND",
     "ANNOTATION_MODELS",
     "ANNOTATION_WEIGHT",
-    "Backoff",
     "Defaults",
     "KubernetesDiscovery",
     "KubernetesTarget",
@@ -46,7 +43,6 @@ __all__ = [
 # Where each public name lives: imported on first access (PEP 562), so that loading the entry
 # point (`kvroute_kubernetes.plugin`, which imports this package first) costs nothing.
 _HOMES = {
-    "Backoff": "backoff",
     "KubernetesDiscovery": "provider",
     "KubernetesTarget": "target",
     **dict.fromkeys(

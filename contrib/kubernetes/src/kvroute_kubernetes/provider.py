@@ -10,7 +10,8 @@ The loop is the informer pattern of client-go, kept small:
 3. **410 Gone** (an ERROR event with code 410, or an HTTP 410 answer to the watch) means that
    resourceVersion has been compacted away: relist (1);
 4. anything else (connection refused or dropped, a 5xx, a bad kubeconfig) is reported with
-   ``sink.failed`` and retried after a capped exponential backoff, resuming the watch from the last
+   ``sink.failed`` and retried after a capped exponential backoff (`kvroute.loops.KeepAlive`: a list,
+   or a watch that delivered events, starts it over), resuming the watch from the last
    resourceVersion when there is one, so nothing is relisted needlessly.
 
 Cancellation is the only way out of `KubernetesDiscovery.run`.
@@ -33,7 +34,7 @@ from kubernetes_asyncio.config import ConfigException
 from kubernetes_asyncio.watch import Watch
 
 from kvroute.discovery import DiscoverySink, Snapshot
-from kvroute_kubernetes.backoff import Backoff
+from kvroute.loops import Backoff, KeepAlive
 from kvroute_kubernetes.slices import Defaults, SliceState
 from kvroute_kubernetes.target import KubernetesTarget
 
@@ -64,6 +65,14 @@ def _number(name: str, value: object) -> float:
     return float(value)
 
 
+class DiscoveryFailed(Exception):
+    """The list or the watch failed; the message is the reason ``sink.failed`` was given."""
+
+
+def _default_backoff() -> Backoff:
+    return Backoff(initial=0.5, maximum=30.0, jitter=0.2)
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
         text = f"HTTP {exc.status} {exc.reason or ''}".strip()
@@ -86,7 +95,7 @@ class KubernetesDiscovery:
     defaults: Defaults = attrs.field(factory=Defaults)
     watch_timeout: float = 300.0
     request_timeout: float = 30.0
-    backoff: Backoff = attrs.field(factory=Backoff)
+    backoff: Backoff = attrs.field(factory=_default_backoff)
 
     @classmethod
     def create(cls, **options: Any) -> KubernetesDiscovery:
@@ -118,6 +127,12 @@ class KubernetesDiscovery:
         jitter = options.get("jitter", 0.2)
         if isinstance(jitter, bool) or not isinstance(jitter, int | float):
             raise ValueError(f"kubernetes discovery: 'jitter' must be a number in [0, 1) (got {jitter!r}).")
+        if not 0 <= jitter < 1:
+            raise ValueError(f"'jitter' must be in [0, 1) (got {float(jitter)!r}).")
+        initial = _number("backoff_initial", options.get("backoff_initial", 0.5))
+        maximum = _number("backoff_max", options.get("backoff_max", 30))
+        if maximum < initial:
+            raise ValueError(f"'backoff_max' must be at least 'backoff_initial' (got {maximum} < {initial}).")
         return cls(
             target=KubernetesTarget.parse(target),
             kubeconfig=options.get("kubeconfig"),
@@ -125,12 +140,7 @@ class KubernetesDiscovery:
             defaults=Defaults(kind=options.get("kind", "openai"), models=frozenset(models), scheme=scheme),
             watch_timeout=_number("watch_timeout", options.get("watch_timeout", 300)),
             request_timeout=_number("request_timeout", options.get("request_timeout", 30)),
-            backoff=Backoff(
-                initial=_number("backoff_initial", options.get("backoff_initial", 0.5)),
-                maximum=_number("backoff_max", options.get("backoff_max", 30)),
-                jitter=jitter,
-                seed=seed,
-            ),
+            backoff=Backoff(initial=initial, maximum=maximum, jitter=jitter, seed=seed),
         )
 
     @property
@@ -196,8 +206,19 @@ class _Follower:
         return self.provider.source
 
     async def run(self) -> None:
-        failures = 0  # consecutive failures: the backoff's exponent
+        keeper = KeepAlive(
+            "kubernetes_discovery", self.provider.backoff, expected=(DiscoveryFailed,), source=self.source
+        )
+        try:
+            await keeper.run(self._follow, keeper)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._drop_client()
+
+    async def _follow(self, keeper: KeepAlive) -> None:
+        """List (when there is no resourceVersion to resume from) and watch, over and over; raises `DiscoveryFailed`."""
         gone = 0  # consecutive 410s without an event in between
+        phase = "configuring the Kubernetes client"
         try:
             while True:
                 phase = "configuring the Kubernetes client"
@@ -208,52 +229,36 @@ class _Follower:
                     if self.resource_version is None:
                         phase = "list of EndpointSlices"
                         await self._list(api)
-                        failures = 0
+                        keeper.healthy()
                     phase = "watch of EndpointSlices"
                     events = await self._watch(api)
-                    if events:
-                        failures = gone = 0
-                    else:  # closed at once with nothing to say: do not spin
-                        await anyio.sleep(self.provider.backoff.delay(max(failures, 1)))
                 except ApiException as exc:
-                    if exc.status == 410:
-                        gone += 1
-                        log.info("kubernetes_watch_gone", source=self.source, resource_version=self.resource_version)
-                        self.resource_version = None
-                        if gone > 1:
-                            await anyio.sleep(self.provider.backoff.delay(gone - 1))
-                        continue
-                    failures += 1
-                    if exc.status == 401:  # expired or rotated credentials: reload them before the retry
-                        await self._drop_client()
-                    await self._failed(phase, exc, failures)
-                except Exception as exc:
-                    failures += 1
-                    await self._failed(phase, exc, failures)
-        finally:
-            with anyio.CancelScope(shield=True):
+                    if exc.status != 410:
+                        raise
+                    gone += 1
+                    log.info("kubernetes_watch_gone", source=self.source, resource_version=self.resource_version)
+                    self.resource_version = None
+                    if gone > 1:
+                        await keeper.back_off(gone - 1)
+                    continue
+                if events:
+                    keeper.healthy()
+                    gone = 0
+                else:  # closed at once with nothing to say: do not spin
+                    await keeper.back_off(max(keeper.failures, 1))
+        except Exception as exc:
+            if isinstance(exc, ApiException) and exc.status == 401:  # expired or rotated credentials: reload them
                 await self._drop_client()
+            reason = f"{phase} for {self.provider.target} failed: {_describe(exc)}"
+            self.stale = True
+            self.sink.failed(self.source, reason)
+            self._started()
+            raise DiscoveryFailed(reason) from exc
 
     async def _drop_client(self) -> None:
         client, self.client = self.client, None
         if client is not None:
             await client.close()
-
-    async def _failed(self, phase: str, exc: BaseException, failures: int) -> None:
-        delay = self.provider.backoff.delay(failures)
-        reason = f"{phase} for {self.provider.target} failed: {_describe(exc)}"
-        log.warning(
-            "kubernetes_discovery_failed",
-            source=self.source,
-            reason=reason,
-            failures=failures,
-            retry_in=round(delay, 3),
-            resource_version=self.resource_version,
-        )
-        self.stale = True
-        self.sink.failed(self.source, reason)
-        self._started()
-        await anyio.sleep(delay)
 
     def _started(self) -> None:
         if not self.started:

@@ -41,7 +41,15 @@ import anyio
 import attrs
 from anyio.abc import TaskStatus
 
-from kvroute.adapters import Backoff, HttpGetter, KvEventSink, OpenAIAdapter, check_path, set_backend_capacity
+from kvroute.adapters import (
+    Backoff,
+    HttpGetter,
+    KeepAlive,
+    KvEventSink,
+    OpenAIAdapter,
+    check_path,
+    set_backend_capacity,
+)
 from kvroute.backend import EngineLoad
 from kvroute.logs import get_logger
 from kvroute_tensorrt_llm.events import TrtllmEventFeed, parse_events
@@ -304,8 +312,18 @@ class TensorRTLLMAdapter(OpenAIAdapter):
         if self.metrics is not None and self.metrics.block_size:
             feed.engine_block_size = self.metrics.block_size
         started = False
-        backoff = Backoff(first=self.kv_events_interval)
-        try:
+        # A failed poll is retried from one interval on, doubling up to 30 s; an answer starts the series over.
+        keeper = KeepAlive(
+            "trtllm_kv_events",
+            Backoff(initial=self.kv_events_interval, maximum=max(30.0, self.kv_events_interval)),
+            retry_on=(OSError, ValueError),  # TimeoutError is an OSError
+            expected=(OSError, ValueError),
+            backend=backend,
+        )
+
+        async def poll() -> None:
+            """Poll until the server says it has no events (404); raises when a poll fails."""
+            nonlocal started
             while True:
                 try:
                     with anyio.fail_after(self.kv_events_timeout):
@@ -316,15 +334,12 @@ class TensorRTLLMAdapter(OpenAIAdapter):
                     if reply.status != 200:
                         raise _StatusError(f"{self.kv_events_path} answered {reply.status}, expected 200.")
                     items = parse_events(reply.json())
-                except (OSError, ValueError) as exc:  # TimeoutError is an OSError
-                    error = f"{type(exc).__name__}: {exc}"
-                    log.info("kv_events_unreadable", backend=backend, error=error, retry_in_s=backoff.delay)
+                except (OSError, ValueError) as exc:
                     if started:
                         # The server may have drained its buffer into the answer that did not arrive.
-                        feed.lose(_loss_reason(exc), error=error)
-                    await backoff.sleep()
-                    continue
-                backoff.reset()
+                        feed.lose(_loss_reason(exc), error=f"{type(exc).__name__}: {exc}")
+                    raise
+                keeper.healthy()
                 if not started:
                     started = True
                     feed.start()
@@ -340,6 +355,9 @@ class TensorRTLLMAdapter(OpenAIAdapter):
                 if self.kv_events_resync and waited is not None and waited >= self.kv_events_resync:
                     feed.resync("resync")
                 await anyio.sleep(self.kv_events_interval)
+
+        try:
+            await keeper.run(poll)
         finally:
             feed.stop()
 

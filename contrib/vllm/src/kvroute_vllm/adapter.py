@@ -26,6 +26,7 @@ option                 default        meaning
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -37,6 +38,7 @@ from kvroute.adapters import (
     Backoff,
     ExactFlag,
     HttpGetter,
+    KeepAlive,
     KvEventSink,
     OpenAIAdapter,
     check_path,
@@ -59,7 +61,10 @@ __all__ = ["VllmAdapter"]
 
 log = get_logger(__name__)
 
+#: How often a server whose KV events are off is asked again whether they are on (seconds).
 _RECHECK_S = 60.0
+#: Retries of the event tasks: from 1 s up to 30 s; a subscription that lasted 30 s starts the series over.
+_BACKOFF = Backoff(initial=1.0, maximum=30.0, jitter=0.2, healthy_after=30.0)
 
 
 def _endpoint(value: object, name: str) -> str | None:
@@ -245,20 +250,16 @@ class VllmAdapter(OpenAIAdapter):
         return out
 
     async def _discover(self, http: HttpGetter) -> list[ZmqSource]:
-        backoff = Backoff()
+        keeper = KeepAlive(
+            "vllm_kv_event_sources",
+            _BACKOFF,
+            retry_on=(OSError, ValueError),
+            expected=(OSError, ValueError),
+            backend=self.backend.id,
+        )
         quiet = False
         while True:
-            try:
-                found = await self.sources(http)
-            except (OSError, TimeoutError, ValueError) as exc:
-                log.info(
-                    "kv_event_sources_unreadable",
-                    backend=self.backend.id,
-                    error=f"{type(exc).__name__}: {exc}",
-                    retry_in_s=backoff.delay,
-                )
-                await backoff.sleep()
-                continue
+            found = await keeper.run(self.sources, http)
             if found is None:
                 log.warning(
                     "kv_event_sources_missing",
@@ -313,33 +314,31 @@ class VllmAdapter(OpenAIAdapter):
             blocks = self.metrics.num_gpu_blocks if self.metrics is not None else None
             if blocks != capacity and set_backend_capacity(sink, backend, blocks):
                 capacity = blocks
+            # Connecting proves nothing (ZMQ connects to anything): a subscription that lasted is the recovery.
+            if keeper.failures and keeper.running_for >= _BACKOFF.healthy_after:
+                keeper.healthy()
 
-        backoff = Backoff()
-        while True:
-            # A new subscription starts from the replay buffer: the index is rebuilt from what it holds.
-            feed.reset()
-            try:
-                await subscriber.run(feed, on_wake=wake, on_connected=feed.subscribe)
-            except Exception as exc:  # never let one backend's events take the proxy down; cancellation passes
-                if isinstance(exc, zmq.ZMQError):
-                    log.error(
-                        "kv_events_socket_failed",
-                        backend=backend,
-                        endpoint=subscriber.source.endpoint,
-                        bind=subscriber.source.bind,
-                        error=str(exc),
-                        retry_in_s=backoff.delay,
-                    )
-                else:
-                    log.exception(
-                        "kv_events_failed",
-                        backend=backend,
-                        endpoint=subscriber.source.endpoint,
-                        retry_in_s=backoff.delay,
-                    )
-                with contextlib.suppress(Exception):
-                    feed.unsubscribe()
-                await backoff.sleep()
+        keeper = KeepAlive(
+            "vllm_kv_events",
+            _BACKOFF,
+            expected=(zmq.ZMQError,),
+            backend=backend,
+            endpoint=subscriber.source.endpoint,
+            bind=subscriber.source.bind,
+        )
+        # Never lets one backend's events take the proxy down: any failure is retried (cancellation passes).
+        await keeper.run(self._subscribe, subscriber, feed, wake)
+
+    async def _subscribe(self, subscriber: ZmqSubscriber, feed: VllmEventFeed, wake: Callable[[], None]) -> None:
+        """One subscription, until it fails; the backend stops being exact with it."""
+        # A new subscription starts from the replay buffer: the index is rebuilt from what it holds.
+        feed.reset()
+        try:
+            await subscriber.run(feed, on_wake=wake, on_connected=feed.subscribe)
+        except Exception:
+            with contextlib.suppress(Exception):
+                feed.unsubscribe()
+            raise
 
     def stats(self) -> dict[str, Any]:
         """Counters for operators: the last metrics and each event feed's counters."""

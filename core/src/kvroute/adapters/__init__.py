@@ -31,15 +31,18 @@ What engine adapters share, to build on rather than write again:
   `EngineMetrics` (an engine's telemetry, ``to_load``) and `prometheus_subset`.
 * `KvEventFeed`: the base of an engine's KV event feed (holding while block sizes differ,
   ``resume``, losses by reason, ``engine_cleared``/``resync``, counters in `FeedStats`), the
-  backend's `ExactFlag`, `rank_key` and `Backoff` for retries; `set_backend_exact` and
-  `set_backend_capacity` to talk to a sink whatever optional parts it has.
+  backend's `ExactFlag` and `rank_key`; `set_backend_exact` and `set_backend_capacity` to talk to a
+  sink whatever optional parts it has.
+* `KeepAlive`, `keep_alive` and their policy `Backoff` (from `kvroute.loops`): run an event task's
+  work again after each failure, with capped, jittered back-off that a healthy run resets, and the
+  log lines every background loop shares.
 
 docs/adapters.md ("The adapter protocol") shows a third-party adapter built on them.
 """
 
 from __future__ import annotations
 
-from kvroute.adapters.kv_events import RANKS, Backoff, ExactFlag, FeedStats, KvEventFeed, rank_key
+from kvroute.adapters.kv_events import RANKS, ExactFlag, FeedStats, KvEventFeed, rank_key
 from kvroute.adapters.openai import EngineMetrics, OpenAIAdapter, check_path, parse_model_list, prometheus_subset
 from kvroute.adapters.protocol import (
     BackendAdapter,
@@ -56,6 +59,7 @@ from kvroute.adapters.protocol import (
     set_backend_capacity,
     set_backend_exact,
 )
+from kvroute.loops import Backoff, KeepAlive, keep_alive
 
 __all__ = [
     "RANKS",
@@ -68,6 +72,7 @@ __all__ = [
     "HttpClient",
     "HttpGetter",
     "HttpReply",
+    "KeepAlive",
     "KvEventFeed",
     "KvEventSink",
     "ListsModels",
@@ -76,6 +81,7 @@ __all__ = [
     "Probes",
     "StreamsEvents",
     "check_path",
+    "keep_alive",
     "kv_event_sink",
     "parse_model_list",
     "prometheus_subset",

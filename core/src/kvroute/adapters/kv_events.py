@@ -20,7 +20,7 @@ means for the index (`KvEventFeed._apply`). The base holds the rest:
   loss, ``held_<unit>_dropped``.
 * **Ranks.** `rank_key` keeps the engine hashes of data-parallel ranks apart in the sink.
 
-`Backoff` spaces the retries of an adapter's event task (a lost connection, an unreadable answer).
+An adapter's event task keeps itself alive with `kvroute.loops.KeepAlive` (re-exported by `kvroute.adapters`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
-import anyio
 import attrs
 
 from kvroute.adapters.protocol import KvEventSink, set_backend_exact
 from kvroute.logs import get_logger
 
-__all__ = ["RANKS", "Backoff", "ExactFlag", "FeedStats", "KvEventFeed", "rank_key"]
+__all__ = ["RANKS", "ExactFlag", "FeedStats", "KvEventFeed", "rank_key"]
 
 log = get_logger(__name__)
 
@@ -56,32 +55,6 @@ def rank_key(engine_hash: int, rank: int) -> int:
     if not 0 <= rank < RANKS:
         raise ValueError(f"expected a data-parallel rank from 0 to {RANKS - 1}, got {rank!r}.")
     return engine_hash * RANKS + rank
-
-
-@attrs.define
-class Backoff:
-    """Seconds to wait between retries: ``first``, then doubling (at least ``floor``) up to ``most``.
-
-    ``delay`` is the next wait (log it as ``retry_in_s``); `sleep` waits it and doubles it; `reset`
-    after a success starts again from ``first``.
-    """
-
-    first: float = 1.0
-    most: float = 30.0
-    floor: float = 1.0
-    delay: float = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.delay = self.first
-
-    def reset(self) -> None:
-        """A try succeeded: the next failure waits ``first`` again."""
-        self.delay = self.first
-
-    async def sleep(self) -> None:
-        """Wait ``delay`` seconds, then double it for the next failure (between ``floor`` and ``most``)."""
-        await anyio.sleep(self.delay)
-        self.delay = min(max(self.delay * 2, self.floor), self.most)
 
 
 @attrs.define

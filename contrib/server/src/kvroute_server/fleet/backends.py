@@ -14,8 +14,8 @@ Capabilities are declared protocols, checked with ``isinstance``.
 
 A backend is drained in the fleet while either the operator (admin API, discovery) drained it or
 the proxy holds it for its own work (`hold`: a warm join's pre-fill, `kvroute_server.fleet.warm_join`);
-the two are kept apart, so that releasing a hold never undoes an operator's drain. Whoever needs
-to know when members join or leave subscribes with `watch`.
+the two are kept apart, so that ending a hold (`end_hold`) never undoes an operator's drain. Whoever
+needs to know when members join or leave subscribes with `watch`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ log = structlog.get_logger(__name__)
 EVENTS_HTTP_TIMEOUT = 10.0
 #: How long an adapter's ``aclose`` may take before the proxy stops waiting for it (seconds).
 CLOSE_TIMEOUT = 5.0
-#: How often a drain that ends in a removal looks at the backend's requests in flight (seconds).
-_IDLE_POLL = 0.05
 
 
 @attrs.define(eq=False)
@@ -64,12 +62,20 @@ class _Member:
     held: bool = False
     #: The adapter task's scope while it runs (created on the event loop, not at registration).
     scope: anyio.CancelScope | None = None
+    #: Set when the member is undrained, leaves or goes idle, for a drain waiting to remove it (made by that wait).
+    changed: anyio.Event | None = None
 
     def leave(self) -> None:
         """Mark the member gone and end its adapter task, whether it runs yet or not."""
         self.left = True
         if self.scope is not None:
             self.scope.cancel()
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake a drain waiting to remove this member: look again."""
+        if self.changed is not None:
+            self.changed.set()
 
     @property
     def has_work(self) -> bool:
@@ -212,12 +218,13 @@ class BackendSet:
     def drain(self, backend_id: str, *, draining: bool = True, remove_when_idle: bool = False) -> None:
         """Stop (or resume) new requests to a backend; with ``remove_when_idle``, remove it once idle.
 
-        Resuming a backend the proxy holds (`hold`) takes effect when the hold is released.
+        Resuming a backend the proxy holds (`hold`) takes effect when the hold ends (`end_hold`).
         """
         member = self._members.get(backend_id)
         self.fleet.drain(backend_id, draining or (member is not None and member.held))
         if member is not None:
             member.drained = draining
+            member.wake()
         if remove_when_idle and draining and self._task_group is not None:
             self._task_group.start_soon(self._remove_when_idle, backend_id)
 
@@ -226,7 +233,7 @@ class BackendSet:
         self._members[backend_id].held = True
         self.fleet.drain(backend_id, True)
 
-    def release(self, backend_id: str) -> None:
+    def end_hold(self, backend_id: str) -> None:
         """End a `hold`: the member takes requests again unless the operator drained it meanwhile."""
         member = self._members.get(backend_id)
         if member is None or not member.held:
@@ -247,7 +254,15 @@ class BackendSet:
                 self.remove(backend_id)
                 log.info("backend_drained_and_removed", backend=backend_id)
                 return
-            await anyio.sleep(_IDLE_POLL)
+            # Woken by whoever changes what was just read: the fleet when the last request finishes (the proxy
+            # finishes requests on this event loop's thread), `drain` and `remove` for the member.
+            if member.changed is None or member.changed.is_set():
+                member.changed = anyio.Event()
+            stop_waiting = self.fleet.when_idle(backend_id, member.changed.set)
+            try:
+                await member.changed.wait()
+            finally:
+                stop_waiting()
 
     # -- running ----------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ snapshot and is marked stale (``kvroute_discovery_stale``, ``/health``'s ``disco
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from anyio.abc import TaskStatus
 
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider, Snapshot
 from kvroute.errors import ConfigError
+from kvroute.loops import Backoff, KeepAlive
 from kvroute.plugins import PluginManager
 from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolicy
 from kvroute_server.fleet.backends import BackendSet
@@ -50,12 +52,15 @@ log = structlog.get_logger(__name__)
 #: How long the proxy's start waits for each source's first answer (seconds); a source still silent
 #: then is reported failed and the proxy serves without it until it answers.
 FIRST_ANSWER_TIMEOUT = 30.0
-#: How often staleness is re-checked and a gradual removal may be made (seconds).
-_TICK = 0.1
-#: A provider that crashes (a bug: providers must not raise) is restarted after this delay, doubled
-#: on each crash in a row up to `_MAX_RESTART_DELAY` (seconds).
-_RESTART_DELAY = 1.0
-_MAX_RESTART_DELAY = 30.0
+#: A provider that crashes or returns (a bug: providers must not) is run again after 1 s, doubling on
+#: each stop in a row up to 30 s; one that ran 30 s before it stopped was not crash-looping: 1 s again.
+_RESTART = Backoff(initial=1.0, maximum=30.0, jitter=0.2, healthy_after=30.0)
+#: How long past a due time (a source going stale, the next gradual removal) `Discovery.run` looks (seconds).
+_MARGIN = 0.001
+
+
+class ProviderStopped(Exception):
+    """A provider's ``run`` returned: it must run until cancelled."""
 
 
 def build_providers(configs: Sequence[DiscoveryConfig], plugins: PluginManager) -> list[DiscoveryProvider]:
@@ -168,6 +173,9 @@ class Discovery:
         self._next_removal = 0.0
         #: Conflicts, rejections and held removals already logged (logged once each).
         self._noted: set[tuple[object, ...]] = set()
+        #: Set by whatever changes what `_tick` looks at (an answer, a failure, a removal queued), so that
+        #: `run` looks again at once instead of polling; made in `run` (an event needs the event loop).
+        self._changed: anyio.Event | None = None
 
     @classmethod
     def create(
@@ -229,29 +237,38 @@ class Discovery:
                     self.failed(source, f"no first answer within {FIRST_ANSWER_TIMEOUT:g} s of the start")
             task_status.started()
             while True:
-                self._tick()
-                await anyio.sleep(_TICK)
+                self._changed = anyio.Event()  # before the look: a change made during it is not missed
+                due = self._tick()
+                # Just past the moment: a source is stale only once its answer is strictly older than stale_after.
+                with anyio.move_on_after(due + _MARGIN):
+                    await self._changed.wait()
 
     async def _run_provider(self, provider: DiscoveryProvider, started: _Started) -> None:
         """Run one provider; one that raises or returns (a bug) is reported failed and restarted after a delay."""
-        delay = _RESTART_DELAY
-        while True:
-            began = time.monotonic()
-            try:
-                await provider.run(self, task_status=started)
-                reason = "the provider stopped"
-            except Exception as exc:
-                reason = f"the provider crashed: {type(exc).__name__}: {exc}"
-                log.error("discovery_provider_crashed", source=provider.source, error=reason, exc_info=exc)
-            self.failed(provider.source, reason)
-            started.started()
-            if time.monotonic() - began > _MAX_RESTART_DELAY:  # it ran a while: not a crash loop
-                delay = _RESTART_DELAY
-            await anyio.sleep(delay)
-            delay = min(delay * 2, _MAX_RESTART_DELAY)
+        keeper = KeepAlive("discovery_provider", _RESTART, expected=(ProviderStopped,), source=provider.source)
+        await keeper.run(self._provider_once, provider, started)
 
-    def _tick(self) -> None:
+    async def _provider_once(self, provider: DiscoveryProvider, started: _Started) -> None:
+        try:
+            await provider.run(self, task_status=started)
+        except Exception as exc:
+            self.failed(provider.source, f"the provider crashed: {type(exc).__name__}: {exc}")
+            started.started()
+            raise
+        self.failed(provider.source, "the provider stopped")
+        started.started()
+        raise ProviderStopped("the provider stopped")
+
+    def _changes(self) -> None:
+        """Something `_tick` looks at changed: `run` looks again now."""
+        if self._changed is not None:
+            self._changed.set()
+
+    def _tick(self) -> float:
+        """Mark sources stale whose answer aged, make a gradual removal that is due; returns seconds until the
+        next such moment (``inf``: none is coming without a change)."""
         now = time.monotonic()
+        due = math.inf
         for st in self.status.values():
             stale = st.stale(now, self.policy.stale_after)
             self.metrics.child(self.metrics.discovery_stale, st.source).set(1 if stale else 0)
@@ -259,9 +276,14 @@ class Discovery:
                 st.aged = True
                 age = now - (st.last_success or now)
                 log.warning("discovery_stale", source=st.source, reason=f"no good answer for {age:.1f} s")
+            elif not stale and st.last_success is not None:
+                due = min(due, st.last_success + self.policy.stale_after - now)
         if self._queue and now >= self._next_removal:
             self._retire(self._queue.pop(0))
             self._next_removal = now + self.policy.removal_interval
+        if self._queue:
+            due = min(due, self._next_removal - now)
+        return max(due, 0.0)
 
     # -- the sink ---------------------------------------------------------------------
 
@@ -290,6 +312,7 @@ class Discovery:
         self.metrics.child(self.metrics.discovery_last_success, source).set(status.last_success_unix)
         self._snapshots[source] = snapshot.backends
         self.reconcile()
+        self._changes()
 
     def failed(self, source: str, reason: str) -> None:
         """A provider could not look: keep its last good set, mark it stale."""
@@ -303,6 +326,7 @@ class Discovery:
         if not repeated:  # the same failure every interval is logged once
             kept = len(self._snapshots.get(status.source, ()))
             log.warning(event, source=status.source, reason=reason, kept_backends=kept)
+        self._changes()
 
     # -- reconciling ------------------------------------------------------------------
 
@@ -435,6 +459,7 @@ class Discovery:
         )
         self._queue.extend(gone)
         self._tick()  # the first one goes now, unless a removal just went
+        self._changes()  # the next when its turn comes
 
     def _retire(self, backend_id: str) -> None:
         """Drain a member gone from every source and remove it once idle."""

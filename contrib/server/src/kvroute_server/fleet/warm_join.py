@@ -149,12 +149,12 @@ class WarmJoin:
                     await self._prefill(backend_id, plan)
                     if self.slow_start is not None:  # lowered before the release: never a request at full weight
                         ramp = self.slow_start.begin(self.backends.fleet, backend_id, time.monotonic())
-                    self.backends.release(backend_id)
+                    self.backends.end_hold(backend_id)
                 if ramp is not None:
                     await self._ramp(backend_id, ramp)
         except Exception as exc:  # a bug here must not take the proxy down (the hold ends with it)
             log.error("warm_join_failed", backend=backend_id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-            self.backends.release(backend_id)
+            self.backends.end_hold(backend_id)
         finally:
             if self._scopes.get(backend_id) is scope:
                 del self._scopes[backend_id]
