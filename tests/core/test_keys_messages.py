@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvroute import RouteRequest
 from kvroute.keys import MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
 from kvroute.request import render_messages
-from tests.strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
+from tests.hypothesis_strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
 
 Messages = list[dict[str, Any]]
 

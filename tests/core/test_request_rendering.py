@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvroute import RouteRequest
 from kvroute.hashing import hash64, hash_parts
 from kvroute.request import render_messages
-from tests.strategies import chat_tools, media_parts, tricky_conversations
+from tests.hypothesis_strategies import chat_tools, media_parts, tricky_conversations
 
 Messages = list[dict[str, Any]]
 Chat = tuple[list[Any] | None, Messages]  # (tools, messages)

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
 from kvroute_server.http.asgi import read_body, send_json
 from kvroute_server.http.runner import ServerThread
+from tests.hypothesis_strategies import conversations
 from tests.server.harness import MODEL, chat_body, http
-from tests.strategies import conversations
 
 pytestmark = pytest.mark.e2e
 

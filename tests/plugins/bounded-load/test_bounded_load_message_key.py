@@ -12,7 +12,7 @@ from kvroute_bounded_load import BoundedLoad
 from kvroute import Backend, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
 from tests.helpers import chat, conversation, words
-from tests.strategies import prompt_text
+from tests.hypothesis_strategies import prompt_text
 
 
 def router(**options: object) -> Router:

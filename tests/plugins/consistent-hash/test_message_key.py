@@ -16,7 +16,7 @@ from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
 from kvroute.keys import message_cuts, prefix_key
 from kvroute.testing import ScalingStateMachine
 from tests.helpers import chat, conversation, words
-from tests.strategies import prompt_text
+from tests.hypothesis_strategies import prompt_text
 
 
 def router(**options: object) -> Router:
