@@ -23,11 +23,12 @@ from kvroute.request import RouteRequest
 from kvroute.shadow import ShadowRound, ShadowSet
 from kvroute.strategy import Decision, Outcome, Status
 from kvroute_server.config import ServerConfig
-from kvroute_server.ops.metrics import ProxyMetrics, ShadowMetrics
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome, ShadowMetrics
 
 __all__ = ["ProxyShadows", "cache_view_factory"]
 
-_STATUS = {"ok": Status.OK, "cancelled": Status.CANCELLED}
+#: What the shadows are told of a request that ended with each outcome (any other is an error).
+_STATUS = {RequestOutcome.OK: Status.OK, RequestOutcome.CANCELLED: Status.CANCELLED}
 
 
 def cache_view_factory(config: ServerConfig) -> Callable[[], CacheView]:
@@ -71,8 +72,8 @@ class ProxyShadows:
         self.metrics.observe(round_.verdicts)
         return round_
 
-    def finished(self, round_: ShadowRound, outcome: str, started: float) -> None:
-        """The live request ended with ``outcome`` (the exchange's word); it ends for the shadows too."""
+    def finished(self, round_: ShadowRound, outcome: RequestOutcome, started: float) -> None:
+        """The live request ended with ``outcome``; it ends for the shadows too."""
         status = _STATUS.get(outcome, Status.ERROR)
         self.set.finished(round_, Outcome(status, time.perf_counter() - started))
 

@@ -34,7 +34,7 @@ from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.fleet.discovery import Discovery
 from kvroute_server.http.asgi import Receive, Scope, Send, send_bytes, send_json
 from kvroute_server.ops.journal import WorkerContext
-from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.proxy.forwarding import Exchange, reject
 
 __all__ = ["DecisionLog", "StatusRoutes", "StatusView", "bearer_matches", "page"]
@@ -50,7 +50,7 @@ class DecisionRecord:
     request_id: str
     model: str | None
     decision: Decision
-    outcome: str
+    outcome: RequestOutcome
     status: int
     attempts: int
     ttft_s: float | None
@@ -97,7 +97,7 @@ class DecisionLog:
         model: str | None,
         decision: Decision,
         *,
-        outcome: str,
+        outcome: RequestOutcome,
         status: int,
         attempts: int,
         ttft_s: float | None,

@@ -56,7 +56,7 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import WorkerContext
-from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics
+from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
@@ -386,7 +386,7 @@ class ProxyApp:
         except Exception as exc:
             # Answered by the last-resort handler in __call__ (500, or a cut-off response).
             ex.status = ex.status or 500  # a status already set went out with the response
-            ex.outcome, ex.error = "internal_error", f"{type(exc).__name__}: {exc}"
+            ex.outcome, ex.error = RequestOutcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
             raise
         finally:
             if self._shared_metrics:
@@ -422,7 +422,7 @@ class ProxyApp:
             )
             return
         except ClientGone:
-            ex.outcome = "cancelled"
+            ex.outcome = RequestOutcome.CANCELLED
             return
         try:
             request = await self._parse_request(raw, endpoint, route_headers, ex.request_id)
@@ -454,7 +454,7 @@ def _access_line(ex: Exchange, strategy: str, duration: float) -> None:
         key=f"{ex.key:016x}" if ex.key is not None else None,
         spilled=ex.spilled,
         status=ex.status,
-        outcome=ex.outcome,
+        outcome=ex.outcome.value,  # the plain word, whatever renderer the host configured
         attempts=ex.attempts,
         stream=ex.stream,
         ttft_s=round(ex.ttft, 6) if ex.ttft is not None else None,

@@ -36,10 +36,10 @@ from kvroute_server.http.upstream import (
     filter_request_headers,
     filter_response_headers,
 )
-from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 
-__all__ = ["Exchange", "Forwarder", "reject"]
+__all__ = ["Exchange", "Forwarder", "count_reject", "reject"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +63,7 @@ class Exchange:
     started: float
     status: int = 0
     backend: str = "none"
-    outcome: str = "rejected"
+    outcome: RequestOutcome = RequestOutcome.REJECTED
     model: str | None = None
     reason: str | None = None
     key: int | None = None
@@ -113,7 +113,7 @@ def count_reject(metrics: ProxyMetrics, status: int, ex: Exchange | None, messag
     """Count an answer of the proxy's own (``kvroute_rejected_requests``) and record it in ``ex``."""
     metrics.child(metrics.rejected, str(status)).inc()
     if ex is not None and not ex.status:
-        ex.status, ex.outcome, ex.error = status, "rejected", message
+        ex.status, ex.outcome, ex.error = status, RequestOutcome.REJECTED, message
 
 
 def _event_end(data: bytes) -> int:
@@ -172,7 +172,7 @@ class Forwarder:
             if not ex.client_gone:
                 raise
             task.uncancel()
-            ex.outcome = "cancelled"
+            ex.outcome = RequestOutcome.CANCELLED
         finally:
             stop_watching()
             if ex.shadow is not None:
@@ -236,7 +236,7 @@ class Forwarder:
         assert last is not None
         ex.status, ex.outcome, ex.error = (
             last.status,
-            "upstream_error" if last.body is not None else "failed",
+            RequestOutcome.UPSTREAM_ERROR if last.body is not None else RequestOutcome.FAILED,
             last.message,
         )
         if last.body is not None:
@@ -273,7 +273,7 @@ class Forwarder:
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
                     return _Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
-                ex.status, ex.outcome = 504, "timeout"
+                ex.status, ex.outcome = 504, RequestOutcome.TIMEOUT
                 ex.error = f"no response from {backend_id} within {timeouts.first_byte} s"
                 await reject(
                     self.metrics,
@@ -331,7 +331,7 @@ class Forwarder:
             out_headers.append((self._backend_header, backend_id.encode()))
         out_headers.append((b"content-length", str(len(body)).encode()))
         ex.status = status
-        ex.outcome = "ok" if status < 400 else "client_error"
+        ex.outcome = RequestOutcome.OK if status < 400 else RequestOutcome.CLIENT_ERROR
         ex.response_started = True
         ex.complete = True
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
@@ -394,7 +394,8 @@ class Forwarder:
         except _TRANSPORT_ERRORS as exc:
             timed_out = _is_timeout(exc)
             why = "went idle" if timed_out else "failed"
-            ex.outcome, ex.error = "stream_error", f"{backend_id}: stream {why}: {type(exc).__name__}: {exc}"
+            ex.outcome = RequestOutcome.STREAM_ERROR
+            ex.error = f"{backend_id}: stream {why}: {type(exc).__name__}: {exc}"
             if not timed_out:
                 self.backends.health.connection_failed(backend_id, ex.error)
             ex.complete = True
@@ -410,7 +411,7 @@ class Forwarder:
             self._record_usage(backend_id, sniffer)
             return None
         ex.complete = True
-        ex.outcome = "ok"
+        ex.outcome = RequestOutcome.OK
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         self._record_usage(backend_id, sniffer)
         return None
@@ -440,7 +441,7 @@ async def _no_backend(
             ex=ex,
         )
         return
-    ex.status, ex.outcome, ex.error = 503, "no_backend", str(exc)
+    ex.status, ex.outcome, ex.error = 503, RequestOutcome.NO_BACKEND, str(exc)
     await reject(
         forwarder.metrics,
         send,
