@@ -487,7 +487,7 @@ class TestInternalErrors:
             await send({"type": "http.response.body", "body": b"{", "more_body": True})
             raise RuntimeError("half way")
 
-        proxy.app._routes["/v1/models"]["GET"] = half
+        proxy.app.routes.add("GET", "/v1/models", half)
         with capture_logs() as events, pytest.raises(IncompleteRead):
             http("GET", proxy.url + "/v1/models")
         failed = [e for e in events if e["event"] == "request_failed"]

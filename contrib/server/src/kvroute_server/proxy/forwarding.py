@@ -37,7 +37,7 @@ from kvroute_server.http.upstream import (
     filter_response_headers,
 )
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
-from kvroute_server.ops.shadow import ProxyShadows
+from kvroute_server.ops.shadow import NoShadows, ProxyShadows
 
 __all__ = ["Exchange", "Forwarder", "count_reject", "reject"]
 
@@ -75,7 +75,7 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
-    #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
+    #: The last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
     decision: Decision | None = None
     #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
     shadow: ShadowRound | None = None
@@ -140,7 +140,7 @@ class Forwarder:
         router: Router,
         backends: BackendSet,
         metrics: ProxyMetrics,
-        shadows: ProxyShadows | None = None,
+        shadows: ProxyShadows | NoShadows,
     ) -> None:
         self.config = config
         self.router = router
@@ -176,7 +176,6 @@ class Forwarder:
         finally:
             stop_watching()
             if ex.shadow is not None:
-                assert self.shadows is not None
                 self.shadows.finished(ex.shadow, ex.outcome, ex.started)
 
     async def _attempts(
@@ -190,8 +189,8 @@ class Forwarder:
                 with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
-                    ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.ops.status): one assignment
-                    if self.shadows is not None and ex.shadow is None:  # shadows score the first attempt
+                    ex.decision = decision  # for the status page's decision log
+                    if ex.shadow is None:  # shadows score the first attempt
                         ex.shadow = self.shadows.routed(request, decision, failed)
                     ex.backend, ex.reason, ex.key, ex.spilled = (
                         decision.backend.id,
