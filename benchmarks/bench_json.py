@@ -1,7 +1,7 @@
 """Request-body parsing in the proxy: ``json`` or orjson, and whether a huge body stalls other requests.
 
 1. Parse time of chat bodies of about 3 KB, 64 KB and 1 MiB (best of 5 repeats of an
-   auto-ranged loop): ``json.loads`` of the decoded text (the proxy before issue 11),
+   auto-ranged loop): ``json.loads`` of the decoded text (the standard library's parser),
    ``orjson.loads`` and ``msgspec.json.decode`` when installed, and ``loads_body`` (what the
    proxy calls: orjson when installed, with its error mapping).
 2. Event-loop stall: a 33 MiB body of one million small messages is POSTed to a running

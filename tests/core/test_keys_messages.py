@@ -59,8 +59,7 @@ class TestMessageOffsets:
 
 class TestMessageCuts:
     def test_system_prompt_is_the_group(self) -> None:
-        """The issue's shape: a 2,500-character system prompt groups requests whatever 2,000-character question
-        follows."""
+        """A 2,500-character system prompt groups requests whatever 2,000-character question follows."""
         system = {"role": "system", "content": "s" * 2500}
         a = chat([system, {"role": "user", "content": "a" * 2000}])
         b = chat([system, {"role": "user", "content": "b" * 2000}])

@@ -1,8 +1,8 @@
-"""Hostile request bodies (issue 11): every one gets a 4xx in OpenAI's error shape, never a 500 or a reset.
+"""Hostile request bodies: every one gets a 4xx in OpenAI's error shape, never a 500 or a reset.
 
 The corpus runs against one proxy per class (`proxy` fixture, class scope); the oversized
 bodies are sent by clients that write the whole body before reading, as ``http.client``,
-``urllib`` and ``requests`` do, which is the case a reset used to hide the 413 from.
+``urllib`` and ``requests`` do, which is the case where a reset would hide the 413 from them.
 """
 
 from __future__ import annotations

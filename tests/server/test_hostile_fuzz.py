@@ -1,4 +1,4 @@
-"""Fuzzing the proxy with request bodies (issue 11): every answer is a 2xx or a 4xx with a JSON body.
+"""Fuzzing the proxy with request bodies: every answer is a 2xx or a 4xx with a JSON body.
 
 One proxy, started once for the class, in front of a stub backend that answers every
 request at once with 200, so that what is tested is the proxy's own handling of the body
