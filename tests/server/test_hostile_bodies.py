@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvroute_server.http import asgi as _asgi
+from kvroute_server.http import asgi
 from kvroute_server.http.asgi import InvalidBody, loads_body
 from kvroute_server.http.runner import ServerThread
 from kvroute_server.proxy import app as app_module
@@ -29,7 +29,7 @@ from tests.server.harness import MODEL, Servers, chat_body, http
 pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
-_ORJSON = _asgi._orjson is not None
+_ORJSON = asgi._orjson is not None
 
 
 def _nested(depth: int, open_: bytes = b"[", close: bytes = b"]", inner: bytes = b"1") -> bytes:
@@ -235,7 +235,7 @@ class TestLoadsBody:
     @pytest.fixture(params=["installed", "stdlib"])
     def parser(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[[bytes], Any]:
         if request.param == "stdlib":
-            monkeypatch.setattr(_asgi, "_orjson", None)
+            monkeypatch.setattr(asgi, "_orjson", None)
         return loads_body
 
     @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The routing proxy as an ASGI application: dispatch, request parsing, status routes, lifespan.
+"""The routing proxy as an ASGI application: its route table, request parsing, lifespan.
 
 ``ProxyApp(config)`` is an ASGI callable (run it with uvicorn, see `kvroute_server.cli`).
 Per request: read and validate the body, build a `RouteRequest`, and hand it to the
@@ -160,7 +160,9 @@ class ProxyApp:
     """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan).
 
     Its parts: ``fleet`` and ``backends`` (the `BackendSet`), ``router``, ``forwarder``,
-    ``metrics`` and ``admin`` (`AdminApi`, when an admin token is configured).
+    ``metrics``, ``routes`` (the `RouteTable`) and the optional ones, each a null object that does
+    nothing when off: ``discovery``, ``warm_join``, ``shadows``, ``admin`` (on with an admin token)
+    and ``status``.
 
     ``worker`` is set in the workers of ``kvroute serve --workers N`` (see
     `kvroute_server.ops.workers`): metrics are then shared between the workers and admin
@@ -194,7 +196,7 @@ class ProxyApp:
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
         self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
-        # The status page (docs/serve.md, "Status page"): when off, no routes and no decision log.
+        # The status page (docs/serve.md, "Status page").
         self.status = StatusRoutes.create(
             config, self.fleet, self.backends, self.router, self.metrics, self.discovery, self.worker
         )
@@ -208,7 +210,7 @@ class ProxyApp:
         self.routes.add("GET", "/health", self._health)
         self.routes.add("GET", "/metrics", self._metrics)
         self.status.add_routes(self.routes)
-        for path in config.passthrough_paths:  # never in place of another route
+        for path in config.passthrough_paths:  # never in place of a route above
             if path not in self.routes:
                 self.routes.add("POST", path, self._passthrough)
         self.admin.add_routes(self.routes)  # under /admin/, after every exact path
