@@ -375,13 +375,17 @@ class RouteTable(Generic[H]):
         its own (so that an encoded ``/`` inside an id is not a separator); patterns match those.
         """
         methods = self._exact.get(path)
+        if methods is not None:
+            handler = methods.get(method)
+            if handler is not None:  # the request path's case: one lookup more than a dict of dicts
+                return handler, _NO_PARAMS
         params: Mapping[str, str] = _NO_PARAMS
         if methods is None and self._patterns:
             methods, params = self._match(path.split("/") if segments is None else segments)
         if methods is None:
             for prefix, mounted in self._mounts:
                 if path.startswith(prefix):
-                    return mounted, params
+                    return mounted, _NO_PARAMS
             return Refusal(404, self._not_found.format(method=method, path=path), self._not_found_code)
         handler = methods.get(method)
         if handler is not None:

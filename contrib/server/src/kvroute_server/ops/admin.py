@@ -53,21 +53,27 @@ log = structlog.get_logger(__name__)
 
 _MAX_ADMIN_BODY = 64 * 1024
 
-#: Each route's action (an action and its backend id are what the admin journal records).
-_ROUTES: RouteTable[str] = RouteTable(
-    not_found="Unknown admin route: {method} {path}.",
-    not_allowed="Method {method} is not allowed here (allowed: {allowed}).",
-)
-for _method, _path, _action in [
-    ("GET", "/admin/backends", "list"),
-    ("POST", "/admin/backends", "add"),
-    ("GET", "/admin/backends/{id}", "get"),
-    ("PATCH", "/admin/backends/{id}", "weight"),
-    ("DELETE", "/admin/backends/{id}", "remove"),
-    ("POST", "/admin/backends/{id}/drain", "drain"),
-    ("POST", "/admin/backends/{id}/undrain", "undrain"),
-]:
-    _ROUTES.add(_method, _path, _action)
+
+def _routes() -> RouteTable[str]:
+    """Each admin route's action (an action and its backend id are what the admin journal records)."""
+    routes: RouteTable[str] = RouteTable(
+        not_found="Unknown admin route: {method} {path}.",
+        not_allowed="Method {method} is not allowed here (allowed: {allowed}).",
+    )
+    for method, path, action in [
+        ("GET", "/admin/backends", "list"),
+        ("POST", "/admin/backends", "add"),
+        ("GET", "/admin/backends/{id}", "get"),
+        ("PATCH", "/admin/backends/{id}", "weight"),
+        ("DELETE", "/admin/backends/{id}", "remove"),
+        ("POST", "/admin/backends/{id}/drain", "drain"),
+        ("POST", "/admin/backends/{id}/undrain", "undrain"),
+    ]:
+        routes.add(method, path, action)
+    return routes
+
+
+_ROUTES = _routes()
 
 
 class AdminApi:
