@@ -1,7 +1,7 @@
 """Request-body parsing in the proxy: ``json`` or orjson, and whether a huge body stalls other requests.
 
 1. Parse time of chat bodies of about 3 KB, 64 KB and 1 MiB (best of 5 repeats of an
-   auto-ranged loop): ``json.loads`` of the decoded text (the proxy before issue 11),
+   auto-ranged loop): ``json.loads`` of the decoded text (the standard library's parser),
    ``orjson.loads`` and ``msgspec.json.decode`` when installed, and ``loads_body`` (what the
    proxy calls: orjson when installed, with its error mapping).
 2. Event-loop stall: a 33 MiB body of one million small messages is POSTed to a running
@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvroute_server.http import asgi as _asgi
+from kvroute_server.http import asgi
 from kvroute_server.proxy import app as app_module
 
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "prefixes", "é", "ü", "日本"]
@@ -68,7 +68,7 @@ def parse_times() -> None:
         parsers["msgspec"] = msgspec.json.decode
     except ImportError:
         pass
-    parsers["loads_body"] = _asgi.loads_body
+    parsers["loads_body"] = asgi.loads_body
     print(f"{'body':>10} " + " ".join(f"{name + ' µs':>14}" for name in parsers) + "   json / loads_body")
     for size in (3 * 1024, 64 * 1024, 1024 * 1024):
         raw = chat_body(size)
@@ -84,8 +84,8 @@ class _StubBackend:
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
-        await _asgi.read_body(receive, 1 << 30)
-        await _asgi.send_json(send, 200, {"object": "list", "data": []} if scope["path"] == "/v1/models" else {})
+        await asgi.read_body(receive, 1 << 30)
+        await asgi.send_json(send, 200, {"object": "list", "data": []} if scope["path"] == "/v1/models" else {})
 
 
 def stall(threaded: bool) -> tuple[float, float, float]:

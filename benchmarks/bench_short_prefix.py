@@ -1,4 +1,4 @@
-"""Prefix-cache hit rate per strategy when the shared prefix is shorter than `prefix_length` (issue 15).
+"""Prefix-cache hit rate per strategy when the shared prefix is shorter than `prefix_length`.
 
 Traffic as in many chat applications: 24 system prompts of ~2,500 characters, each request one of
 them (picked at random) followed by its own ~2,000-character question, so a fixed 4,096-character
@@ -10,7 +10,7 @@ inherits another's cache.
 Printed per strategy (one Markdown row each): the fleet's hit rate, the engines' cached prompt
 tokens over their prompt tokens (`hit_tokens` / `prompt_tokens` from each engine's
 `/emulator/stats`), and the busiest and idlest engine's share of the requests (from the proxy's
-`x-kvroute-backend` header). The rows compare the hash strategies keyed on the old fixed
+`x-kvroute-backend` header). The rows compare the hash strategies keyed on a fixed
 4,096 characters (`prefix_length=4096`) with their defaults (keys cut at message boundaries).
 Results in docs/strategies.md (search "prefix_length=4096").
 

@@ -1,4 +1,4 @@
-"""Proxy throughput side by side with SGLang's Rust router (issue 16): req/s, p50, p99 from wrk.
+"""Proxy throughput side by side with SGLang's Rust router: req/s, p50, p99 from wrk.
 
 Setup, all on loopback, every process started and stopped by this script (by pid):
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvroute import RouteRequest
 from kvroute.keys import MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
 from kvroute.request import render_messages
-from tests.strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
+from tests.hypothesis_strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
 
 Messages = list[dict[str, Any]]
 
@@ -59,8 +59,7 @@ class TestMessageOffsets:
 
 class TestMessageCuts:
     def test_system_prompt_is_the_group(self) -> None:
-        """The issue's shape: a 2,500-character system prompt groups requests whatever 2,000-character question
-        follows."""
+        """A 2,500-character system prompt groups requests whatever 2,000-character question follows."""
         system = {"role": "system", "content": "s" * 2500}
         a = chat([system, {"role": "user", "content": "a" * 2000}])
         b = chat([system, {"role": "user", "content": "b" * 2000}])

@@ -9,7 +9,7 @@ from hypothesis import given
 
 from kvroute import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, InvalidRequest, RouteRequest
 from kvroute.request import render_messages
-from tests.strategies import conversations
+from tests.hypothesis_strategies import conversations
 
 
 def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
 from kvroute import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, InvalidRequest, RouteRequest
-from tests.strategies import json_values
+from tests.hypothesis_strategies import json_values
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, database=None, deadline=None)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvroute import RouteRequest
 from kvroute.hashing import hash64, hash_parts
 from kvroute.request import render_messages
-from tests.strategies import chat_tools, media_parts, tricky_conversations
+from tests.hypothesis_strategies import chat_tools, media_parts, tricky_conversations
 
 Messages = list[dict[str, Any]]
 Chat = tuple[list[Any] | None, Messages]  # (tools, messages)
@@ -283,7 +283,7 @@ class TestMediaMarkers:
         assert text == f"<|user|><|{name}:{expected_media(part)[2]}|>\n"
 
     def test_image_keys_did_not_change(self) -> None:
-        """An image URL hashes as before (hash64 of its JSON string), so image routing keys stay the same."""
+        """An image URL hashes as hash64 of its JSON string, so image routing keys stay the same across versions."""
         url = "https://example.com/cat.png"
         text = render_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
         assert text == f"<|user|><|image:{hash64(json.dumps(url)):016x}|>\n"

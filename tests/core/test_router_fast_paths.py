@@ -1,4 +1,4 @@
-"""The router's per-request shortcuts give what the general paths gave (issue 16).
+"""The router's per-request shortcuts give what the general paths give.
 
 `Router` copies a strategy's `Decision` field by field instead of ``attrs.evolve``, finds the
 picked candidate by identity before comparing ids, and skips converting a `Status` it was given.

@@ -144,6 +144,6 @@ class TestDashboard:
         ],
     )
     def test_covers(self, needle: str) -> None:
-        """The dashboard has a query for each thing issue 14 lists."""
+        """The dashboard has a query for each signal an operator watches (docs/monitoring.md)."""
         exprs = [t["expr"] for p in query_panels() for t in p["targets"]]
         assert any(needle in e for e in exprs), f"expected a query containing {needle!r}, got none"

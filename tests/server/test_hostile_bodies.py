@@ -1,8 +1,8 @@
-"""Hostile request bodies (issue 11): every one gets a 4xx in OpenAI's error shape, never a 500 or a reset.
+"""Hostile request bodies: every one gets a 4xx in OpenAI's error shape, never a 500 or a reset.
 
 The corpus runs against one proxy per class (`proxy` fixture, class scope); the oversized
 bodies are sent by clients that write the whole body before reading, as ``http.client``,
-``urllib`` and ``requests`` do, which is the case a reset used to hide the 413 from.
+``urllib`` and ``requests`` do, which is the case where a reset would hide the 413 from them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvroute_server.http import asgi as _asgi
+from kvroute_server.http import asgi
 from kvroute_server.http.asgi import InvalidBody, loads_body
 from kvroute_server.http.runner import ServerThread
 from kvroute_server.proxy import app as app_module
@@ -29,7 +29,7 @@ from tests.server.harness import MODEL, Servers, chat_body, http
 pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
-_ORJSON = _asgi._orjson is not None
+_ORJSON = asgi._orjson is not None
 
 
 def _nested(depth: int, open_: bytes = b"[", close: bytes = b"]", inner: bytes = b"1") -> bytes:
@@ -235,7 +235,7 @@ class TestLoadsBody:
     @pytest.fixture(params=["installed", "stdlib"])
     def parser(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[[bytes], Any]:
         if request.param == "stdlib":
-            monkeypatch.setattr(_asgi, "_orjson", None)
+            monkeypatch.setattr(asgi, "_orjson", None)
         return loads_body
 
     @pytest.mark.parametrize(
@@ -489,7 +489,7 @@ class TestInternalErrors:
             await send({"type": "http.response.body", "body": b"{", "more_body": True})
             raise RuntimeError("half way")
 
-        proxy.app._routes["/v1/models"]["GET"] = half
+        proxy.app.routes.add("GET", "/v1/models", half)
         with capture_logs() as events, pytest.raises(IncompleteRead):
             http("GET", proxy.url + "/v1/models")
         failed = [e for e in events if e["event"] == "request_failed"]

@@ -1,4 +1,4 @@
-"""Fuzzing the proxy with request bodies (issue 11): every answer is a 2xx or a 4xx with a JSON body.
+"""Fuzzing the proxy with request bodies: every answer is a 2xx or a 4xx with a JSON body.
 
 One proxy, started once for the class, in front of a stub backend that answers every
 request at once with 200, so that what is tested is the proxy's own handling of the body
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig
 from kvroute_server.http.asgi import read_body, send_json
 from kvroute_server.http.runner import ServerThread
+from tests.hypothesis_strategies import conversations
 from tests.server.harness import MODEL, chat_body, http
-from tests.strategies import conversations
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute import Backend, Fleet
-from kvroute_server.ops.metrics import ProxyMetrics, render_merged
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome, render_merged
+
+OK, UPSTREAM_ERROR = RequestOutcome.OK, RequestOutcome.UPSTREAM_ERROR
 
 
 def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -34,20 +36,20 @@ class TestRequestDone:
     def test_counts_by_backend_and_outcome(self) -> None:
         """Each call adds one to its (backend, strategy, outcome) series, whichever calls came before."""
         metrics = make_metrics()
-        for backend, outcome in [("e1", "ok"), ("e2", "ok"), ("e1", "ok"), ("e1", "error")]:
+        for backend, outcome in [("e1", OK), ("e2", OK), ("e1", OK), ("e1", UPSTREAM_ERROR)]:
             metrics.request_done(backend, outcome, 0.01)
         got = samples(metrics)
         count = "kvroute_requests_total"
         assert got[count, (("backend", "e1"), ("outcome", "ok"), ("strategy", "bounded-load"))] == 2
         assert got[count, (("backend", "e2"), ("outcome", "ok"), ("strategy", "bounded-load"))] == 1
-        assert got[count, (("backend", "e1"), ("outcome", "error"), ("strategy", "bounded-load"))] == 1
+        assert got[count, (("backend", "e1"), ("outcome", "upstream_error"), ("strategy", "bounded-load"))] == 1
 
     def test_durations_by_backend(self) -> None:
         """Durations land in the backend's histogram: count, sum and the bucket each falls in."""
         metrics = make_metrics()
-        metrics.request_done("e1", "ok", 0.003)
-        metrics.request_done("e1", "error", 0.2)
-        metrics.request_done("e2", "ok", 0.003)
+        metrics.request_done("e1", OK, 0.003)
+        metrics.request_done("e1", UPSTREAM_ERROR, 0.2)
+        metrics.request_done("e2", OK, 0.003)
         got = samples(metrics)
         e1 = (("backend", "e1"),)
         assert got["kvroute_request_duration_seconds_count", e1] == 2
@@ -59,7 +61,7 @@ class TestRequestDone:
     def test_no_duration_series_without_a_backend(self) -> None:
         """A request that never reached a backend (duration None) is counted but makes no duration series."""
         metrics = make_metrics()
-        metrics.request_done("none", "rejected", None)
+        metrics.request_done("none", RequestOutcome.REJECTED, None)
         got = samples(metrics)
         labels = (("backend", "none"), ("outcome", "rejected"), ("strategy", "bounded-load"))
         assert got["kvroute_requests_total", labels] == 1
@@ -70,9 +72,33 @@ class TestRequestDone:
         """Counts made through `ProxyMetrics.child` and through request_done add up in one series."""
         metrics = make_metrics()
         metrics.child(metrics.requests, "e1", "bounded-load", "ok").inc()
-        metrics.request_done("e1", "ok", None)
+        metrics.request_done("e1", OK, None)
         key = ("kvroute_requests_total", (("backend", "e1"), ("outcome", "ok"), ("strategy", "bounded-load")))
         assert samples(metrics)[key] == 2
+
+
+class TestRequestOutcome:
+    def test_label_values(self) -> None:
+        """The outcomes are the ``outcome`` label values docs/serve.md documents (dashboards and alerts match them)."""
+        assert {str(outcome) for outcome in RequestOutcome} == {
+            "ok",
+            "client_error",
+            "upstream_error",
+            "failed",
+            "stream_error",
+            "timeout",
+            "cancelled",
+            "no_backend",
+            "rejected",
+            "internal_error",
+        }
+
+    def test_label_is_the_plain_word(self) -> None:
+        """An outcome labels its series with its value, not the enum's name."""
+        metrics = make_metrics()
+        metrics.request_done("e1", RequestOutcome.NO_BACKEND, None)
+        labels = (("backend", "e1"), ("outcome", "no_backend"), ("strategy", "bounded-load"))
+        assert samples(metrics)["kvroute_requests_total", labels] == 1
 
 
 class TestRenderMerged:

@@ -11,6 +11,7 @@ from kvroute.errors import ConfigError, KvrouteError
 from kvroute_server import ProxyApp, ServerConfig, ServerThread
 from kvroute_server.cli import build_config
 from kvroute_server.config import config_from_mapping
+from kvroute_server.ops.shadow import NoShadows
 from tests.server.harness import Servers, chat_body, http
 
 SHADOW_FAMILIES = (
@@ -112,7 +113,7 @@ class TestShadowProxy:
         proxy = servers.proxy(servers.emulators(1))
         app = proxy.app
         assert isinstance(app, ProxyApp)
-        assert app.shadows is None and app.forwarder.shadows is None
+        assert isinstance(app.shadows, NoShadows) and app.forwarder.shadows is app.shadows
         http("POST", proxy.url + "/v1/chat/completions", chat_body("hello there"))
         names = {name for name, _ in samples(proxy)}
         assert not any(name.startswith(SHADOW_FAMILIES) for name in names)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvroute_simulator.tokens import ASSISTANT, END, ROOT_HASH, USER, TokenSeq, Vocabulary, root_hash, vocabulary
-from tests.strategies import conversations
+from tests.hypothesis_strategies import conversations
 
 token_lists = st.lists(st.integers(0, 40_000), max_size=200)
 

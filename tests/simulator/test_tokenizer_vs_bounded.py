@@ -1,4 +1,4 @@
-"""tokenizer-prefix against bounded-load on small seeded versions of every workload and of Mooncake traces (issue 15).
+"""tokenizer-prefix against bounded-load on small seeded versions of every workload and of Mooncake traces.
 
 tokenizer-prefix must reuse at least as much as bounded-load, and keep its busiest and idlest
 instance within the same load bound. The one thing it pays that bounded-load may not is a *hot
@@ -32,7 +32,7 @@ TRACES = ("trace-families", "trace-shared-head")
 
 
 def shared_head_trace(path: Path, requests: int = 300, seed: int = 0) -> Path:
-    """A Mooncake trace shaped like issue 15's production one: 80 % of requests start with the same 4 blocks."""
+    """A Mooncake trace shaped like a production one: 80 % of requests start with the same 4 blocks."""
     rng = random.Random(seed)
     families = [[1000 + 10 * f + i for i in range(rng.randint(1, 4))] for f in range(30)]
     unique, stamp, lines = 100_000, 0.0, []

@@ -18,7 +18,7 @@ import kvroute
 from kvroute import Backend, ConfigError, Fleet, NoBackendAvailable, Router, RouteRequest
 from tests.contrib.litellm.conftest import LOOPBACK_CONNECTS, OUTBOUND, is_loopback
 from tests.examples.openai_fake import FakeBackend, eventually, fake_backends
-from tests.strategies import conversations
+from tests.hypothesis_strategies import conversations
 
 # LiteLLM's own pydantic models warn about `ReadOnly` TypedDict items when first validated:
 # a third-party notice about LiteLLM's code, not about kvroute's, so it is not an error here.

@@ -1,6 +1,6 @@
 """What vLLM releases really send, replayed from their own publisher code (fixtures/capture_publisher.py).
 
-Covers issue 17's vLLM items: KV cache kinds (MLA indexed, sliding window decided, unknown kinds
+Covers: KV cache kinds (MLA indexed, sliding window decided, unknown kinds
 warned and inexact), batch and replay shapes of the supported releases, the endpoints
 ``/kv_event_sources`` reports (bind or connect), and an exact flag that is true only while no
 event could have been skipped or lost.

@@ -1,6 +1,6 @@
-"""The capacity-tight case of issue 15, for emulators and real vLLM alike (standard library only).
+"""The capacity-tight case, for emulators and real vLLM alike (standard library only).
 
-Two engines with small KV caches (100 blocks of 128 tokens in the issue), eight long system prompts whose
+Two engines with small KV caches (100 blocks of 128 tokens), eight long system prompts whose
 working set (~144 blocks) fits the fleet's 200 blocks only when split by footprint, and 48 streamed chats
 at concurrency 2, each a system prompt and its own short question. `run_case` sends them through a fresh
 ``kvroute serve`` with one strategy and reports the engines' own prefix-cache counters.

@@ -1,4 +1,4 @@
-"""Issue 15's capacity-tight case on two real vLLM servers: placement by KV footprint against hashing.
+"""The capacity-tight case on two real vLLM servers: placement by KV footprint against hashing.
 
 Two servers with ``--num-gpu-blocks-override 100`` (100 blocks of 128 tokens each), eight ~2,300-token
 system prompts (more than hash placement can balance over two engines: this workload's hashing puts five
@@ -77,7 +77,7 @@ class TestCapacityTight:
         prompts = {b["messages"][0]["content"]: RouteRequest.from_openai(b) for b in bodies}
         hashing = Router.create(Fleet([Backend("vllm-0"), Backend("vllm-1")]), "bounded-load")
         homes = Counter(assign(hashing.strategy, list(prompts.values()), hashing.fleet.candidates()))
-        assert max(homes.values()) >= 5, homes  # the uneven case the issue measured
+        assert max(homes.values()) >= 5, homes  # the uneven case: hashing piles five or more prompts on one engine
         ratio = _chars_per_token(tight_servers[0], bodies)
         urls = [s.base_url for s in tight_servers]
         runs = {

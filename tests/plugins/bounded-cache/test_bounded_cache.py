@@ -10,7 +10,7 @@ from kvroute_bounded_cache import BoundedCache, Footprints
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
 
-#: Eight ~2,300-token system prompts (4 characters a token), as in issue 15's capacity-tight case.
+#: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
 
 
@@ -89,7 +89,7 @@ class TestBoundedCache:
         backends = [Backend("a"), Backend("b")]
         ch = Router.create(Fleet(backends), "consistent-hash")
         hashed = Counter(assign(ch.strategy, PROMPTS, ch.fleet.candidates()))
-        assert max(hashed.values()) >= 5  # the case the issue measured: hashing is uneven here
+        assert max(hashed.values()) >= 5  # the capacity-tight case: hashing is uneven here
         r = router(backends)
         report_capacity(r, blocks=100)
         assert sorted(Counter(place_each(r, PROMPTS)).values()) == [4, 4]

@@ -1,4 +1,4 @@
-"""Issue 15's capacity-tight case on two `kvroute emulate` engines behind `kvroute serve`, per strategy.
+"""The capacity-tight case on two `kvroute emulate` engines behind `kvroute serve`, per strategy.
 
 Each strategy gets two fresh emulators with 100 KV blocks of 128 tokens (so every run starts cold),
 eight ~2,300-token system prompts and 48 streamed chats at concurrency 2 (`tests.e2e.vllm.capacity`);
@@ -87,7 +87,7 @@ def run_all(workdir: Path) -> dict[str, dict[str, Any]]:
 
 class TestCapacityTightEmulated:
     def test_hashing_is_uneven_on_this_workload(self) -> None:
-        """The workload is the case the issue describes: hash placement puts five or more of the eight prompts on
+        """The workload is the capacity-tight case: hash placement puts five or more of the eight prompts on
         one engine."""
         bodies = capacity_workload("m", prompt_words=PROMPT_WORDS, question_words=QUESTION_WORDS)
         prompts = {b["messages"][0]["content"]: RouteRequest.from_openai(b) for b in bodies}
@@ -96,7 +96,7 @@ class TestCapacityTightEmulated:
         assert len(prompts) == 8 and max(homes.values()) >= 5, homes
 
     def test_bounded_cache_beats_bounded_load(self, tmp_path: Path) -> None:
-        """bounded-cache splits the prompts by footprint, so the engines hit more (at least the issue's 65 %) than
+        """bounded-cache splits the prompts by footprint, so the engines hit more (at least 65 %) than
         under bounded-load and random."""
         results = run_all(tmp_path)
         summary = json.dumps(results, indent=1)

@@ -12,7 +12,7 @@ from kvroute_bounded_load import BoundedLoad
 from kvroute import Backend, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
 from tests.helpers import chat, conversation, words
-from tests.strategies import prompt_text
+from tests.hypothesis_strategies import prompt_text
 
 
 def router(**options: object) -> Router:
@@ -26,9 +26,9 @@ class TestBoundedLoadMessageKey:
         assert isinstance(default, BoundedLoad) and isinstance(sagemaker, BoundedLoad)
         assert (default.prefix, sagemaker.prefix) == ("messages", "fixed")
 
-    def test_issue_traffic_keeps_each_system_prompt_on_one_backend(self) -> None:
-        """Issue 15's traffic (24 system prompts of 2,500 characters, 2,000-character questions, 8 in flight):
-        every system prompt's requests go to one backend, and the prompts use at least 4 of the 7."""
+    def test_chat_traffic_keeps_each_system_prompt_on_one_backend(self) -> None:
+        """Chat traffic (24 system prompts of 2,500 characters, 2,000-character questions, 8 in flight): every
+        system prompt's requests go to one backend, and the prompts use at least 4 of the 7."""
         rng = random.Random(0)
         systems = [words(rng, 2500) for _ in range(24)]
         r = router()

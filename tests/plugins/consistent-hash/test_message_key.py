@@ -16,7 +16,7 @@ from kvroute import Backend, ConfigError, Fleet, Router, RouteRequest
 from kvroute.keys import message_cuts, prefix_key
 from kvroute.testing import ScalingStateMachine
 from tests.helpers import chat, conversation, words
-from tests.strategies import prompt_text
+from tests.hypothesis_strategies import prompt_text
 
 
 def router(**options: object) -> Router:
@@ -29,9 +29,9 @@ def strategy(**options: object) -> ConsistentHash:
     return chosen
 
 
-def issue_traffic(requests: int = 300, prompts: int = 24, seed: int = 0) -> list[tuple[int, RouteRequest]]:
-    """Issue 15's traffic: 24 system prompts of ~2,500 characters, each request with its own ~2,000-character
-    question."""
+def chat_traffic(requests: int = 300, prompts: int = 24, seed: int = 0) -> list[tuple[int, RouteRequest]]:
+    """Chat traffic with short shared prefixes: 24 system prompts of ~2,500 characters, each request with its own
+    ~2,000-character question."""
     rng = random.Random(seed)
     systems = [words(rng, 2500) for _ in range(prompts)]
     out = []
@@ -51,19 +51,19 @@ class TestPrefixOption:
     def test_prefix_length_alone_is_fixed(self) -> None:
         """prefix_length given alone keeps SageMaker's meaning: the first prefix_length characters are the key."""
         fixed = strategy(prefix_length=4096)
-        request = issue_traffic(1)[0][1]
+        request = chat_traffic(1)[0][1]
         assert fixed.prefix == "fixed" and fixed.key(request) == prefix_key(request, 4096)
 
     def test_messages_with_prefix_length_caps_the_cut(self) -> None:
         """prefix=messages with prefix_length keeps message cuts, capped at that length."""
         capped = strategy(prefix="messages", prefix_length=1024)
-        request = issue_traffic(1)[0][1]
+        request = chat_traffic(1)[0][1]
         assert capped.key(request) == prefix_key(request, 1024) != strategy(prefix_length=2048).key(request)
         assert strategy(prefix="messages").key(request) == prefix_key(request, message_cuts(request).group)
 
     def test_fixed_alone_uses_4096(self) -> None:
         """prefix=fixed without prefix_length keys on the first 4,096 characters."""
-        request = issue_traffic(1)[0][1]
+        request = chat_traffic(1)[0][1]
         assert strategy(prefix="fixed").key(request) == prefix_key(request, 4096)
 
     def test_bad_prefix(self) -> None:
@@ -84,22 +84,22 @@ class TestPrefixOption:
 
 class TestShortSharedPrefix:
     def test_each_system_prompt_has_one_backend_by_default(self) -> None:
-        """Issue 15: with a 2,500-character system prompt and a 2,000-character question, every request of one
+        """With a 2,500-character system prompt and a 2,000-character question, every request of one
         system prompt goes to one backend under the default options."""
         r = router()
         homes: defaultdict[int, set[str]] = defaultdict(set)
-        for group, request in issue_traffic():
+        for group, request in chat_traffic():
             with r.route(request) as lease:
                 homes[group].add(lease.backend.id)
         assert all(len(backends) == 1 for backends in homes.values()), homes
         assert len(set().union(*homes.values())) >= 4  # 24 prompts are spread, not piled on one backend
 
     def test_fixed_4096_spreads_them(self) -> None:
-        """With prefix_length=4096 (the old default, now explicit) the question is in the key: one prompt's
+        """With a fixed prefix_length=4096 the question is in the key: one prompt's
         requests spread."""
         r = router(prefix_length=4096)
         homes: defaultdict[int, set[str]] = defaultdict(set)
-        for group, request in issue_traffic():
+        for group, request in chat_traffic():
             homes[group].add(r.decide(request)[0].backend.id)
         assert max(len(backends) for backends in homes.values()) >= 4
 
@@ -120,9 +120,9 @@ class TestTurns:
         decisions = [r.decide(request)[0] for request in conversation(system, turns)]
         assert len({(d.key, d.backend.id) for d in decisions}) == 1
 
-    def test_the_old_default_moved_short_first_turns(self) -> None:
-        """With the fixed 4,096-character key a short first turn's key differs from the second turn's (what the
-        default no longer does)."""
+    def test_fixed_length_moves_short_first_turns(self) -> None:
+        """With the fixed 4,096-character key a short first turn's key differs from the second turn's (which the
+        default's message-boundary key avoids)."""
         requests = conversation("be brief", [("hi", "hello! " * 300), ("and then?", "")])
         fixed = strategy(prefix_length=4096)
         assert fixed.key(requests[0]) != fixed.key(requests[1])
@@ -223,7 +223,7 @@ class TestGroupMemo:
 
         monkeypatch.setattr(module, "message_cuts", counting)
         chosen = router()
-        (_, first), (_, second) = issue_traffic(2, seed=3)
+        (_, first), (_, second) = chat_traffic(2, seed=3)
         with chosen.route(first):
             pass
         assert calls == [first]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvroute_consistent_hash import CandidateView, Rendezvous, backend_seed
 
 from kvroute import Backend, BackendState
-from tests.strategies import backend_ids, weights
+from tests.hypothesis_strategies import backend_ids, weights
 
 members = st.lists(st.tuples(backend_ids, weights), min_size=1, max_size=12, unique_by=lambda t: t[0]).map(
     lambda pairs: [BackendState(Backend(b, weight=w)) for b, w in pairs]

@@ -10,7 +10,7 @@ from hypothesis import given
 
 from kvroute import RouteRequest
 from kvroute.keys import DEFAULT_PREFIX_LENGTH, prefix_key
-from tests.strategies import prompt_text
+from tests.hypothesis_strategies import prompt_text
 
 
 def req(text: str, **kw: object) -> RouteRequest:

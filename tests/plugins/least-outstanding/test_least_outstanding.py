@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvroute import Backend, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
-from tests.strategies import weights
+from tests.hypothesis_strategies import weights
 
 REQ = RouteRequest.from_text("x")
 

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute_tokenizer_prefix import ChatTemplate, load_tokenizer, prompt_ids
 from kvroute_tokenizer_prefix.chat import detect_content_format, select_template
-from strategies import conversations
 
 import kvroute
 from kvroute.errors import ConfigError, InvalidRequest
+from tests.hypothesis_strategies import conversations
 
 EXPECTATIONS = Path(__file__).with_name("chat_expectations.json")
 

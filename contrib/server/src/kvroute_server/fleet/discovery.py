@@ -45,7 +45,7 @@ from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolic
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.ops.metrics import ProxyMetrics
 
-__all__ = ["Discovery", "SourceStatus", "build_providers"]
+__all__ = ["Discovery", "NoDiscovery", "SourceStatus", "build_providers"]
 
 log = structlog.get_logger(__name__)
 
@@ -185,11 +185,11 @@ class Discovery:
         backends: BackendSet,
         metrics: ProxyMetrics,
         plugins: PluginManager,
-    ) -> Discovery | None:
-        """The reconciler for the configured sources, ``None`` without any; raises `ConfigError`."""
+    ) -> Discovery | NoDiscovery:
+        """The reconciler for the configured sources, `NoDiscovery` without any; raises `ConfigError`."""
         providers = build_providers(configs, plugins)
         if not providers:
-            return None
+            return NoDiscovery()
         keys = {p.source: c.api_key for p, c in zip(providers, configs, strict=True)}
         return cls(backends, metrics, policy, providers, api_keys=keys)
 
@@ -470,3 +470,21 @@ class Discovery:
         self.backends.drain(backend_id, remove_when_idle=True)
         self._count(owned.source, "removed")
         log.info("backend_gone", source=owned.source, backend=backend_id)
+
+
+class NoDiscovery:
+    """No discovery source configured: the fleet is what flags, the file and the admin API make it."""
+
+    status: Mapping[str, SourceStatus] = {}
+
+    def owned(self, source: str | None = None) -> list[str]:
+        """No member was added by discovery."""
+        return []
+
+    def describe(self) -> list[dict[str, Any]]:
+        """No source to describe."""
+        return []
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Report started at once: there is no source to wait for."""
+        task_status.started()

@@ -40,7 +40,7 @@ from kvroute.warmup import HotPrefix, HotPrefixes, SlowStart, WeightRamp, warm_p
 from kvroute_server.config import WarmJoinConfig
 from kvroute_server.fleet.backends import BackendSet
 
-__all__ = ["WarmJoin"]
+__all__ = ["NoWarmJoin", "WarmJoin"]
 
 log = structlog.get_logger(__name__)
 
@@ -77,10 +77,10 @@ class WarmJoin:
         self._scopes: dict[str, anyio.CancelScope] = {}
 
     @classmethod
-    def create(cls, config: WarmJoinConfig, backends: BackendSet, plugins: PluginManager) -> WarmJoin | None:
-        """The warm join for ``config`` (None when off); call before building the router (see module doc)."""
+    def create(cls, config: WarmJoinConfig, backends: BackendSet, plugins: PluginManager) -> WarmJoin | NoWarmJoin:
+        """The warm join for ``config`` (`NoWarmJoin` when off); call before building the router (see module doc)."""
         if not config.enabled:
-            return None
+            return NoWarmJoin()
         hot = None
         if config.prefill > 0:
             hot = HotPrefixes()
@@ -209,3 +209,16 @@ class WarmJoin:
             if weight != expected:
                 log.info("slow_start_overridden", backend=backend_id, weight=weight)
                 return
+
+
+class NoWarmJoin:
+    """Warm join off: a backend that joins serves at once at full weight."""
+
+    async def run(self, router: Router, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Report started at once: there are no joins to watch."""
+        task_status.started()
+
+    @property
+    def warming(self) -> list[str]:
+        """No backend is ever warming."""
+        return []

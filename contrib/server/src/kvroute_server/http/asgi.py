@@ -1,8 +1,11 @@
-"""Small ASGI helpers shared by the proxy and the emulator: bodies, JSON replies, OpenAI errors.
+"""Small ASGI helpers shared by the proxy and the emulator: routing, bodies, JSON replies, OpenAI errors.
 
 The proxy is a plain ASGI callable rather than a framework app: a request passes through
-one dictionary lookup and straight to its handler, which keeps the added latency low and
-gives the handler full control over when response bytes leave (see docs/serve.md).
+one dictionary lookup (`RouteTable`) and straight to its handler, which keeps the added
+latency low and gives the handler full control over when response bytes leave (see
+docs/serve.md). The proxy's routes, its admin API, its status routes and the emulator all
+route through a `RouteTable`; what it cannot route it answers with a `Refusal`, a 404 or
+405 in OpenAI's error shape.
 
 Request bodies come from anyone, so `loads_body` never lets a body raise anything but
 `InvalidBody`: it parses with orjson when installed (2x faster than ``json`` on chat
@@ -17,8 +20,9 @@ import json
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
+from types import MappingProxyType
+from typing import Any, Generic, NamedTuple, TypeVar
 
 try:
     import orjson as _orjson
@@ -26,12 +30,20 @@ except ImportError:  # pragma: no cover - the `server` extra installs it
     _orjson = None  # type: ignore[assignment]
 
 __all__ = [
+    "MAX_JSON_DEPTH",
+    "App",
+    "Header",
+    "Message",
     "Receive",
     "Scope",
     "Send",
     "BodyTooLarge",
+    "ClientGone",
     "InvalidBody",
+    "Refusal",
+    "RouteTable",
     "drain_body",
+    "dumps",
     "loads_body",
     "openai_error",
     "read_body",
@@ -46,6 +58,9 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+#: An ASGI application (or one route's handler): ``await app(scope, receive, send)``.
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+Header = tuple[bytes, bytes]
 
 #: OpenAI's error ``type`` for each status we produce.
 _ERROR_TYPES = {
@@ -282,3 +297,118 @@ async def send_error_draining(
     discarded = await drain_body(receive, max_bytes=max_bytes, max_seconds=max_seconds, idle_seconds=idle_seconds)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     return discarded
+
+
+# -- routing ------------------------------------------------------------------------------
+
+H = TypeVar("H")
+_NO_PARAMS: Mapping[str, str] = MappingProxyType({})
+
+
+class Refusal(NamedTuple):
+    """What to answer a request no route takes: a 404 or 405 in OpenAI's error shape."""
+
+    status: int
+    message: str
+    code: str
+    headers: tuple[Header, ...] = ()
+
+    async def send(self, send: Send) -> None:
+        """Answer with this refusal (`send_error`)."""
+        await send_error(send, self.status, self.message, code=self.code, headers=self.headers)
+
+
+class RouteTable(Generic[H]):
+    """Method and path to handler, with the 404 and 405 answers for what it does not route.
+
+    A path is exact (``/v1/models``: one dictionary lookup) or a pattern whose ``{name}``
+    segments match any one segment (``/admin/backends/{id}/drain``: its values come back by
+    name); exact paths are tried first, then patterns in the order they were added, then
+    mounts (`mount`: every method on every path under a prefix). A handler is usually an
+    ASGI callable (`App`), but the table holds any value ``H``.
+
+    The answers' messages are templates with ``{method}``, ``{path}`` and ``{allowed}`` (the
+    path's methods, comma-separated, in the order they were added; the 405 also carries them in
+    an ``Allow`` header). Without ``not_allowed``, a known path with another method is a 404.
+    """
+
+    def __init__(
+        self,
+        *,
+        not_found: str = "Unknown route: {method} {path}.",
+        not_found_code: str = "unknown_url",
+        not_allowed: str | None = "Method {method} is not allowed on {path} (allowed: {allowed}).",
+    ) -> None:
+        self._not_found = not_found
+        self._not_found_code = not_found_code
+        self._not_allowed = not_allowed
+        self._exact: dict[str, dict[str, H]] = {}
+        self._patterns: list[tuple[tuple[str, ...], dict[str, H]]] = []
+        self._mounts: list[tuple[str, H]] = []
+
+    def add(self, method: str, path: str, handler: H) -> None:
+        """Route ``method`` on ``path`` to ``handler`` (replacing the one it had)."""
+        segments = tuple(path.split("/"))
+        if not any(_is_parameter(s) for s in segments):
+            self._exact.setdefault(path, {})[method] = handler
+            return
+        for known, methods in self._patterns:
+            if known == segments:
+                methods[method] = handler
+                return
+        self._patterns.append((segments, {method: handler}))
+
+    def mount(self, prefix: str, handler: H) -> None:
+        """Route every method on every path starting with ``prefix`` that no other route takes to ``handler``."""
+        self._mounts.append((prefix, handler))
+
+    def __contains__(self, path: object) -> bool:
+        """Whether an exact route has ``path`` (whatever its methods)."""
+        return path in self._exact
+
+    def find(
+        self, method: str, path: str, *, segments: Sequence[str] | None = None
+    ) -> tuple[H, Mapping[str, str]] | Refusal:
+        """The handler for ``method`` on ``path`` and the pattern's values by name, or the `Refusal` to answer.
+
+        ``segments`` is ``path`` already split at ``/``, for a caller that decodes each segment on
+        its own (so that an encoded ``/`` inside an id is not a separator); patterns match those.
+        """
+        methods = self._exact.get(path)
+        if methods is not None:
+            handler = methods.get(method)
+            if handler is not None:  # the request path's case: one lookup more than a dict of dicts
+                return handler, _NO_PARAMS
+        params: Mapping[str, str] = _NO_PARAMS
+        if methods is None and self._patterns:
+            methods, params = self._match(path.split("/") if segments is None else segments)
+        if methods is None:
+            for prefix, mounted in self._mounts:
+                if path.startswith(prefix):
+                    return mounted, _NO_PARAMS
+            return Refusal(404, self._not_found.format(method=method, path=path), self._not_found_code)
+        handler = methods.get(method)
+        if handler is not None:
+            return handler, params
+        if self._not_allowed is None:
+            return Refusal(404, self._not_found.format(method=method, path=path), self._not_found_code)
+        allowed = ", ".join(methods)
+        message = self._not_allowed.format(method=method, path=path, allowed=allowed)
+        return Refusal(405, message, "method_not_allowed", ((b"allow", allowed.encode()),))
+
+    def _match(self, segments: Sequence[str]) -> tuple[dict[str, H] | None, Mapping[str, str]]:
+        for pattern, methods in self._patterns:
+            if len(pattern) == len(segments):
+                params: dict[str, str] = {}
+                for want, got in zip(pattern, segments, strict=True):
+                    if _is_parameter(want):
+                        params[want[1:-1]] = got
+                    elif want != got:
+                        break
+                else:
+                    return methods, params
+        return None, _NO_PARAMS
+
+
+def _is_parameter(segment: str) -> bool:
+    return segment.startswith("{") and segment.endswith("}")

@@ -24,7 +24,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import anyio
-import attrs
 import structlog
 from anyio.abc import TaskStatus
 
@@ -32,10 +31,13 @@ from kvroute.errors import ConfigError, UnknownBackend
 from kvroute_server.config import BackendConfig
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.http.asgi import (
+    App,
     BodyTooLarge,
     ClientGone,
     InvalidBody,
     Receive,
+    Refusal,
+    RouteTable,
     Scope,
     Send,
     loads_body,
@@ -43,13 +45,35 @@ from kvroute_server.http.asgi import (
     send_error,
     send_json,
 )
-from kvroute_server.ops.journal import AdminJournal, WorkerContext
+from kvroute_server.ops.journal import ONE_PROCESS, AdminJournal, WorkerContext
 
-__all__ = ["AdminApi"]
+__all__ = ["AdminApi", "NoAdminApi"]
 
 log = structlog.get_logger(__name__)
 
 _MAX_ADMIN_BODY = 64 * 1024
+
+
+def _routes() -> RouteTable[str]:
+    """Each admin route's action (an action and its backend id are what the admin journal records)."""
+    routes: RouteTable[str] = RouteTable(
+        not_found="Unknown admin route: {method} {path}.",
+        not_allowed="Method {method} is not allowed here (allowed: {allowed}).",
+    )
+    for method, path, action in [
+        ("GET", "/admin/backends", "list"),
+        ("POST", "/admin/backends", "add"),
+        ("GET", "/admin/backends/{id}", "get"),
+        ("PATCH", "/admin/backends/{id}", "weight"),
+        ("DELETE", "/admin/backends/{id}", "remove"),
+        ("POST", "/admin/backends/{id}/drain", "drain"),
+        ("POST", "/admin/backends/{id}/undrain", "undrain"),
+    ]:
+        routes.add(method, path, action)
+    return routes
+
+
+_ROUTES = _routes()
 
 
 class AdminApi:
@@ -59,11 +83,22 @@ class AdminApi:
     are shared through the `AdminJournal` (``journal``; run `follow` in the proxy's task group).
     """
 
-    def __init__(self, backends: BackendSet, token: str, *, worker: WorkerContext | None = None) -> None:
+    def __init__(self, backends: BackendSet, token: str, *, worker: WorkerContext = ONE_PROCESS) -> None:
         self.backends = backends
         self._token = token.encode()
         #: The admin journal shared with the other workers (several workers only).
-        self.journal = AdminJournal(worker, self.replay) if worker is not None and worker.count > 1 else None
+        self.journal = AdminJournal(worker, self.replay) if worker.count > 1 else None
+
+    @classmethod
+    def create(
+        cls, backends: BackendSet, token: str | None, *, worker: WorkerContext = ONE_PROCESS
+    ) -> AdminApi | NoAdminApi:
+        """The admin API guarded by ``token``; without a token, `NoAdminApi` (``/admin/...`` is an unknown route)."""
+        return cls(backends, token, worker=worker) if token else NoAdminApi()
+
+    def add_routes(self, routes: RouteTable[App]) -> None:
+        """Take every path under ``/admin/`` that no other route of ``routes`` takes."""
+        routes.mount("/admin/", self)
 
     async def follow(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Replay the changes other workers made (before this one started, then as they come) until cancelled.
@@ -117,7 +152,8 @@ class AdminApi:
                 headers=[(b"www-authenticate", b'Bearer realm="kvroute-admin"')],
             )
             return
-        parts = [unquote(p) for p in scope["path"].split("/")[2:]]
+        # Each segment is decoded on its own: an encoded "/" in a backend id is part of the id.
+        segments = [unquote(p) for p in scope["path"].split("/")]
         method = scope["method"]
         try:
             body = await self._body(receive, method)
@@ -129,11 +165,12 @@ class AdminApi:
         except ValueError as exc:
             await send_error(send, 400, str(exc), code="invalid_json")
             return
-        route = self._route(parts, method)
-        if isinstance(route, _Refusal):
-            await send_error(send, route.status, route.message, code=route.code, headers=route.headers)
+        found = _ROUTES.find(method, "/".join(segments), segments=segments)
+        if isinstance(found, Refusal):
+            await found.send(send)
             return
-        action, backend_id = route
+        action, params = found
+        backend_id = params.get("id")
         try:
             if action == "list":
                 await send_json(send, 200, {"backends": [self.describe(s.id) for s in self.backends.fleet]})
@@ -155,18 +192,6 @@ class AdminApi:
             return loads_body(raw)
         except InvalidBody as exc:
             raise ValueError(f"The admin request body must be UTF-8 JSON: {exc}") from None
-
-    def _route(self, parts: list[str], method: str) -> tuple[str, str | None] | _Refusal:
-        """``(action, backend id)`` for a call, or why it is refused (404, 405)."""
-        if parts == ["backends"]:
-            actions = {"GET": "list", "POST": "add"}
-            return (actions[method], None) if method in actions else _not_allowed(method, "GET, POST")
-        if len(parts) == 2 and parts[0] == "backends":
-            actions = {"GET": "get", "DELETE": "remove", "PATCH": "weight"}
-            return (actions[method], parts[1]) if method in actions else _not_allowed(method, "GET, PATCH, DELETE")
-        if len(parts) == 3 and parts[0] == "backends" and parts[2] in ("drain", "undrain"):
-            return (parts[2], parts[1]) if method == "POST" else _not_allowed(method, "POST")
-        return _Refusal(404, f"Unknown admin route: {method} /admin/{'/'.join(parts)}.", "unknown_url")
 
     async def _change(self, send: Send, action: str, backend_id: str | None, body: Any) -> None:
         """Make a change; with several workers, through the shared journal so that every worker makes it."""
@@ -226,18 +251,12 @@ class AdminApi:
         raise ConfigError(f"unknown admin action {action!r} (expected add, remove, weight, drain or undrain).")
 
 
-@attrs.frozen
-class _Refusal:
-    status: int
-    message: str
-    code: str
-    headers: tuple[tuple[bytes, bytes], ...] = ()
+class NoAdminApi:
+    """No admin token configured: no admin routes and no journal to follow."""
 
+    def add_routes(self, routes: RouteTable[App]) -> None:
+        """Add nothing: ``/admin/...`` stays an unknown route."""
 
-def _not_allowed(method: str, allowed: str) -> _Refusal:
-    return _Refusal(
-        405,
-        f"Method {method} is not allowed here (allowed: {allowed}).",
-        "method_not_allowed",
-        ((b"allow", allowed.encode()),),
-    )
+    async def follow(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Report started at once: there is nothing to follow."""
+        task_status.started()

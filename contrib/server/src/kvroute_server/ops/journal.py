@@ -35,7 +35,7 @@ import anyio
 import attrs
 import structlog
 
-__all__ = ["AdminJournal", "WorkerContext", "announce"]
+__all__ = ["ONE_PROCESS", "AdminJournal", "WorkerContext", "announce"]
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +66,9 @@ class WorkerContext:
         """Where each worker publishes its pid and how much of the journal it applied."""
         return Path(self.run_dir) / "workers"
 
+
+#: The context of a proxy that is its only process (no ``--workers``): nothing is shared.
+ONE_PROCESS = WorkerContext(index=0, count=1, run_dir="", shared_metrics=False)
 
 Entry = dict[str, Any]
 

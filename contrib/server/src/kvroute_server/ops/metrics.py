@@ -18,6 +18,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,7 +29,7 @@ from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.shadow import Verdict
 
-__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "ShadowMetrics", "render_merged"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "RequestOutcome", "ShadowMetrics", "render_merged"]
 
 #: The environment variable prometheus-client reads, once, when it is imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -38,6 +39,31 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RequestOutcome(StrEnum):
+    """How a client request ended: the ``outcome`` label of ``kvroute_requests_total`` and of the access log."""
+
+    #: The backend answered below 400 (a stream that ended normally).
+    OK = "ok"
+    #: The backend answered 4xx.
+    CLIENT_ERROR = "client_error"
+    #: Every attempt failed and the last backend's 5xx was passed on.
+    UPSTREAM_ERROR = "upstream_error"
+    #: Every attempt failed without an answer (connection errors): the proxy answered 502.
+    FAILED = "failed"
+    #: The stream failed after it started: the client got an error event.
+    STREAM_ERROR = "stream_error"
+    #: The backend sent nothing within the first-byte timeout: the proxy answered 504.
+    TIMEOUT = "timeout"
+    #: The client left before the answer was complete.
+    CANCELLED = "cancelled"
+    #: No backend could take the request: the proxy answered 503.
+    NO_BACKEND = "no_backend"
+    #: The proxy refused the request itself (bad input, unknown model, too large).
+    REJECTED = "rejected"
+    #: A bug in the proxy: answered 500, or the response was cut off.
+    INTERNAL_ERROR = "internal_error"
 
 
 class _FleetCollector(Collector):
@@ -156,7 +182,7 @@ class ProxyMetrics:
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
         # `request_done`'s bound methods, made on first use (a series exists once it has a value).
-        self._count_done: dict[tuple[str, str], Callable[[], None]] = {}
+        self._count_done: dict[tuple[str, RequestOutcome], Callable[[], None]] = {}
         self._observe_duration: dict[str, Callable[[float], None]] = {}
         self._fleet = fleet
         if not shared:
@@ -249,7 +275,7 @@ class ProxyMetrics:
     def observe_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)
 
-    def request_done(self, backend: str, outcome: str, duration: float | None) -> None:
+    def request_done(self, backend: str, outcome: RequestOutcome, duration: float | None) -> None:
         """Count a finished request, and observe its duration when it reached a backend (once per request)."""
         count = self._count_done.get((backend, outcome))
         if count is None:

@@ -1,7 +1,7 @@
 """Shadow strategies in the proxy: a `kvroute.ShadowSet` fed by the forwarder, counted in the metrics.
 
-Off unless ``--shadow`` / ``[routing] shadow`` names at least one strategy: then `ProxyShadows.create`
-returns ``None`` and the forwarder's only cost is one ``is not None`` check per request.
+Off unless ``--shadow`` / ``[routing] shadow`` names at least one strategy: otherwise `ProxyShadows.create`
+returns `NoShadows`, whose methods do nothing, and the forwarder's only cost is one call to it per request.
 
 A request is scored on its first attempt: the live decision, the candidates it was made from (the
 same event-loop step, so the same fleet state) and each shadow's pick among them. A request retried
@@ -23,11 +23,12 @@ from kvroute.request import RouteRequest
 from kvroute.shadow import ShadowRound, ShadowSet
 from kvroute.strategy import Decision, Outcome, Status
 from kvroute_server.config import ServerConfig
-from kvroute_server.ops.metrics import ProxyMetrics, ShadowMetrics
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome, ShadowMetrics
 
-__all__ = ["ProxyShadows", "cache_view_factory"]
+__all__ = ["NoShadows", "ProxyShadows", "cache_view_factory"]
 
-_STATUS = {"ok": Status.OK, "cancelled": Status.CANCELLED}
+#: What the shadows are told of a request that ended with each outcome (any other is an error).
+_STATUS = {RequestOutcome.OK: Status.OK, RequestOutcome.CANCELLED: Status.CANCELLED}
 
 
 def cache_view_factory(config: ServerConfig) -> Callable[[], CacheView]:
@@ -51,10 +52,10 @@ class ProxyShadows:
     @classmethod
     def create(
         cls, config: ServerConfig, fleet: Fleet, metrics: ProxyMetrics, plugins: PluginManager
-    ) -> ProxyShadows | None:
-        """The shadows ``config`` names, or ``None`` when it names none."""
+    ) -> ProxyShadows | NoShadows:
+        """The shadows ``config`` names, or `NoShadows` when it names none."""
         if not config.shadow:
-            return None
+            return NoShadows()
         shadows = ShadowSet.create(
             fleet,
             config.strategy,
@@ -71,10 +72,23 @@ class ProxyShadows:
         self.metrics.observe(round_.verdicts)
         return round_
 
-    def finished(self, round_: ShadowRound, outcome: str, started: float) -> None:
-        """The live request ended with ``outcome`` (the exchange's word); it ends for the shadows too."""
+    def finished(self, round_: ShadowRound, outcome: RequestOutcome, started: float) -> None:
+        """The live request ended with ``outcome``; it ends for the shadows too."""
         status = _STATUS.get(outcome, Status.ERROR)
         self.set.finished(round_, Outcome(status, time.perf_counter() - started))
 
     def close(self) -> None:
         self.set.close()
+
+
+class NoShadows:
+    """No shadow strategy configured: no request is scored."""
+
+    def routed(self, request: RouteRequest, decision: Decision, exclude: Collection[str]) -> None:
+        """Score nothing: the request has no shadow round."""
+
+    def finished(self, round_: ShadowRound, outcome: RequestOutcome, started: float) -> None:
+        """Nothing to end (never called: no request has a round)."""
+
+    def close(self) -> None:
+        """Nothing to close."""

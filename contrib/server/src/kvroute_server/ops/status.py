@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -31,13 +31,13 @@ from kvroute.router import Router
 from kvroute.strategy import Decision
 from kvroute_server.config import ServerConfig
 from kvroute_server.fleet.backends import BackendSet
-from kvroute_server.fleet.discovery import Discovery
-from kvroute_server.http.asgi import Receive, Scope, Send, send_bytes, send_json
-from kvroute_server.ops.journal import WorkerContext
-from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.fleet.discovery import Discovery, NoDiscovery
+from kvroute_server.http.asgi import App, Receive, RouteTable, Scope, Send, send_bytes, send_json
+from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.proxy.forwarding import Exchange, reject
 
-__all__ = ["DecisionLog", "StatusRoutes", "StatusView", "bearer_matches", "page"]
+__all__ = ["DecisionLog", "NoStatusRoutes", "StatusRoutes", "StatusView", "bearer_matches", "page"]
 #: Version of the ``/status.json`` document's shape; raised when a field changes meaning or goes.
 SCHEMA_VERSION = 1
 
@@ -50,7 +50,7 @@ class DecisionRecord:
     request_id: str
     model: str | None
     decision: Decision
-    outcome: str
+    outcome: RequestOutcome
     status: int
     attempts: int
     ttft_s: float | None
@@ -97,7 +97,7 @@ class DecisionLog:
         model: str | None,
         decision: Decision,
         *,
-        outcome: str,
+        outcome: RequestOutcome,
         status: int,
         attempts: int,
         ttft_s: float | None,
@@ -183,9 +183,9 @@ class StatusView:
         backends: BackendSet,
         router: Router,
         metrics: ProxyMetrics,
-        discovery: Discovery | None,
+        discovery: Discovery | NoDiscovery,
         decisions: DecisionLog,
-        worker: WorkerContext | None = None,
+        worker: WorkerContext = ONE_PROCESS,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -222,9 +222,8 @@ class StatusView:
         in_flight = samples.per_backend("kvroute_in_flight")
         ejections = samples.sum_by("kvroute_ejections_total", "backend", "cause")
         owned: dict[str, str] = {}
-        if self.discovery is not None:
-            for source in self.discovery.status:
-                owned.update(dict.fromkeys(self.discovery.owned(source), source))
+        for source in self.discovery.status:
+            owned.update(dict.fromkeys(self.discovery.owned(source), source))
 
         rows: list[dict[str, Any]] = []
         for state in self.fleet:
@@ -334,9 +333,9 @@ class StatusView:
         }
 
     def _worker(self) -> dict[str, Any]:
-        count = self.worker.count if self.worker is not None else 1
+        count = self.worker.count
         return {
-            "index": self.worker.index if self.worker is not None else 0,
+            "index": self.worker.index,
             "count": count,
             # What is merged over every worker, and what is this worker's own.
             "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow"],
@@ -345,14 +344,10 @@ class StatusView:
 
     def _fleet(self, rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         origins = collections.Counter(str(r["origin"]).partition(":")[0] for r in rows)
-        sources: list[dict[str, Any]] = []
-        if self.discovery is not None:
-            sources = self.discovery.describe()
-            for source in sources:
-                source["kind"] = "discovery"
-            stale_after = self.discovery.policy.stale_after
-        else:
-            stale_after = None
+        sources = self.discovery.describe()
+        for source in sources:
+            source["kind"] = "discovery"
+        stale_after = self.config.discovery_policy.stale_after if self.config.discovery else None
         return {
             "flags": sorted(self._static - self._from_file),
             "file": self.config.config_file,
@@ -379,9 +374,6 @@ def page() -> bytes:
     return resources.files("kvroute_server.ops").joinpath("static/status.html").read_bytes()
 
 
-Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
 class StatusRoutes:
     """``GET /status`` and ``GET /status.json``, and the decision log the app feeds as requests finish."""
 
@@ -399,18 +391,20 @@ class StatusRoutes:
         backends: BackendSet,
         router: Router,
         metrics: ProxyMetrics,
-        discovery: Discovery | None,
-        worker: WorkerContext | None,
-    ) -> StatusRoutes | None:
-        """The routes for ``config.status``; ``None`` when it is ``off``."""
+        discovery: Discovery | NoDiscovery,
+        worker: WorkerContext,
+    ) -> StatusRoutes | NoStatusRoutes:
+        """The routes for ``config.status``; `NoStatusRoutes` when it is ``off``."""
         if config.status == "off":
-            return None
+            return NoStatusRoutes()
         decisions = DecisionLog(config.status_decisions)
         view = StatusView(config, fleet, backends, router, metrics, discovery, decisions, worker)
         return cls(view, config.status, config.admin_token)
 
-    def routes(self) -> dict[str, dict[str, Handler]]:
-        return {"/status": {"GET": self.page}, "/status.json": {"GET": self.json}}
+    def add_routes(self, routes: RouteTable[App]) -> None:
+        """Add ``GET /status`` and ``GET /status.json`` to ``routes``."""
+        routes.add("GET", "/status", self.page)
+        routes.add("GET", "/status.json", self.json)
 
     def finished(self, ex: Exchange, duration: float) -> None:
         """Record a finished request's last decision (requests refused before routing have none)."""
@@ -445,3 +439,13 @@ class StatusRoutes:
             )
             return
         await send_json(send, 200, self.view.collect(), [(b"cache-control", b"no-store")])
+
+
+class NoStatusRoutes:
+    """The status page turned off: no routes, no decision log."""
+
+    def add_routes(self, routes: RouteTable[App]) -> None:
+        """Add nothing: ``/status`` and ``/status.json`` are unknown routes."""
+
+    def finished(self, ex: Exchange, duration: float) -> None:
+        """Record nothing."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from kvroute_server.parity.cli import check_parity
 
-# engine_block_size and Status stay importable from here, as before the split, outside __all__.
+# engine_block_size and Status are importable from here for callers that use them, outside __all__.
 from kvroute_server.parity.compare import PromptTokenizer, check_backend
 from kvroute_server.parity.compare import engine_block_size as engine_block_size
 from kvroute_server.parity.report import ParityCase, ParityReport

@@ -14,7 +14,7 @@ from kvroute_server.parity.report import ParityReport
 
 __all__ = ["startup_check"]
 
-# The events keep the logger name they had before the check was split into modules.
+# One logger name for every module of the check: what a host that filters or routes logs by name matches.
 log = structlog.get_logger("kvroute_server.parity")
 
 

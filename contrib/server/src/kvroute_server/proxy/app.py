@@ -1,4 +1,4 @@
-"""The routing proxy as an ASGI application: dispatch, request parsing, status routes, lifespan.
+"""The routing proxy as an ASGI application: its route table, request parsing, lifespan.
 
 ``ProxyApp(config)`` is an ASGI callable (run it with uvicorn, see `kvroute_server.cli`).
 Per request: read and validate the body, build a `RouteRequest`, and hand it to the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -42,10 +42,13 @@ from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.fleet.discovery import Discovery
 from kvroute_server.fleet.warm_join import WarmJoin
 from kvroute_server.http.asgi import (
+    App,
     BodyTooLarge,
     ClientGone,
     InvalidBody,
     Receive,
+    Refusal,
+    RouteTable,
     Scope,
     Send,
     loads_body,
@@ -55,16 +58,17 @@ from kvroute_server.http.asgi import (
     send_json,
 )
 from kvroute_server.ops.admin import AdminApi
-from kvroute_server.ops.journal import WorkerContext
-from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics
+from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
+from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
 
 __all__ = ["ProxyApp"]
 
-log = structlog.get_logger("kvroute_server.access")
-_events = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
+#: The access log (``--access-log``) has a logger name of its own, so that a host can route or filter it apart.
+access_log = structlog.get_logger("kvroute_server.access")
 
 _ROUTE_HEADERS = {
     AFFINITY_HEADER.encode(): AFFINITY_HEADER,
@@ -130,7 +134,7 @@ async def _internal_error(metrics: ProxyMetrics, scope: Scope, guard: _ResponseG
     which is all a client can be told mid-response.
     """
     request_id = scope.get(_SCOPE_REQUEST_ID)
-    _events.error(
+    log.error(
         "request_failed",
         request_id=request_id,
         method=scope.get("method"),
@@ -156,7 +160,9 @@ class ProxyApp:
     """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan).
 
     Its parts: ``fleet`` and ``backends`` (the `BackendSet`), ``router``, ``forwarder``,
-    ``metrics`` and ``admin`` (`AdminApi`, when an admin token is configured).
+    ``metrics``, ``routes`` (the `RouteTable`) and the optional ones, each a null object that does
+    nothing when off: ``discovery``, ``warm_join``, ``shadows``, ``admin`` (on with an admin token)
+    and ``status``.
 
     ``worker`` is set in the workers of ``kvroute serve --workers N`` (see
     `kvroute_server.ops.workers`): metrics are then shared between the workers and admin
@@ -167,13 +173,11 @@ class ProxyApp:
         self, config: ServerConfig, *, plugins: PluginManager | None = None, worker: WorkerContext | None = None
     ) -> None:
         self.config = config
-        self.worker = worker
+        self.worker = worker or ONE_PROCESS
         self.plugins = plugins or PluginManager()
         self.fleet = Fleet()
-        shared = worker is not None and worker.count > 1 and worker.shared_metrics
-        self.metrics = ProxyMetrics(
-            self.fleet, config.strategy, shared=shared, worker=str(worker.index if worker else 0)
-        )
+        shared = self.worker.count > 1 and self.worker.shared_metrics
+        self.metrics = ProxyMetrics(self.fleet, config.strategy, shared=shared, worker=str(self.worker.index))
         self.backends = BackendSet(
             self.fleet,
             self.plugins,
@@ -182,34 +186,34 @@ class ProxyApp:
             connect_timeout=config.timeouts.connect,
             backends=config.backends,
         )
+        # Each optional part is an object that does nothing when it is off, so none is checked for here.
         self.discovery = Discovery.create(
             config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
         )
         self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
         self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
-        # Shadow strategies (docs/serve.md, "Shadow strategies"); None when none is configured.
+        # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
-        self.admin = AdminApi(self.backends, config.admin_token, worker=worker) if config.admin_token else None
+        self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
+        # The status page (docs/serve.md, "Status page").
+        self.status = StatusRoutes.create(
+            config, self.fleet, self.backends, self.router, self.metrics, self.discovery, self.worker
+        )
         self._shared_metrics = shared
         self._parse_limiter: anyio.CapacityLimiter | None = None
         self._created = int(time.time())
-        handler = Callable[[Scope, Receive, Send], Awaitable[None]]
-        self._routes: dict[str, dict[str, handler]] = {
-            "/v1/chat/completions": {"POST": self._chat},
-            "/v1/completions": {"POST": self._completions},
-            "/v1/models": {"GET": self._models},
-            "/health": {"GET": self._health},
-            "/metrics": {"GET": self._metrics},
-        }
-        for path in config.passthrough_paths:
-            self._routes.setdefault(path, {"POST": self._passthrough})
-        # The status page (docs/serve.md, "Status page"); None when off: no routes, no decision log.
-        self.status = StatusRoutes.create(
-            config, self.fleet, self.backends, self.router, self.metrics, self.discovery, worker
-        )
-        if self.status is not None:
-            self._routes.update(self.status.routes())
+        self.routes: RouteTable[App] = RouteTable()
+        self.routes.add("POST", "/v1/chat/completions", self._chat)
+        self.routes.add("POST", "/v1/completions", self._completions)
+        self.routes.add("GET", "/v1/models", self._models)
+        self.routes.add("GET", "/health", self._health)
+        self.routes.add("GET", "/metrics", self._metrics)
+        self.status.add_routes(self.routes)
+        for path in config.passthrough_paths:  # never in place of a route above
+            if path not in self.routes:
+                self.routes.add("POST", path, self._passthrough)
+        self.admin.add_routes(self.routes)  # under /admin/, after every exact path
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -219,13 +223,10 @@ class ProxyApp:
         strategy = self.router.strategy
         try:
             async with self.backends.running(kv_event_sink(strategy)), anyio.create_task_group() as tg:
-                if self.discovery is not None:  # each source's first answer, before any request
-                    await tg.start(self.discovery.run)
-                if self.admin is not None and self.admin.journal is not None:
-                    # Admin changes made before this worker started (it may be a restart), before any request.
-                    await tg.start(self.admin.follow)
-                if self.warm_join is not None:  # after the initial fleet is in place: later adds are joins
-                    await tg.start(self.warm_join.run, self.router)
+                await tg.start(self.discovery.run)  # each source's first answer, before any request
+                # Admin changes made before this worker started (it may be a restart), before any request.
+                await tg.start(self.admin.follow)
+                await tg.start(self.warm_join.run, self.router)  # after the initial fleet: later adds are joins
                 if isinstance(strategy, HasPromptTokenizer) and strategy.prompt_tokenizer is not None:
                     tg.start_soon(self.backends.check_parity, strategy)
                 try:
@@ -235,8 +236,7 @@ class ProxyApp:
         finally:
             self.forwarder.upstream.close()  # the forwarded requests' idle keep-alive connections
             self.router.close()
-            if self.shadows is not None:
-                self.shadows.close()
+            self.shadows.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -264,26 +264,11 @@ class ProxyApp:
             await self._lifespan(receive, send)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        methods = self._routes.get(path)
-        if methods is None:
-            if self.admin is not None and path.startswith("/admin/"):
-                await self.admin(scope, receive, send)
-                return
-            await reject(self.metrics, send, 404, f"Unknown route: {scope['method']} {path}.", code="unknown_url")
+        found = self.routes.find(scope["method"], scope["path"])
+        if isinstance(found, Refusal):
+            await reject(self.metrics, send, found.status, found.message, code=found.code, headers=list(found.headers))
             return
-        handler = methods.get(scope["method"])
-        if handler is None:
-            allow = ", ".join(sorted(methods)).encode()
-            await reject(
-                self.metrics,
-                send,
-                405,
-                f"Method {scope['method']} is not allowed on {path} (allowed: {allow.decode()}).",
-                code="method_not_allowed",
-                headers=[(b"allow", allow)],
-            )
-            return
+        handler, _ = found
         await handler(scope, receive, send)
 
     async def _parse_request(
@@ -319,7 +304,7 @@ class ProxyApp:
         routable = sum(s.routable for s in members)
         body: dict[str, object] = {"status": "ok" if routable else "unavailable", "backends": len(members)}
         body["routable"] = routable
-        if self.discovery is not None:
+        if self.config.discovery:
             body["discovery"] = self.discovery.describe()
         await send_json(send, 200 if routable else 503, body)
 
@@ -386,7 +371,7 @@ class ProxyApp:
         except Exception as exc:
             # Answered by the last-resort handler in __call__ (500, or a cut-off response).
             ex.status = ex.status or 500  # a status already set went out with the response
-            ex.outcome, ex.error = "internal_error", f"{type(exc).__name__}: {exc}"
+            ex.outcome, ex.error = RequestOutcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
             raise
         finally:
             if self._shared_metrics:
@@ -422,7 +407,7 @@ class ProxyApp:
             )
             return
         except ClientGone:
-            ex.outcome = "cancelled"
+            ex.outcome = RequestOutcome.CANCELLED
             return
         try:
             request = await self._parse_request(raw, endpoint, route_headers, ex.request_id)
@@ -436,15 +421,14 @@ class ProxyApp:
     def _finish(self, ex: Exchange) -> None:
         duration = time.perf_counter() - ex.started
         self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
-        if self.status is not None:
-            self.status.finished(ex, duration)
+        self.status.finished(ex, duration)
         if self.config.access_log:
             _access_line(ex, self.router.strategy_name, duration)
 
 
 def _access_line(ex: Exchange, strategy: str, duration: float) -> None:
     """The access log's one line per request (``--access-log``, on by default)."""
-    log.bind().info(  # bind(): skips the lazy proxy's failed attribute lookup (0.4 µs)
+    access_log.bind().info(  # bind(): skips the lazy proxy's failed attribute lookup (0.4 µs)
         "request",
         request_id=ex.request_id,
         model=ex.model,
@@ -454,7 +438,7 @@ def _access_line(ex: Exchange, strategy: str, duration: float) -> None:
         key=f"{ex.key:016x}" if ex.key is not None else None,
         spilled=ex.spilled,
         status=ex.status,
-        outcome=ex.outcome,
+        outcome=ex.outcome.value,  # the plain word, whatever renderer the host configured
         attempts=ex.attempts,
         stream=ex.stream,
         ttft_s=round(ex.ttft, 6) if ex.ttft is not None else None,

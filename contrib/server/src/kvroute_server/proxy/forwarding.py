@@ -30,12 +30,12 @@ from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.http.asgi import Receive, Scope, Send, dumps, openai_error, send_error
 from kvroute_server.http.client import UpstreamPool, UpstreamResponse
 from kvroute_server.http.protocol import DISCONNECT_EXTENSION, DisconnectNotice
-from kvroute_server.ops.metrics import ProxyMetrics
-from kvroute_server.ops.shadow import ProxyShadows
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
+from kvroute_server.ops.shadow import NoShadows, ProxyShadows
 from kvroute_server.proxy.headers import filter_request_headers, filter_response_headers
 from kvroute_server.proxy.usage import UsageSniffer
 
-__all__ = ["Exchange", "Forwarder", "reject"]
+__all__ = ["Exchange", "Forwarder", "count_reject", "reject"]
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +59,7 @@ class Exchange:
     started: float
     status: int = 0
     backend: str = "none"
-    outcome: str = "rejected"
+    outcome: RequestOutcome = RequestOutcome.REJECTED
     model: str | None = None
     reason: str | None = None
     key: int | None = None
@@ -71,7 +71,7 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
-    #: STATUS PAGE HOOK: the last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
+    #: The last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
     decision: Decision | None = None
     #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
     shadow: ShadowRound | None = None
@@ -109,7 +109,7 @@ def count_reject(metrics: ProxyMetrics, status: int, ex: Exchange | None, messag
     """Count an answer of the proxy's own (``kvroute_rejected_requests``) and record it in ``ex``."""
     metrics.child(metrics.rejected, str(status)).inc()
     if ex is not None and not ex.status:
-        ex.status, ex.outcome, ex.error = status, "rejected", message
+        ex.status, ex.outcome, ex.error = status, RequestOutcome.REJECTED, message
 
 
 def _event_end(data: bytes) -> int:
@@ -136,7 +136,7 @@ class Forwarder:
         router: Router,
         backends: BackendSet,
         metrics: ProxyMetrics,
-        shadows: ProxyShadows | None = None,
+        shadows: ProxyShadows | NoShadows,
     ) -> None:
         self.config = config
         self.router = router
@@ -168,11 +168,10 @@ class Forwarder:
             if not ex.client_gone:
                 raise
             task.uncancel()
-            ex.outcome = "cancelled"
+            ex.outcome = RequestOutcome.CANCELLED
         finally:
             stop_watching()
             if ex.shadow is not None:
-                assert self.shadows is not None
                 self.shadows.finished(ex.shadow, ex.outcome, ex.started)
 
     async def _attempts(
@@ -186,8 +185,8 @@ class Forwarder:
                 with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
-                    ex.decision = decision  # STATUS PAGE HOOK (kvroute_server.ops.status): one assignment
-                    if self.shadows is not None and ex.shadow is None:  # shadows score the first attempt
+                    ex.decision = decision  # for the status page's decision log
+                    if ex.shadow is None:  # shadows score the first attempt
                         ex.shadow = self.shadows.routed(request, decision, failed)
                     ex.backend, ex.reason, ex.key, ex.spilled = (
                         decision.backend.id,
@@ -232,7 +231,7 @@ class Forwarder:
         assert last is not None
         ex.status, ex.outcome, ex.error = (
             last.status,
-            "upstream_error" if last.body is not None else "failed",
+            RequestOutcome.UPSTREAM_ERROR if last.body is not None else RequestOutcome.FAILED,
             last.message,
         )
         if last.body is not None:
@@ -269,7 +268,7 @@ class Forwarder:
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
                     return _Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
-                ex.status, ex.outcome = 504, "timeout"
+                ex.status, ex.outcome = 504, RequestOutcome.TIMEOUT
                 ex.error = f"no response from {backend_id} within {timeouts.first_byte} s"
                 await reject(
                     self.metrics,
@@ -327,7 +326,7 @@ class Forwarder:
             out_headers.append((self._backend_header, backend_id.encode()))
         out_headers.append((b"content-length", str(len(body)).encode()))
         ex.status = status
-        ex.outcome = "ok" if status < 400 else "client_error"
+        ex.outcome = RequestOutcome.OK if status < 400 else RequestOutcome.CLIENT_ERROR
         ex.response_started = True
         ex.complete = True
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
@@ -390,7 +389,8 @@ class Forwarder:
         except _TRANSPORT_ERRORS as exc:
             timed_out = _is_timeout(exc)
             why = "went idle" if timed_out else "failed"
-            ex.outcome, ex.error = "stream_error", f"{backend_id}: stream {why}: {type(exc).__name__}: {exc}"
+            ex.outcome = RequestOutcome.STREAM_ERROR
+            ex.error = f"{backend_id}: stream {why}: {type(exc).__name__}: {exc}"
             if not timed_out:
                 self.backends.health.connection_failed(backend_id, ex.error)
             ex.complete = True
@@ -406,7 +406,7 @@ class Forwarder:
             self._record_usage(backend_id, sniffer)
             return None
         ex.complete = True
-        ex.outcome = "ok"
+        ex.outcome = RequestOutcome.OK
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         self._record_usage(backend_id, sniffer)
         return None
@@ -436,7 +436,7 @@ async def _no_backend(
             ex=ex,
         )
         return
-    ex.status, ex.outcome, ex.error = 503, "no_backend", str(exc)
+    ex.status, ex.outcome, ex.error = 503, RequestOutcome.NO_BACKEND, str(exc)
     await reject(
         forwarder.metrics,
         send,

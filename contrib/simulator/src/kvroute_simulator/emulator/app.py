@@ -23,7 +23,18 @@ import attrs
 import structlog
 
 from kvroute import __version__
-from kvroute_server.http.asgi import ClientGone, Receive, Scope, Send, send_bytes, send_error, send_json
+from kvroute_server.http.asgi import (
+    App,
+    ClientGone,
+    Receive,
+    Refusal,
+    RouteTable,
+    Scope,
+    Send,
+    send_bytes,
+    send_error,
+    send_json,
+)
 from kvroute_simulator.emulator.config import EmulatorConfig, EmulatorStats, Faults
 from kvroute_simulator.emulator.generation import GenerationHandler
 from kvroute_simulator.emulator.metrics import CONTENT_TYPE, EmulatedMetrics
@@ -56,20 +67,25 @@ class EmulatorApp:
         self.runner: RealTimeEngine | None = None
         self._generation = GenerationHandler(self.config, self.faults, self.stats, self.vocab, self.metrics)
         self._created = int(time.time())
-        self._routes = {
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/v1/completions"): self._completions,
-            ("GET", "/v1/models"): self._models,
-            ("GET", "/health"): self._health,
-            ("GET", "/metrics"): self._metrics,
-            ("POST", "/tokenize"): self._tokenize,
-            ("POST", "/detokenize"): self._detokenize,
-            ("GET", "/version"): self._version,
-            ("GET", "/load"): self._load,
-            ("GET", "/emulator/faults"): self._get_faults,
-            ("POST", "/emulator/faults"): self._set_faults,
-            ("GET", "/emulator/stats"): self._get_stats,
-        }
+        # vLLM answers an unknown route and a known one with another method alike: 404.
+        self.routes: RouteTable[App] = RouteTable(
+            not_found="Not Found: {method} {path}", not_found_code="not_found", not_allowed=None
+        )
+        for method, path, handler in [
+            ("POST", "/v1/chat/completions", self._chat),
+            ("POST", "/v1/completions", self._completions),
+            ("GET", "/v1/models", self._models),
+            ("GET", "/health", self._health),
+            ("GET", "/metrics", self._metrics),
+            ("POST", "/tokenize", self._tokenize),
+            ("POST", "/detokenize", self._detokenize),
+            ("GET", "/version", self._version),
+            ("GET", "/load", self._load),
+            ("GET", "/emulator/faults", self._get_faults),
+            ("POST", "/emulator/faults", self._set_faults),
+            ("GET", "/emulator/stats", self._get_stats),
+        ]:
+            self.routes.add(method, path, handler)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[EmulatorApp]:
@@ -95,10 +111,11 @@ class EmulatorApp:
             return
         if scope["type"] != "http":
             return
-        handler = self._routes.get((scope["method"], scope["path"]))
-        if handler is None:
-            await send_error(send, 404, f"Not Found: {scope['method']} {scope['path']}", code="not_found")
+        found = self.routes.find(scope["method"], scope["path"])
+        if isinstance(found, Refusal):
+            await found.send(send)
             return
+        handler, _ = found
         try:
             await handler(scope, receive, send)
         except ClientGone:
