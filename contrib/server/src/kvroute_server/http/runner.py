@@ -9,10 +9,10 @@ the same parser. The proxy works under either; ours costs less CPU per request.
 
 A server process (`run_server`, and each worker of ``--workers N``) runs `ProcessServer`, which
 freezes the garbage collector's view of everything that exists once the app has started
-(``gc.freeze()``): imports, the router's tables, the tokenizer. Without it, each full collection
-walked all of those objects again and held the event loop for up to 100 ms (measured under
-``kvroute serve``: the proxy's p99 latency, docs/performance.md). Objects created afterwards are
-collected as before, with a larger young generation (`GC_THRESHOLDS`).
+(``gc.freeze()``): imports, the router's tables, the tokenizer. Otherwise each full collection
+walks all of those objects and holds the event loop for up to 100 ms (the proxy's p99 latency,
+docs/performance.md). Objects created afterwards are collected normally, with a larger young
+generation (`GC_THRESHOLDS`) because a proxy allocates many short-lived objects per request.
 """
 
 from __future__ import annotations
