@@ -11,64 +11,18 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 from click.testing import CliRunner
 
 import kvroute_simulator
 from kvroute import ConfigError
 from kvroute.cli import main
-from kvroute_simulator import _validators
 from kvroute_simulator.driver import SimulationConfig
 from kvroute_simulator.engine import CostModel, EngineConfig, EngineRequest, HardwareSpec, ModelSpec
 from kvroute_simulator.tokens import TokenSeq
 from kvroute_simulator.workloads import LongPrefix, Rag, Trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-@attrs.frozen
-class _Probe:
-    value: Any
-
-
-def _check(validator: Any, value: Any) -> None:
-    validator(_Probe(1), attrs.fields(_Probe).value, value)
-
-
-class TestValidators:
-    @pytest.mark.parametrize(
-        ("validator", "good", "bad", "expected"),
-        [
-            (
-                _validators.positive_number,
-                [1, 0.5, 1e300],
-                [0, -1, True, math.nan, math.inf, "1", None],
-                "a positive number",
-            ),
-            (_validators.non_negative_number, [0, 0.0, 2.5], [-0.1, False, -math.inf, math.nan, "0"], "a number >= 0"),
-            (_validators.share, [0, 0.5, 1], [1.01, -0.01, math.nan, True], "a number between 0 and 1"),
-            (_validators.positive_share, [0.9, 1], [0, 1.5, math.nan, True], "a number above 0 and at most 1"),
-            (_validators.positive_integer, [1, 10**12], [0, -3, 2.0, 1.5, True, "3", None], "a positive integer"),
-            (_validators.integer, [0, -5, 7], [1.0, False, "x", None], "an integer"),
-            (_validators.flag, [True, False], [1, 0, "yes", None], "true or false"),
-        ],
-    )
-    def test_accepts_and_refuses(self, validator: Any, good: list[Any], bad: list[Any], expected: str) -> None:
-        """Each validator lets its good values through and refuses the others with a ConfigError saying what was
-        expected and got (bools are not numbers, NaN and infinities are refused)."""
-        for value in good:
-            _check(validator, value)
-        for value in bad:
-            with pytest.raises(ConfigError) as info:
-                _check(validator, value)
-            assert str(info.value) == f"'value' must be {expected} (got {value!r}).", value
-
-    def test_optional_lets_none_through(self) -> None:
-        """optional(v) accepts None and otherwise checks like v."""
-        _check(_validators.optional(_validators.positive_integer), None)
-        with pytest.raises(ConfigError, match=r"^'value' must be a positive integer \(got 0\)\.$"):
-            _check(_validators.optional(_validators.positive_integer), 0)
 
 
 class TestSettings:

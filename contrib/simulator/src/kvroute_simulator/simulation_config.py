@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import attrs
 
 from kvroute.errors import ConfigError
+from kvroute.validators import integer, optional, positive_integer, positive_number
 from kvroute.warmup import SlowStart
-from kvroute_simulator._validators import integer, optional, positive_integer, positive_number
 from kvroute_simulator.bound import reused_blocks
 from kvroute_simulator.engine_config import CostModel, EngineConfig
 from kvroute_simulator.sequences import EngineRequest
