@@ -60,6 +60,8 @@ def _options(help_text: str) -> dict[str, str]:
             current.append(line.strip())
     out = {}
     for decl, parts in entries.items():
+        if parts == ["Show this message and exit."]:
+            continue  # click caches a command's help option with the names of the first context that built it
         text = re.sub(r"(\w)- (\w)", r"\1-\2", re.sub(r"\s+", " ", " ".join(parts)).strip())
         text = re.sub(r"\[default: (\d+(?:\.\d+)?)\]", lambda m: f"[default: {float(m[1]):g}]", text)
         out[decl.split()[0]] = text
