@@ -284,6 +284,7 @@ class HealthConfig:
 
 
 _MASS_REMOVAL = ("gradual", "hold")
+_HTTP_PROTOCOLS = ("kvroute", "httptools")
 
 
 @attrs.frozen
@@ -515,6 +516,15 @@ class ServerConfig:
     cache_view: Mapping[str, Any] = setting(factory=dict, section="routing", help="The fleet cache view's settings")
     #: Warm join of backends added while serving (``[warm_join]``, ``--slow-start``, ``--prefill``).
     warm_join: WarmJoinConfig = attrs.field(factory=WarmJoinConfig)
+    #: The server protocol of each client connection: kvroute's own (`kvroute_server.http.protocol`) or uvicorn's.
+    http: str = setting(
+        "kvroute",
+        _one_of(_HTTP_PROTOCOLS),
+        flag="--http",
+        section="server",
+        choices=_HTTP_PROTOCOLS,
+        help="HTTP/1.1 server protocol: kvroute's own (faster) or uvicorn's httptools",
+    )
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
