@@ -267,4 +267,5 @@ def serve(
         config.port,
         log_level=log_level if log_level != "info" else "warning",
         shutdown_timeout=config.shutdown_timeout,
+        http=config.http,
     )
