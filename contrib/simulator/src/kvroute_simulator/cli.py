@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from kvroute.errors import KvrouteError
+from kvroute.validators import parse_key_values
 from kvroute.warmup import SlowStart
 from kvroute_simulator.driver import Comparison, SimulationConfig, compare, parse_scale
 from kvroute_simulator.engine import EngineConfig
@@ -59,13 +60,9 @@ def _value(text: str) -> Any:
 
 
 def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
-    out = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE (got {item!r}).", param_hint=option)
-        out.append((key.strip().replace("-", "_"), value.strip()))
-    return out
+    return parse_key_values(
+        items, lambda item: click.BadParameter(f"expected KEY=VALUE (got {item!r}).", param_hint=option)
+    )
 
 
 @click.command("simulate", epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
