@@ -1,4 +1,5 @@
-"""kvroute.validators: the checks every setting uses, and the one KEY=VALUE parser."""
+"""kvroute.validators and kvroute.settings: the checks every setting uses, the one KEY=VALUE parser, and a
+setting's click option generated from its field."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import math
 from typing import Any
 
 import attrs
+import click
 import pytest
 from attrs import validators as v
+from click.testing import CliRunner
 
-from kvroute import ConfigError, validators
+from kvroute import ConfigError, settings, validators
 
 
 @attrs.frozen
@@ -94,3 +97,39 @@ class TestParseKeyValues:
         with pytest.raises(KeyError) as info:
             validators.parse_key_values([item], KeyError)
         assert info.value.args == (item,)
+
+
+@attrs.frozen
+class _Settings:
+    timeout: float = settings.setting(5.0, flag="--timeout", help="Seconds to wait")
+    probe: bool = settings.setting(True, flag="--probe", help="Probe")
+    count: int = settings.setting(3, flag="--count", short="-c", help="How many.")
+
+
+class TestSettingOption:
+    def _command(self, given: bool) -> click.Command:
+        def run(**values: Any) -> None:
+            click.echo(repr(sorted(values.items())))
+
+        for field in reversed(attrs.fields(_Settings)):
+            run = settings.option(field, field.default, field.name, given=given)(run)
+        return click.command()(run)
+
+    def test_help_shows_the_fields_default(self) -> None:
+        """The option's help ends with the field's default, a switch as on/off and a float as %g."""
+        helps = {p.name: p.help for p in self._command(given=False).params}
+        assert helps == {
+            "timeout": "Seconds to wait [default: 5].",
+            "probe": "Probe [default: on].",
+            "count": "How many. [default: 3].",
+        }
+
+    def test_not_given_is_none(self) -> None:
+        """Unless given=True, an option not given is None (so a file's value stands); a bool gets --no-."""
+        result = CliRunner().invoke(self._command(given=False), ["--no-probe", "-c", "4"])
+        assert result.stdout.strip() == "[('count', 4), ('probe', False), ('timeout', None)]", result.output
+
+    def test_given_takes_the_default(self) -> None:
+        """With given=True the option's value defaults to the field's."""
+        result = CliRunner().invoke(self._command(given=True), [])
+        assert result.stdout.strip() == "[('count', 3), ('probe', True), ('timeout', 5.0)]"

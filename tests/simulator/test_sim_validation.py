@@ -7,10 +7,12 @@ import collections.abc
 import importlib
 import math
 import pkgutil
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
@@ -106,3 +108,20 @@ class TestNames:
         """The emulator's metrics renderer is EmulatedMetrics, not a second VllmMetrics beside kvroute-vllm's parser."""
         names = set().union(*_public_names().values())
         assert "EmulatedMetrics" in names and "VllmMetrics" not in names
+
+
+_SETTINGS = [f for f in attrs.fields(SimulationConfig) if "setting" in f.metadata]
+
+
+class TestSimulateDocs:
+    @pytest.mark.parametrize("field", _SETTINGS, ids=[f.name for f in _SETTINGS])
+    def test_every_option_setting_in_the_table(self, field: Any) -> None:
+        """Each SimulationConfig setting with a flag is a row of docs/simulation.md's options table."""
+        text = (Path(__file__).resolve().parents[2] / "docs" / "simulation.md").read_text(encoding="utf-8")
+        table = text.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
+        flag = field.metadata["setting"].flag
+        rows = [row for row in table.splitlines() if re.search(rf"`{flag}[ `]", row)]
+        assert rows, f"{flag} is not in docs/simulation.md's options table"
+        shown = re.search(r"\((\d+)\) \|$", rows[0])
+        if shown:  # a row that states the default states the field's
+            assert int(shown[1]) == field.default

@@ -11,10 +11,10 @@ import click
 
 from kvroute.errors import KvrouteError
 from kvroute.plugins import PluginManager
+from kvroute.settings import Setting, option
 from kvroute_server.config import (
     DEFAULT_STRATEGY,
     ServerConfig,
-    Setting,
     apply_settings,
     load_toml,
     parse_backend_flag,
@@ -114,21 +114,13 @@ def _param_name(path: tuple[str, ...], meta: Setting) -> str:
     return path[0] if len(path) == 1 else meta.flag.removeprefix("--").replace("-", "_")
 
 
-def _shown(default: Any) -> str:
-    if isinstance(default, bool):
-        return "on" if default else "off"
-    if isinstance(default, float):
-        return f"{default:g}"
-    return str(default)
-
-
 _DEFAULTS = ServerConfig()
 
 
 def _setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add a ``--FLAG`` option for every setting that has one, in schema order, its help ending in its default.
 
-    Every option defaults to ``None`` ("not given"), so the file's value stands unless the flag is given.
+    Every option's value is ``None`` unless given, so the file's value stands unless the flag is given.
     """
     for path, field, meta in reversed(list(settings())):
         if meta.flag is None:
@@ -136,12 +128,7 @@ def _setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
         default: Any = _DEFAULTS
         for name in path:
             default = getattr(default, name)
-        help_text = f"{meta.help} [default: {_shown(default)}]." if meta.show_default else f"{meta.help}."
-        decls = [f"{meta.flag}/--no-{meta.flag[2:]}" if field.type is bool else meta.flag, _param_name(path, meta)]
-        kind: Any = click.Choice(list(meta.choices)) if meta.choices else {int: int, float: float}.get(field.type)
-        command = click.option(
-            *decls, type=kind, default=None, metavar=meta.metavar, envvar=meta.envvar, help=help_text
-        )(command)
+        command = option(field, default, _param_name(path, meta))(command)
     return command
 
 

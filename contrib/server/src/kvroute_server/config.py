@@ -20,6 +20,7 @@ from attrs import validators as v
 
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError
+from kvroute.settings import Setting, setting
 from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_values
 
 __all__ = [
@@ -162,49 +163,6 @@ def parse_backend_flag(value: str) -> BackendConfig:
 def parse_option_flags(values: Sequence[str]) -> dict[str, str]:
     """Parse repeated ``--option key=value`` flags."""
     return dict(parse_key_values(values, lambda item: ConfigError(f"--option must be key=value (got {item!r}).")))
-
-
-@attrs.frozen
-class Setting:
-    """What `kvroute serve` knows of one setting besides its attrs field: its flag, help and TOML table.
-
-    The field is the one place a setting is declared: its default, validator and type come from
-    it, and the command's option (``--FLAG``, its ``[default: ...]``) and the TOML structuring from
-    this metadata (`settings`). ``flag=None``: TOML only. ``section`` is the TOML table of a
-    `ServerConfig` field (``server`` or ``routing``); a nested class's fields are in the table
-    named after its `ServerConfig` field (``[timeouts]``, ``[health]``...).
-    """
-
-    help: str
-    flag: str | None = None
-    section: str | None = None
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    #: Whether the help ends with ``[default: ...]`` (shown as ``on``/``off`` for a switch).
-    show_default: bool = True
-    envvar: str | None = None
-
-
-def setting(
-    default: Any = attrs.NOTHING,
-    validator: Validator | None = None,
-    *,
-    help: str,
-    flag: str | None = None,
-    section: str | None = None,
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    show_default: bool = True,
-    envvar: str | None = None,
-    factory: Any = None,
-    repr: bool = True,
-    converter: Any = None,
-) -> Any:
-    """An attrs field that is a `kvroute serve` setting (see `Setting`)."""
-    meta = {"setting": Setting(help, flag, section, metavar, choices, show_default, envvar)}
-    if factory is not None:
-        return attrs.field(factory=factory, validator=validator, repr=repr, converter=converter, metadata=meta)
-    return attrs.field(default=default, validator=validator, repr=repr, converter=converter, metadata=meta)
 
 
 _positive_number = expect("a number > 0", *NUMBER, v.gt(0))
