@@ -4,6 +4,13 @@ Precedence, lowest first: built-in defaults, the TOML file (``--config``), a Sag
 endpoint-config import (``--sagemaker-config``: strategy and its options only), then
 command-line flags. Every value is validated here, so the server never starts with a
 configuration it would reject later; errors are `kvroute.ConfigError` naming the key.
+
+Each setting is one attrs field made with `kvroute.settings.setting`: its default, type and
+validator, and in its metadata its flag, help line and TOML table. `settings` lists them; the
+TOML loader reads each table's keys from them (cattrs structures the values, strictly by the
+fields' types) and ``kvroute serve`` generates its options from them (`kvroute_server.cli`).
+The backends, discovery sources and strategy options are structured tables with their own
+flags (``--backend``, ``--discovery``, ``--option``...), parsed here too.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "Setting",
     "TimeoutConfig",
     "WarmJoinConfig",
+    "apply_settings",
     "config_from_mapping",
     "load_toml",
     "parse_backend_flag",
@@ -40,6 +48,7 @@ __all__ = [
     "parse_option_flags",
     "parse_shadow_option_flags",
     "settings",
+    "toml_table",
 ]
 
 #: The strategy `kvroute serve` routes with when none is configured: prefix-aware, with a load
