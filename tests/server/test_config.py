@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -14,9 +16,12 @@ from kvroute_server.config import (
     DEFAULT_STRATEGY,
     BackendConfig,
     ServerConfig,
+    Setting,
     load_toml,
     parse_backend_flag,
     parse_option_flags,
+    settings,
+    toml_table,
 )
 from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
 
@@ -303,3 +308,104 @@ class TestServeCommand:
         )
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["strategy"] == "least-outstanding"
+
+
+def _doc_rows() -> list[tuple[set[str], list[str], list[str]]]:
+    """docs/serve.md's settings table: per row, its flags, its TOML keys (``table.key``) and its defaults."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text(encoding="utf-8")
+    table = text.split("| flag | TOML key | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        flag_cell, key_cell, default_cell = (cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:4])
+        keys: list[str] = []
+        for token in re.findall(r"`\[*([\w.-]+?)(?:\.NAME)?\]*`", key_cell):
+            keys.append(keys[-1].rsplit(".", 1)[0] + token if token.startswith(".") else token)
+        defaults = [part.strip() for part in re.split(r", | / ", default_cell)] if len(keys) > 1 else [default_cell]
+        rows.append((set(re.findall(r"--[a-z-]+", flag_cell)), keys, defaults))
+    return rows
+
+
+def _doc_default(text: str) -> str:
+    """A default as the table writes it, reduced to the value: '`gradual`' -> 'gradual', '30 s' -> '30'."""
+    return re.sub(r" s$| \(.*\)$", "", text.replace("`", "").replace(",", "")).strip()
+
+
+class TestSettingsDocs:
+    @pytest.mark.parametrize(
+        ("path", "meta"), [(p, m) for p, _, m in settings()], ids=[".".join(p) for p, _, _ in settings()]
+    )
+    def test_every_setting_has_a_row(self, path: tuple[str, ...], meta: Setting) -> None:
+        """Each setting is a row of docs/serve.md's settings table with its flag, its TOML key and its default."""
+        key = f"{toml_table(path, meta)}.{path[-1]}"
+        rows = [(flags, keys, defaults) for flags, keys, defaults in _doc_rows() if key in keys]
+        assert rows, f"{key} is not in docs/serve.md's settings table"
+        flags, keys, defaults = rows[0]
+        if meta.flag is not None:
+            assert meta.flag in flags, f"{key}: the row does not name {meta.flag}"
+        default: Any = ServerConfig()
+        for name in path:
+            default = getattr(default, name)
+        if default is not None and not isinstance(default, tuple | dict):
+            shown = _doc_default(defaults[keys.index(key)])
+            if isinstance(default, bool):
+                assert shown == ("on" if default else "off"), key
+            elif isinstance(default, int | float):
+                assert float(shown) == default, key
+            else:
+                assert shown == default, key
+
+    def test_every_row_is_a_setting(self) -> None:
+        """Every TOML key and flag the settings table names exists (besides the structured and command flags)."""
+        known = {f"{toml_table(p, m)}.{p[-1]}" for p, _, m in settings()} | {"backends", "discovery"}
+        flags = {m.flag for _, _, m in settings() if m.flag} | {
+            f"--no-{m.flag[2:]}" for _, f, m in settings() if m.flag
+        }
+        structured = {"--config", "--backend", "--discovery", "--option", "--shadow", "--shadow-option", "--cache-view"}
+        structured |= {"--sagemaker-config", "--sagemaker-variant", "--log-level", "--log-format"}
+        for row_flags, keys, _ in _doc_rows():
+            assert set(keys) <= known, keys
+            assert row_flags <= flags | structured, row_flags
+
+
+class TestSchema:
+    def test_every_flag_is_an_option_with_the_fields_default(self) -> None:
+        """Each setting with a flag is an option of kvroute serve whose help ends with the field's default."""
+        options = {opt: param for param in serve.params for opt in param.opts}
+        for path, _, meta in settings():
+            if meta.flag is None:
+                continue
+            default: Any = ServerConfig()
+            for name in path:
+                default = getattr(default, name)
+            help_text = options[meta.flag].help or ""
+            assert help_text.startswith(meta.help), meta.flag
+            if meta.show_default:
+                shown = ("on" if default else "off") if isinstance(default, bool) else default
+                shown = f"{shown:g}" if isinstance(shown, float) else shown
+                assert help_text.endswith(f"[default: {shown}]."), meta.flag
+
+    @pytest.mark.parametrize(
+        ("args", "toml", "expected"),
+        [([], "", "kvroute"), (["--http", "httptools"], "", "httptools"), ([], 'http = "httptools"', "httptools")],
+    )
+    def test_http(self, tmp_path: Path, args: list[str], toml: str, expected: str) -> None:
+        """The http setting defaults to kvroute's protocol; --http and [server] http choose uvicorn's."""
+        path = tmp_path / "c.toml"
+        path.write_text(f"[server]\n{toml}\n")
+        result = CliRunner().invoke(serve, ["--config", str(path), *args, "--check"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["http"] == expected
+
+    def test_bad_http(self, tmp_path: Path) -> None:
+        """An unknown protocol in the file is an error naming the choices."""
+        path = tmp_path / "c.toml"
+        path.write_text('[server]\nhttp = "h2"\n')
+        with pytest.raises(ConfigError, match=r"^'http' must be one of kvroute, httptools \(got 'h2'\)\.$"):
+            load_toml(path)
+
+    def test_wrong_toml_type_names_table_and_key(self, tmp_path: Path) -> None:
+        """A TOML value of the wrong type for its field is refused by the converter, naming the table and key."""
+        path = tmp_path / "c.toml"
+        path.write_text("[warm_join]\nprefill_timeout = true\n")
+        with pytest.raises(ConfigError, match=r"^\[warm_join\] 'prefill_timeout' must be float \(got bool True\)\.$"):
+            load_toml(path)

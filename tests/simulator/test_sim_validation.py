@@ -7,6 +7,7 @@ import collections.abc
 import importlib
 import math
 import pkgutil
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -18,57 +19,12 @@ from click.testing import CliRunner
 import kvroute_simulator
 from kvroute import ConfigError
 from kvroute.cli import main
-from kvroute_simulator import _validators
 from kvroute_simulator.driver import SimulationConfig
 from kvroute_simulator.engine import CostModel, EngineConfig, EngineRequest, HardwareSpec, ModelSpec
 from kvroute_simulator.tokens import TokenSeq
 from kvroute_simulator.workloads import LongPrefix, Rag, Trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-@attrs.frozen
-class _Probe:
-    value: Any
-
-
-def _check(validator: Any, value: Any) -> None:
-    validator(_Probe(1), attrs.fields(_Probe).value, value)
-
-
-class TestValidators:
-    @pytest.mark.parametrize(
-        ("validator", "good", "bad", "expected"),
-        [
-            (
-                _validators.positive_number,
-                [1, 0.5, 1e300],
-                [0, -1, True, math.nan, math.inf, "1", None],
-                "a positive number",
-            ),
-            (_validators.non_negative_number, [0, 0.0, 2.5], [-0.1, False, -math.inf, math.nan, "0"], "a number >= 0"),
-            (_validators.share, [0, 0.5, 1], [1.01, -0.01, math.nan, True], "a number between 0 and 1"),
-            (_validators.positive_share, [0.9, 1], [0, 1.5, math.nan, True], "a number above 0 and at most 1"),
-            (_validators.positive_integer, [1, 10**12], [0, -3, 2.0, 1.5, True, "3", None], "a positive integer"),
-            (_validators.integer, [0, -5, 7], [1.0, False, "x", None], "an integer"),
-            (_validators.flag, [True, False], [1, 0, "yes", None], "true or false"),
-        ],
-    )
-    def test_accepts_and_refuses(self, validator: Any, good: list[Any], bad: list[Any], expected: str) -> None:
-        """Each validator lets its good values through and refuses the others with a ConfigError saying what was
-        expected and got (bools are not numbers, NaN and infinities are refused)."""
-        for value in good:
-            _check(validator, value)
-        for value in bad:
-            with pytest.raises(ConfigError) as info:
-                _check(validator, value)
-            assert str(info.value) == f"'value' must be {expected} (got {value!r}).", value
-
-    def test_optional_lets_none_through(self) -> None:
-        """optional(v) accepts None and otherwise checks like v."""
-        _check(_validators.optional(_validators.positive_integer), None)
-        with pytest.raises(ConfigError, match=r"^'value' must be a positive integer \(got 0\)\.$"):
-            _check(_validators.optional(_validators.positive_integer), 0)
 
 
 class TestSettings:
@@ -152,3 +108,20 @@ class TestNames:
         """The emulator's metrics renderer is EmulatedMetrics, not a second VllmMetrics beside kvroute-vllm's parser."""
         names = set().union(*_public_names().values())
         assert "EmulatedMetrics" in names and "VllmMetrics" not in names
+
+
+_SETTINGS = [f for f in attrs.fields(SimulationConfig) if "setting" in f.metadata]
+
+
+class TestSimulateDocs:
+    @pytest.mark.parametrize("field", _SETTINGS, ids=[f.name for f in _SETTINGS])
+    def test_every_option_setting_in_the_table(self, field: Any) -> None:
+        """Each SimulationConfig setting with a flag is a row of docs/simulation.md's options table."""
+        text = (Path(__file__).resolve().parents[2] / "docs" / "simulation.md").read_text(encoding="utf-8")
+        table = text.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
+        flag = field.metadata["setting"].flag
+        rows = [row for row in table.splitlines() if re.search(rf"`{flag}[ `]", row)]
+        assert rows, f"{flag} is not in docs/simulation.md's options table"
+        shown = re.search(r"\((\d+)\) \|$", rows[0])
+        if shown:  # a row that states the default states the field's
+            assert int(shown[1]) == field.default

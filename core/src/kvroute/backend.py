@@ -5,21 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
 
 import attrs
+from attrs import validators as v
+
+from kvroute.validators import expect
 
 __all__ = ["Backend", "BackendState", "EngineLoad"]
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"'{attribute.name}' must be > 0 (got {value!r}).")
-
-
-def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty string (got {value!r}).")
+_positive = expect("> 0", v.gt(0), error=ValueError)
+_non_empty = expect("a non-empty string", v.instance_of(str), v.min_len(1), error=ValueError)
 
 
 def _frozen_mapping(value: Mapping[str, str] | None) -> Mapping[str, str]:

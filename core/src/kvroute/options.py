@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from attrs import validators as v
+
+from kvroute.validators import expect
 
 __all__ = ["bool_option", "float_option", "int_option", "optional_float_option", "optional_int_option", "str_option"]
 
@@ -74,19 +77,19 @@ def _named(convert: Any) -> Any:
 
 
 def _range(lo: float | None, hi: float | None) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is None:
-            return
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            if lo is not None and hi is not None:
-                bound = f"between {lo} and {hi}"
-            elif lo is not None:
-                bound = f">= {lo}"
-            else:
-                bound = f"<= {hi}"
-            raise ValueError(f"'{attribute.name}' must be {bound} (got {value!r}).")
-
-    return check
+    # "not below lo" rather than ">= lo": the check refuses only what is out of range, as NaN is not.
+    checks = []
+    if lo is not None:
+        checks.append(v.not_(v.lt(lo)))
+    if hi is not None:
+        checks.append(v.not_(v.gt(hi)))
+    if lo is not None and hi is not None:
+        bound = f"between {lo} and {hi}"
+    elif lo is not None:
+        bound = f">= {lo}"
+    else:
+        bound = f"<= {hi}"
+    return v.optional(expect(bound, *checks, error=ValueError))
 
 
 def int_option(default: int, *, min: int | None = None, max: int | None = None) -> Any:
@@ -117,12 +120,7 @@ def bool_option(default: bool) -> Any:
 def str_option(default: str | None = None, *, choices: tuple[str, ...] | None = None) -> Any:
     """A string option, optionally restricted to ``choices``."""
 
-    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is None:
-            return
-        if not isinstance(value, str):
-            raise ValueError(f"'{attribute.name}' must be a string (got {value!r}).")
-        if choices is not None and value not in choices:
-            raise ValueError(f"'{attribute.name}' must be one of {', '.join(choices)} (got {value!r}).")
-
-    return attrs.field(default=default, validator=check, kw_only=True)
+    checks = [expect("a string", v.instance_of(str), error=ValueError)]
+    if choices is not None:
+        checks.append(expect(f"one of {', '.join(choices)}", v.in_(choices), error=ValueError))
+    return attrs.field(default=default, validator=v.optional(checks), kw_only=True)

@@ -34,32 +34,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from attrs import validators as v
 
-from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet
 from kvroute.hashing import hash_parts
 from kvroute.logs import get_logger
 from kvroute.request import RouteRequest, render_messages
 from kvroute.router import Router
+from kvroute.validators import FINITE_NUMBER, NUMBER, expect, positive_integer
 
 __all__ = ["HotPrefix", "HotPrefixes", "SlowStart", "WeightRamp", "prefix_body", "warm_plan"]
 
 log = get_logger(__name__)
 
 
-def _period(_inst: object, _attr: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"'period' must be a positive number of seconds (got {value!r}).")
-
-
-def _initial(_inst: object, _attr: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ConfigError(f"'initial' must be a fraction in (0, 1] of the backend's weight (got {value!r}).")
-
-
-def _steps(_inst: object, _attr: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"'steps' must be a positive integer (got {value!r}).")
+_period = expect("a positive number of seconds", *FINITE_NUMBER, v.gt(0))
+_initial = expect("a fraction in (0, 1] of the backend's weight", *NUMBER, v.gt(0), v.le(1))
 
 
 @attrs.frozen
@@ -72,7 +62,7 @@ class SlowStart:
 
     period: float = attrs.field(validator=_period)
     initial: float = attrs.field(default=0.1, validator=_initial)
-    steps: int = attrs.field(default=10, validator=_steps)
+    steps: int = attrs.field(default=10, validator=positive_integer)
 
     def fraction(self, elapsed: float) -> float:
         """The share of the full weight ``elapsed`` seconds after the join (1.0 from ``period`` on)."""
@@ -171,12 +161,8 @@ class HotPrefixes:
     shared. A prefix not seen for ``capacity`` distinct prefixes is forgotten with its count.
     """
 
-    capacity: int = 1024
+    capacity: int = attrs.field(default=1024, validator=positive_integer)
     _entries: OrderedDict[int, HotPrefix] = attrs.field(init=False, factory=OrderedDict)
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
-            raise ConfigError(f"'capacity' must be a positive integer (got {self.capacity!r}).")
 
     def observe(self, request: RouteRequest) -> None:
         """Count ``request``'s prefix (nothing when it has none, see `prefix_body`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -10,18 +11,17 @@ import click
 
 from kvroute.errors import KvrouteError
 from kvroute.plugins import PluginManager
+from kvroute.settings import Setting, option
 from kvroute_server.config import (
     DEFAULT_STRATEGY,
-    DiscoveryPolicy,
-    HealthConfig,
     ServerConfig,
-    TimeoutConfig,
-    WarmJoinConfig,
+    apply_settings,
     load_toml,
     parse_backend_flag,
     parse_discovery_flag,
     parse_option_flags,
     parse_shadow_option_flags,
+    settings,
 )
 from kvroute_server.sagemaker import load_sagemaker
 
@@ -67,38 +67,12 @@ def build_config(
         for key, value in parse_option_flags(cache_view).items():
             view[key] = value if key == "units" else _integer_flag("--cache-view", key, value)
         config = attrs.evolve(config, cache_view=view)
-    policy_map = {
-        "max_removal_share": "max_removal_share",
-        "removal_interval": "removal_interval",
-        "on_mass_removal": "on_mass_removal",
-        "discovery_stale_after": "stale_after",
-    }
-    policy = {policy_map[k]: flags.pop(k) for k in list(flags) if k in policy_map and flags[k] is not None}
-    timeouts = {k: flags.pop(f"{k}_timeout", None) for k in ("connect", "first_byte", "idle")}
-    timeouts = {k: v for k, v in timeouts.items() if v is not None}
-    health_map = {
-        "health_interval": "interval",
-        "health_timeout": "timeout",
-        "unhealthy_threshold": "unhealthy_threshold",
-        "healthy_threshold": "healthy_threshold",
-        "passive_ejection": "passive_ejection",
-    }
-    health = {health_map[k]: flags.pop(k) for k in list(flags) if k in health_map and flags[k] is not None}
-    warm_join = {k: flags.pop(k) for k in list(flags) if k in _WARM_JOIN_FLAGS and flags[k] is not None}
-    backend_header = flags.pop("backend_header", None)
-    if backend_header is not None:
-        config = attrs.evolve(config, backend_header=backend_header or None)
-    config = config.merge(**flags)
-    try:
-        return attrs.evolve(
-            config,
-            timeouts=attrs.evolve(config.timeouts, **timeouts) if timeouts else config.timeouts,
-            health=attrs.evolve(config.health, **health) if health else config.health,
-            discovery_policy=attrs.evolve(config.discovery_policy, **policy) if policy else config.discovery_policy,
-            warm_join=attrs.evolve(config.warm_join, **warm_join) if warm_join else config.warm_join,
-        )
-    except (TypeError, ValueError) as exc:
-        raise KvrouteError(str(exc)) from None
+    values = {_FLAG_PATHS[name]: value for name, value in flags.items() if value is not None}
+    if values.get(("backend_header",)) == "":
+        values[("backend_header",)] = None
+    # The server's own settings are checked first, then those of its parts ([timeouts], [health]...).
+    config = apply_settings(config, {path: value for path, value in values.items() if len(path) == 1})
+    return apply_settings(config, {path: value for path, value in values.items() if len(path) > 1})
 
 
 def _integer_flag(flag: str, key: str, value: str) -> int:
@@ -134,13 +108,32 @@ def _check_default_strategy(config: ServerConfig, plugins: PluginManager) -> Non
     )
 
 
-_D_TIMEOUT = TimeoutConfig()
-_D_HEALTH = HealthConfig()
-_D_POLICY = DiscoveryPolicy()
-_D_WARM = WarmJoinConfig()
-#: The ``kvroute serve`` flags that set `WarmJoinConfig` fields (same names).
-_WARM_JOIN_FLAGS = {f.name for f in attrs.fields(WarmJoinConfig)}
-_D = ServerConfig()
+def _param_name(path: tuple[str, ...], meta: Setting) -> str:
+    """The option's parameter name: a `ServerConfig` field's own name, else its flag's (``connect_timeout``)."""
+    assert meta.flag is not None
+    return path[0] if len(path) == 1 else meta.flag.removeprefix("--").replace("-", "_")
+
+
+_DEFAULTS = ServerConfig()
+
+
+def _setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add a ``--FLAG`` option for every setting that has one, in schema order, its help ending in its default.
+
+    Every option's value is ``None`` unless given, so the file's value stands unless the flag is given.
+    """
+    for path, field, meta in reversed(list(settings())):
+        if meta.flag is None:
+            continue
+        default: Any = _DEFAULTS
+        for name in path:
+            default = getattr(default, name)
+        command = option(field, default, _param_name(path, meta))(command)
+    return command
+
+
+#: Each generated option's parameter name and the path of the setting it sets.
+_FLAG_PATHS = {_param_name(path, meta): path for path, _, meta in settings() if meta.flag is not None}
 
 
 @click.command()
@@ -160,31 +153,6 @@ _D = ServerConfig()
     metavar="KIND:TARGET",
     help="A discovery source (repeatable): file:PATH, dns:NAME:PORT, dns:_svc._tcp.NAME, kubernetes:NS/SVC:PORT.",
 )
-@click.option(
-    "--max-removal-share",
-    type=float,
-    default=None,
-    help=f"Largest share of discovered backends one update removes at once [default: {_D_POLICY.max_removal_share}].",
-)
-@click.option(
-    "--removal-interval",
-    type=float,
-    default=None,
-    help=f"Seconds between removals of a mass removal [default: {_D_POLICY.removal_interval:g}].",
-)
-@click.option(
-    "--on-mass-removal",
-    type=click.Choice(["gradual", "hold"]),
-    default=None,
-    help=f"Apply a mass removal gradually or hold it [default: {_D_POLICY.on_mass_removal}].",
-)
-@click.option(
-    "--discovery-stale-after",
-    type=float,
-    default=None,
-    help=f"Seconds without a good answer before a source is stale [default: {_D_POLICY.stale_after:g}].",
-)
-@click.option("--strategy", help=f"Routing strategy plugin name [default: {_D.strategy}].")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="A strategy option (repeatable).")
 @click.option(
     "--shadow",
@@ -211,146 +179,7 @@ _D = ServerConfig()
     help="Import RoutingConfig from a SageMaker endpoint-config JSON.",
 )
 @click.option("--sagemaker-variant", help="Which production variant of --sagemaker-config to import.")
-@click.option("--host", default=None, help=f"Address to listen on [default: {_D.host}].")
-@click.option("--port", type=int, default=None, help=f"Port to listen on [default: {_D.port}].")
-@click.option(
-    "--admin-token",
-    envvar="KVROUTE_ADMIN_TOKEN",
-    default=None,
-    help="Bearer token of the admin API (env KVROUTE_ADMIN_TOKEN); unset: admin API off.",
-)
-@click.option(
-    "--max-body-bytes", type=int, default=None, help=f"Largest request body accepted [default: {_D.max_body_bytes}]."
-)
-@click.option(
-    "--max-attempts",
-    type=int,
-    default=None,
-    help=f"Backends tried per request before giving up [default: {_D.max_attempts}].",
-)
-@click.option(
-    "--retry-after",
-    "retry_after_s",
-    type=int,
-    default=None,
-    help=f"Retry-After seconds on 503 [default: {_D.retry_after_s}].",
-)
-@click.option(
-    "--connect-timeout",
-    type=float,
-    default=None,
-    help=f"Seconds to open an upstream connection [default: {_D_TIMEOUT.connect}].",
-)
-@click.option(
-    "--first-byte-timeout",
-    type=float,
-    default=None,
-    help=f"Seconds until the first response byte [default: {_D_TIMEOUT.first_byte}].",
-)
-@click.option(
-    "--idle-timeout",
-    type=float,
-    default=None,
-    help=f"Longest gap between response chunks [default: {_D_TIMEOUT.idle}].",
-)
-@click.option(
-    "--health-interval",
-    type=float,
-    default=None,
-    help=f"Seconds between probe rounds; 0 = off [default: {_D_HEALTH.interval}].",
-)
-@click.option("--health-timeout", type=float, default=None, help=f"Probe timeout [default: {_D_HEALTH.timeout}].")
-@click.option(
-    "--unhealthy-threshold",
-    type=int,
-    default=None,
-    help=f"Failed probes in a row that eject [default: {_D_HEALTH.unhealthy_threshold}].",
-)
-@click.option(
-    "--healthy-threshold",
-    type=int,
-    default=None,
-    help=f"Passed probes in a row that restore [default: {_D_HEALTH.healthy_threshold}].",
-)
-@click.option(
-    "--passive-ejection/--no-passive-ejection",
-    default=None,
-    help="Eject a backend on a connection error [default: on].",
-)
-@click.option(
-    "--backend-header",
-    default=None,
-    help=f"Response header naming the chosen backend; '' = off [default: {_D.backend_header}].",
-)
-@click.option(
-    "--forward-authorization/--no-forward-authorization",
-    default=None,
-    help="Forward the client's Authorization header [default: on].",
-)
-@click.option("--access-log/--no-access-log", default=None, help="One structured log line per request [default: on].")
-@click.option(
-    "--workers",
-    type=int,
-    default=None,
-    help=f"Proxy processes sharing the port, with one metrics view [default: {_D.workers}].",
-)
-@click.option(
-    "--shutdown-timeout",
-    type=float,
-    default=None,
-    help=f"Seconds a stop waits for requests in flight [default: {_D.shutdown_timeout:g}].",
-)
-@click.option(
-    "--status",
-    type=click.Choice(["on", "admin", "off"]),
-    default=None,
-    help=f"GET /status and /status.json: on, behind the admin token, or off [default: {_D.status}].",
-)
-@click.option(
-    "--status-decisions",
-    type=int,
-    default=None,
-    metavar="N",
-    help=f"Recent routing decisions the status page keeps [default: {_D.status_decisions}].",
-)
-@click.option(
-    "--slow-start",
-    type=float,
-    default=None,
-    metavar="SECONDS",
-    help="Ramp a joining backend's weight over this many seconds; 0 = off (docs/warm-join.md) [default: 0].",
-)
-@click.option(
-    "--slow-start-initial",
-    type=float,
-    default=None,
-    help=f"Share of its weight a joining backend starts at [default: {_D_WARM.slow_start_initial}].",
-)
-@click.option(
-    "--slow-start-steps",
-    type=int,
-    default=None,
-    help=f"Equal steps of the weight ramp [default: {_D_WARM.slow_start_steps}].",
-)
-@click.option(
-    "--prefill",
-    type=int,
-    default=None,
-    metavar="N",
-    help="Pre-fill a joining backend with the N hottest prefixes it will own; 0 = off [default: 0].",
-)
-@click.option(
-    "--prefill-concurrency",
-    type=int,
-    default=None,
-    help=f"Pre-fill requests in flight at once [default: {_D_WARM.prefill_concurrency}].",
-)
-@click.option(
-    "--prefill-timeout",
-    type=float,
-    default=None,
-    help=f"Seconds a pre-fill may take in all [default: {_D_WARM.prefill_timeout:g}].",
-)
+@_setting_options
 @click.option("--log-level", default="info", show_default=True, help="debug, info, warning or error.")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default="json", show_default=True)
 @click.option("--check", is_flag=True, help="Validate the configuration, print it as JSON and exit.")
@@ -425,4 +254,5 @@ def serve(
         config.port,
         log_level=log_level if log_level != "info" else "warning",
         shutdown_timeout=config.shutdown_timeout,
+        http=config.http,
     )

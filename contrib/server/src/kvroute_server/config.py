@@ -4,20 +4,31 @@ Precedence, lowest first: built-in defaults, the TOML file (``--config``), a Sag
 endpoint-config import (``--sagemaker-config``: strategy and its options only), then
 command-line flags. Every value is validated here, so the server never starts with a
 configuration it would reject later; errors are `kvroute.ConfigError` naming the key.
+
+Each setting is one attrs field made with `kvroute.settings.setting`: its default, type and
+validator, and in its metadata its flag, help line and TOML table. `settings` lists them; the
+TOML loader reads each table's keys from them (cattrs structures the values, strictly by the
+fields' types) and ``kvroute serve`` generates its options from them (`kvroute_server.cli`).
+The backends, discovery sources and strategy options are structured tables with their own
+flags (``--backend``, ``--discovery``, ``--option``...), parsed here too.
 """
 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+import cattrs
+from attrs import validators as v
 
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError
+from kvroute.settings import Setting, setting
+from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_values
 
 __all__ = [
     "DEFAULT_STRATEGY",
@@ -26,16 +37,19 @@ __all__ = [
     "DiscoveryPolicy",
     "HealthConfig",
     "ServerConfig",
+    "Setting",
     "TimeoutConfig",
     "WarmJoinConfig",
+    "apply_settings",
+    "config_from_mapping",
     "load_toml",
     "parse_backend_flag",
     "parse_discovery_flag",
     "parse_option_flags",
     "parse_shadow_option_flags",
+    "settings",
+    "toml_table",
 ]
-
-_DEFAULT_HOP_BY_HOP = ()
 
 #: The strategy `kvroute serve` routes with when none is configured: prefix-aware, with a load
 #: cap (docs/serve.md, "Why bounded-load by default"). Its plugin comes with ``kvroute[bounded-load]``.
@@ -84,13 +98,7 @@ class BackendConfig:
         """Build from a TOML table or an admin API JSON body, checking every key."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be a table/object with at least 'url' (got {type(data).__name__}).")
-        known = {"id", "url", "kind", "weight", "models", "labels", "api_key", "adapter_options"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
-                f"(expected some of: {', '.join(sorted(known))})."
-            )
+        _refuse_unknown(data, {f.name for f in attrs.fields(cls)}, where)
         url = _check_url(data.get("url"), where)
         backend_id = data.get("id") or default_backend_id(url)
         if not isinstance(backend_id, str):
@@ -163,28 +171,24 @@ def parse_backend_flag(value: str) -> BackendConfig:
 
 def parse_option_flags(values: Sequence[str]) -> dict[str, str]:
     """Parse repeated ``--option key=value`` flags."""
-    out: dict[str, str] = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--option must be key=value (got {item!r}).")
-        out[key.strip().replace("-", "_")] = value.strip()
-    return out
+    return dict(parse_key_values(values, lambda item: ConfigError(f"--option must be key=value (got {item!r}).")))
 
 
-def _positive_number(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"'{attribute.name}' must be a number > 0 (got {value!r}).")
+_positive_number = expect("a number > 0", *NUMBER, v.gt(0))
+_non_negative_number = expect("a number >= 0", *NUMBER, v.ge(0))
+_positive_int = expect("an integer >= 1", *INTEGER, v.ge(1))
+_non_negative_int = expect("an integer >= 0", *INTEGER, v.ge(0))
+_share = expect("a number in (0, 1]", *NUMBER, v.gt(0), v.le(1))
+_fraction = expect("a fraction in (0, 1] of the backend's weight", *NUMBER, v.gt(0), v.le(1))
 
 
-def _non_negative_number(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"'{attribute.name}' must be a number >= 0 (got {value!r}).")
+def _as_float(value: Any) -> Any:
+    """A number as a float (``connect = 5`` is 5.0 seconds); anything else as it is, for the validator to refuse."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def _positive_int(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"'{attribute.name}' must be an integer >= 1 (got {value!r}).")
+def _one_of(choices: tuple[str, ...]) -> Validator:
+    return expect(f"one of {', '.join(choices)}", v.in_(choices))
 
 
 @attrs.frozen
@@ -197,9 +201,23 @@ class TimeoutConfig:
     ``idle``: the longest gap between two body chunks once the body has started.
     """
 
-    connect: float = attrs.field(default=5.0, validator=_positive_number)
-    first_byte: float = attrs.field(default=300.0, validator=_positive_number)
-    idle: float = attrs.field(default=60.0, validator=_positive_number)
+    connect: float = setting(
+        5.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--connect-timeout",
+        help="Seconds to open an upstream connection",
+    )
+    first_byte: float = setting(
+        300.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--first-byte-timeout",
+        help="Seconds until the first response byte",
+    )
+    idle: float = setting(
+        60.0, _positive_number, converter=_as_float, flag="--idle-timeout", help="Longest gap between response chunks"
+    )
 
 
 @attrs.frozen
@@ -214,12 +232,18 @@ class HealthConfig:
     an ejected backend back).
     """
 
-    interval: float = attrs.field(default=5.0, validator=_non_negative_number)
-    timeout: float = attrs.field(default=2.0, validator=_positive_number)
-    unhealthy_threshold: int = attrs.field(default=3, validator=_positive_int)
-    healthy_threshold: int = attrs.field(default=2, validator=_positive_int)
-    passive_ejection: bool = True
-    discover_models: bool = True
+    interval: float = setting(
+        5.0, _non_negative_number, flag="--health-interval", help="Seconds between probe rounds; 0 = off"
+    )
+    timeout: float = setting(2.0, _positive_number, flag="--health-timeout", help="Probe timeout")
+    unhealthy_threshold: int = setting(
+        3, _positive_int, flag="--unhealthy-threshold", help="Failed probes in a row that eject"
+    )
+    healthy_threshold: int = setting(
+        2, _positive_int, flag="--healthy-threshold", help="Passed probes in a row that restore"
+    )
+    passive_ejection: bool = setting(True, flag="--passive-ejection", help="Eject a backend on a connection error")
+    discover_models: bool = setting(True, help="Ask each backend's adapter for its models")
 
     @property
     def enabled(self) -> bool:
@@ -227,6 +251,7 @@ class HealthConfig:
 
 
 _MASS_REMOVAL = ("gradual", "hold")
+_HTTP_PROTOCOLS = ("kvroute", "httptools")
 
 
 @attrs.frozen
@@ -278,16 +303,6 @@ def parse_discovery_flag(value: str) -> DiscoveryConfig:
     return DiscoveryConfig(kind=kind, options={"target": target})
 
 
-def _share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ConfigError(f"'{attribute.name}' must be a number in (0, 1] (got {value!r}).")
-
-
-def _mass_removal(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in _MASS_REMOVAL:
-        raise ConfigError(f"'{attribute.name}' must be one of {', '.join(_MASS_REMOVAL)} (got {value!r}).")
-
-
 @attrs.frozen
 class DiscoveryPolicy:
     """How discovered changes are applied (docs/serve.md, "Discovery").
@@ -298,20 +313,28 @@ class DiscoveryPolicy:
     ``stale_after`` seconds is reported stale even when its provider said nothing.
     """
 
-    max_removal_share: float = attrs.field(default=0.5, validator=_share)
-    removal_interval: float = attrs.field(default=10.0, validator=_positive_number)
-    on_mass_removal: str = attrs.field(default="gradual", validator=_mass_removal)
-    stale_after: float = attrs.field(default=300.0, validator=_positive_number)
-
-
-def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ConfigError(f"'{attribute.name}' must be a fraction in (0, 1] of the backend's weight (got {value!r}).")
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"'{attribute.name}' must be an integer >= 0 (got {value!r}).")
+    max_removal_share: float = setting(
+        0.5,
+        _share,
+        flag="--max-removal-share",
+        help="Largest share of discovered backends one update removes at once",
+    )
+    removal_interval: float = setting(
+        10.0, _positive_number, flag="--removal-interval", help="Seconds between removals of a mass removal"
+    )
+    on_mass_removal: str = setting(
+        "gradual",
+        _one_of(_MASS_REMOVAL),
+        flag="--on-mass-removal",
+        choices=_MASS_REMOVAL,
+        help="Apply a mass removal gradually or hold it",
+    )
+    stale_after: float = setting(
+        300.0,
+        _positive_number,
+        flag="--discovery-stale-after",
+        help="Seconds without a good answer before a source is stale",
+    )
 
 
 @attrs.frozen
@@ -325,40 +348,44 @@ class WarmJoinConfig:
     ``slow_start_steps`` steps (as Envoy's slow start); 0 = full weight at once.
     """
 
-    slow_start: float = attrs.field(default=0.0, validator=_non_negative_number)
-    slow_start_initial: float = attrs.field(default=0.1, validator=_fraction)
-    slow_start_steps: int = attrs.field(default=10, validator=_positive_int)
-    prefill: int = attrs.field(default=0, validator=_non_negative_int)
-    prefill_concurrency: int = attrs.field(default=2, validator=_positive_int)
-    prefill_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    slow_start: float = setting(
+        0.0,
+        _non_negative_number,
+        flag="--slow-start",
+        metavar="SECONDS",
+        help="Ramp a joining backend's weight over this many seconds; 0 = off (docs/warm-join.md)",
+    )
+    slow_start_initial: float = setting(
+        0.1, _fraction, flag="--slow-start-initial", help="Share of its weight a joining backend starts at"
+    )
+    slow_start_steps: int = setting(10, _positive_int, flag="--slow-start-steps", help="Equal steps of the weight ramp")
+    prefill: int = setting(
+        0,
+        _non_negative_int,
+        flag="--prefill",
+        metavar="N",
+        help="Pre-fill a joining backend with the N hottest prefixes it will own; 0 = off",
+    )
+    prefill_concurrency: int = setting(
+        2, _positive_int, flag="--prefill-concurrency", help="Pre-fill requests in flight at once"
+    )
+    prefill_timeout: float = setting(
+        30.0, _positive_number, flag="--prefill-timeout", help="Seconds a pre-fill may take in all"
+    )
 
     @property
     def enabled(self) -> bool:
         return self.slow_start > 0 or self.prefill > 0
 
 
-_WARM_JOIN_KEYS: dict[str, type] = {
-    "slow_start": float,
-    "slow_start_initial": float,
-    "slow_start_steps": int,
-    "prefill": int,
-    "prefill_concurrency": int,
-    "prefill_timeout": float,
-}
-
 _STATUS_MODES = ("on", "admin", "off")
 #: Most decisions the status page may keep (each is a few hundred bytes of JSON when shown).
 MAX_STATUS_DECISIONS = 10_000
 
 
-def _status_mode(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in _STATUS_MODES:
-        raise ConfigError(f"'{attribute.name}' must be one of {', '.join(_STATUS_MODES)} (got {value!r}).")
-
-
-def _status_decisions(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STATUS_DECISIONS:
-        raise ConfigError(f"'{attribute.name}' must be an integer from 0 to {MAX_STATUS_DECISIONS} (got {value!r}).")
+_status_decisions = expect(
+    f"an integer from 0 to {MAX_STATUS_DECISIONS}", *INTEGER, v.ge(0), v.le(MAX_STATUS_DECISIONS)
+)
 
 
 @attrs.frozen
@@ -366,49 +393,105 @@ class ServerConfig:
     """Everything ``kvroute serve`` needs; see docs/serve.md for each key."""
 
     backends: tuple[BackendConfig, ...] = ()
-    strategy: str = DEFAULT_STRATEGY
-    options: Mapping[str, Any] = attrs.field(factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_positive_int)
-    max_attempts: int = attrs.field(default=3, validator=_positive_int)
-    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
-    forward_authorization: bool = True
-    backend_header: str | None = "x-kvroute-backend"
-    admin_token: str | None = attrs.field(default=None, repr=False)
-    access_log: bool = True
-    passthrough_paths: tuple[str, ...] = (
-        "/tokenize",
-        "/detokenize",
-        "/v1/embeddings",
-        "/v1/score",
-        "/v1/rerank",
-        "/pooling",
+    strategy: str = setting(DEFAULT_STRATEGY, flag="--strategy", section="routing", help="Routing strategy plugin name")
+    options: Mapping[str, Any] = setting(factory=dict, section="routing", help="Strategy options")
+    host: str = setting("127.0.0.1", flag="--host", section="server", help="Address to listen on")
+    port: int = setting(8000, flag="--port", section="server", help="Port to listen on")
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024, _positive_int, flag="--max-body-bytes", section="server", help="Largest request body accepted"
+    )
+    max_attempts: int = setting(
+        3, _positive_int, flag="--max-attempts", section="server", help="Backends tried per request before giving up"
+    )
+    retry_after_s: int = setting(
+        1, _positive_int, flag="--retry-after", section="server", help="Retry-After seconds on 503"
+    )
+    forward_authorization: bool = setting(
+        True, flag="--forward-authorization", section="server", help="Forward the client's Authorization header"
+    )
+    backend_header: str | None = setting(
+        "x-kvroute-backend",
+        flag="--backend-header",
+        section="server",
+        help="Response header naming the chosen backend; '' = off",
+    )
+    admin_token: str | None = setting(
+        None,
+        flag="--admin-token",
+        section="server",
+        envvar="KVROUTE_ADMIN_TOKEN",
+        show_default=False,
+        repr=False,
+        help="Bearer token of the admin API (env KVROUTE_ADMIN_TOKEN); unset: admin API off",
+    )
+    access_log: bool = setting(True, flag="--access-log", section="server", help="One structured log line per request")
+    passthrough_paths: tuple[str, ...] = setting(
+        ("/tokenize", "/detokenize", "/v1/embeddings", "/v1/score", "/v1/rerank", "/pooling"),
+        section="server",
+        help="Routes passed through to one backend",
     )
     timeouts: TimeoutConfig = attrs.field(factory=TimeoutConfig)
     health: HealthConfig = attrs.field(factory=HealthConfig)
     #: Proxy processes sharing the listening socket (``kvroute serve --workers``); 1 = this process.
-    workers: int = attrs.field(default=1, validator=_positive_int)
+    workers: int = setting(
+        1,
+        _positive_int,
+        flag="--workers",
+        section="server",
+        help="Proxy processes sharing the port, with one metrics view",
+    )
     #: Seconds a stop waits for requests in flight before closing their connections.
-    shutdown_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    shutdown_timeout: float = setting(
+        30.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--shutdown-timeout",
+        section="server",
+        help="Seconds a stop waits for requests in flight",
+    )
     #: Discovery sources (``--discovery``, ``[[discovery]]``), in order: the first wins an id conflict.
     discovery: tuple[DiscoveryConfig, ...] = ()
     discovery_policy: DiscoveryPolicy = attrs.field(factory=DiscoveryPolicy)
     #: ``GET /status`` and ``/status.json``: ``on`` (anyone), ``admin`` (the admin token) or ``off`` (404).
-    status: str = attrs.field(default="on", validator=_status_mode)
+    status: str = setting(
+        "on",
+        _one_of(_STATUS_MODES),
+        flag="--status",
+        section="server",
+        choices=_STATUS_MODES,
+        help="GET /status and /status.json: on, behind the admin token, or off",
+    )
     #: How many recent routing decisions the status page keeps (0: none).
-    status_decisions: int = attrs.field(default=100, validator=_status_decisions)
+    status_decisions: int = setting(
+        100,
+        _status_decisions,
+        flag="--status-decisions",
+        section="server",
+        metavar="N",
+        help="Recent routing decisions the status page keeps",
+    )
     #: The TOML file read (`load_toml`), and the ids of the ``[[backends]]`` it gave (the status page's origins).
     config_file: str | None = None
     backends_from_file: tuple[str, ...] = ()
     #: Shadow strategies (``--shadow``, ``[routing] shadow``): decided in dry run beside the live one.
-    shadow: tuple[str, ...] = ()
+    shadow: tuple[str, ...] = setting((), section="routing", help="Shadow strategies")
     #: Each shadow's strategy options by name (``--shadow-option NAME.KEY=VALUE``, ``[routing.shadow_options.NAME]``).
-    shadow_options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    shadow_options: Mapping[str, Mapping[str, Any]] = setting(
+        factory=dict, section="routing", help="Each shadow's strategy options"
+    )
     #: Settings of the fleet cache view that scores strategies (``[routing.cache_view]``; `kvroute.CacheView`).
-    cache_view: Mapping[str, Any] = attrs.field(factory=dict)
+    cache_view: Mapping[str, Any] = setting(factory=dict, section="routing", help="The fleet cache view's settings")
     #: Warm join of backends added while serving (``[warm_join]``, ``--slow-start``, ``--prefill``).
     warm_join: WarmJoinConfig = attrs.field(factory=WarmJoinConfig)
+    #: The server protocol of each client connection: kvroute's own (`kvroute_server.http.protocol`) or uvicorn's.
+    http: str = setting(
+        "kvroute",
+        _one_of(_HTTP_PROTOCOLS),
+        flag="--http",
+        section="server",
+        choices=_HTTP_PROTOCOLS,
+        help="HTTP/1.1 server protocol: kvroute's own (faster) or uvicorn's httptools",
+    )
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -455,15 +538,18 @@ def _check_shadows(config: ServerConfig) -> None:
 
 def parse_shadow_option_flags(values: Sequence[str]) -> dict[str, dict[str, str]]:
     """Parse repeated ``--shadow-option NAME.KEY=VALUE`` flags into options by shadow name."""
+
+    def bad(item: str) -> ConfigError:
+        return ConfigError(
+            f"--shadow-option must be NAME.KEY=VALUE such as 'bounded-load.load_factor=1.5' (got {item!r})."
+        )
+
     out: dict[str, dict[str, str]] = {}
-    for item in values:
-        target, sep, value = item.partition("=")
-        name, dot, key = target.strip().rpartition(".")
-        if not sep or not dot or not name or not key:
-            raise ConfigError(
-                f"--shadow-option must be NAME.KEY=VALUE such as 'bounded-load.load_factor=1.5' (got {item!r})."
-            )
-        out.setdefault(name, {})[key.replace("-", "_")] = value.strip()
+    for (target, value), item in zip(parse_key_values(values, bad), values, strict=True):
+        name, dot, key = target.rpartition(".")
+        if not dot or not name or not key:
+            raise bad(item)
+        out.setdefault(name, {})[key] = value
     return out
 
 
@@ -472,32 +558,68 @@ def _is_token(name: str) -> bool:
     return bool(name) and all(c in allowed for c in name)
 
 
-_SERVER_KEYS = {
-    "host": str,
-    "port": int,
-    "max_body_bytes": int,
-    "max_attempts": int,
-    "retry_after_s": int,
-    "forward_authorization": bool,
-    "backend_header": str,
-    "admin_token": str,
-    "access_log": bool,
-    "passthrough_paths": list,
-    "workers": int,
-    "shutdown_timeout": float,
-    "status": str,
-    "status_decisions": int,
-}
+def settings(cls: type = ServerConfig, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any, Setting]]:
+    """Every setting of ``cls`` and of the setting classes it nests, in field order: ``(path, field, Setting)``.
+
+    ``path`` leads from `ServerConfig` to the field (``("timeouts", "connect")``); `toml_table` names its table.
+    """
+    for field in attrs.fields(cls):
+        meta = field.metadata.get("setting")
+        if meta is not None:
+            yield (*path, field.name), field, meta
+        elif isinstance(field.type, type) and attrs.has(field.type):
+            yield from settings(field.type, (*path, field.name))
 
 
-def _typed(table: Mapping[str, Any], key: str, expected: type, where: str) -> Any:
-    value = table[key]
-    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-    if expected is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok:
-        raise ConfigError(f"[{where}] '{key}' must be {expected.__name__} (got {type(value).__name__} {value!r}).")
-    return value
+def toml_table(path: tuple[str, ...], meta: Setting) -> str:
+    """The TOML table a setting is read from: its `Setting.section`, else the nested class's field name."""
+    return meta.section or path[0]
+
+
+class _WrongType(Exception):
+    """A TOML value of the wrong type; the caller words the message, knowing the table and key."""
+
+
+def _strict(kind: Any, name: str) -> Any:
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise _WrongType(name)
+        return value
+
+    return structure
+
+
+class _NotATable(Exception):
+    """A TOML value that should be a table; ``args[0]`` names the table when it is not the key's own."""
+
+
+def _table(value: Any, _: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _NotATable(None, value)
+    return dict(value)
+
+
+def _tables(value: Any, _: Any) -> Mapping[str, Mapping[str, Any]]:
+    out = {}
+    for name, table in _table(value, _).items():
+        if not isinstance(table, Mapping):
+            raise _NotATable(name, table)
+        out[name] = dict(table)
+    return out
+
+
+#: Structures TOML values into the types of the settings' fields, strictly: a TOML int is no bool
+#: and no string, only a float field takes an int (as a float), a list field takes only a list.
+_converter = cattrs.Converter()
+_converter.register_structure_hook(int, _strict(int, "int"))
+_converter.register_structure_hook(float, _strict(int | float, "float"))
+_converter.register_structure_hook(bool, _strict(bool, "bool"))
+_converter.register_structure_hook(str, _strict(str, "str"))
+_converter.register_structure_hook_func(
+    lambda t: t == tuple[str, ...], lambda value, _: tuple(_strict(list, "list")(value, _))
+)
+_converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], _table)
+_converter.register_structure_hook_func(lambda t: t == Mapping[str, Mapping[str, Any]], _tables)
 
 
 def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -507,67 +629,71 @@ def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return table
 
 
-def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
+def _refuse_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(
-            f"[{where}]: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected some of: {', '.join(sorted(known))})."
         )
+
+
+def _check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    _refuse_unknown(table, known, f"[{where}]")
+
+
+def _typed(table: Mapping[str, Any], key: str, expected: type, where: str) -> Any:
+    try:
+        return _converter.structure(table[key], expected)
+    except _NotATable as exc:
+        name, got = exc.args
+        raise ConfigError(f"[{name or key}] must be a table (got {type(got).__name__}).") from None
+    except _WrongType as exc:
+        value = table[key]
+        raise ConfigError(f"[{where}] '{key}' must be {exc} (got {type(value).__name__} {value!r}).") from None
+
+
+#: The TOML tables, each with the settings it holds: ``{table: {key: (path, field)}}``.
+_TABLES: dict[str, dict[str, tuple[tuple[str, ...], Any]]] = {}
+
+
+def _read_table(data: Mapping[str, Any], name: str) -> dict[tuple[str, ...], Any]:
+    """The settings of TOML table ``name`` that ``data`` gives, structured, by path; unknown keys are errors."""
+    table = _section(data, name)
+    fields = _TABLES[name]
+    _check_keys(table, set(fields), name)
+    return {fields[key][0]: _typed(table, key, fields[key][1].type, name) for key in fields if key in table}
+
+
+def apply_settings(config: ServerConfig, values: Mapping[tuple[str, ...], Any]) -> ServerConfig:
+    """``config`` with the settings at the given paths replaced; validators run, errors are `ConfigError`."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        if len(path) == 1:
+            top[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    try:
+        for name, changes in nested.items():
+            top[name] = attrs.evolve(getattr(config, name), **changes)
+        return attrs.evolve(config, **top)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = None) -> ServerConfig:
     """Build a `ServerConfig` from the parsed TOML document (see docs/serve.md)."""
-    _check_keys(
-        data,
-        {"server", "routing", "timeouts", "health", "backends", "discovery", "discovery_policy", "warm_join"},
-        "top level",
-    )
+    _check_keys(data, {*_TABLES, "backends", "discovery"}, "top level")
     config = base or ServerConfig()
-    changes: dict[str, Any] = {}
-
-    server = _section(data, "server")
-    _check_keys(server, set(_SERVER_KEYS), "server")
-    for key, expected in _SERVER_KEYS.items():
-        if key in server:
-            changes[key] = _typed(server, key, expected, "server")
-    if "shutdown_timeout" in changes:
-        changes["shutdown_timeout"] = float(changes["shutdown_timeout"])
-    if "backend_header" in changes and changes["backend_header"] == "":
-        changes["backend_header"] = None
-    if "passthrough_paths" in changes:
-        changes["passthrough_paths"] = tuple(changes["passthrough_paths"])
-
-    routing = _section(data, "routing")
-    _check_keys(routing, {"strategy", "options", "shadow", "shadow_options", "cache_view"}, "routing")
-    if "strategy" in routing:
-        changes["strategy"] = _typed(routing, "strategy", str, "routing")
-    if "options" in routing:
-        changes["options"] = dict(_section(routing, "options"))
-    if "shadow" in routing:
-        shadow = _typed(routing, "shadow", list, "routing")
-        if not all(isinstance(name, str) and name for name in shadow):
-            raise ConfigError(f"[routing] 'shadow' must be a list of strategy names (got {shadow!r}).")
-        changes["shadow"] = tuple(shadow)
-    if "shadow_options" in routing:
-        tables = _section(routing, "shadow_options")
-        changes["shadow_options"] = {name: dict(_section(tables, name)) for name in tables}
-    if "cache_view" in routing:
-        changes["cache_view"] = dict(_section(routing, "cache_view"))
-
-    timeouts = _section(data, "timeouts")
-    _check_keys(timeouts, {"connect", "first_byte", "idle"}, "timeouts")
-    t_values = {k: float(_typed(timeouts, k, float, "timeouts")) for k in timeouts}
-    health = _section(data, "health")
-    h_types: dict[str, type] = {
-        "interval": float,
-        "timeout": float,
-        "unhealthy_threshold": int,
-        "healthy_threshold": int,
-        "passive_ejection": bool,
-        "discover_models": bool,
-    }
-    _check_keys(health, set(h_types), "health")
-    h_values = {k: _typed(health, k, h_types[k], "health") for k in health}
+    values = _read_table(data, "server")
+    if values.get(("backend_header",)) == "":
+        values[("backend_header",)] = None
+    values.update(_read_table(data, "routing"))
+    shadow = values.get(("shadow",))
+    if shadow is not None and not all(isinstance(name, str) and name for name in shadow):
+        raise ConfigError(f"[routing] 'shadow' must be a list of strategy names (got {list(shadow)!r}).")
+    for name in ("timeouts", "health"):
+        values.update(_read_table(data, name))
 
     backends_raw = data.get("backends", [])
     if not isinstance(backends_raw, list):
@@ -579,32 +705,12 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
-    policy = _section(data, "discovery_policy")
-    p_types: dict[str, type] = {
-        "max_removal_share": float,
-        "removal_interval": float,
-        "on_mass_removal": str,
-        "stale_after": float,
-    }
-    _check_keys(policy, set(p_types), "discovery_policy")
-    p_values = {k: _typed(policy, k, p_types[k], "discovery_policy") for k in policy}
-    warm_join = _section(data, "warm_join")
-    _check_keys(warm_join, set(_WARM_JOIN_KEYS), "warm_join")
-    w_values = {k: _typed(warm_join, k, _WARM_JOIN_KEYS[k], "warm_join") for k in warm_join}
-    try:
-        return attrs.evolve(
-            config,
-            **changes,
-            backends=config.backends + backends,
-            backends_from_file=config.backends_from_file + tuple(b.id for b in backends),
-            timeouts=attrs.evolve(config.timeouts, **t_values),
-            health=attrs.evolve(config.health, **h_values),
-            discovery=config.discovery + discovery,
-            discovery_policy=attrs.evolve(config.discovery_policy, **p_values),
-            warm_join=attrs.evolve(config.warm_join, **w_values),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
+    for name in ("discovery_policy", "warm_join"):
+        values.update(_read_table(data, name))
+    values[("backends",)] = config.backends + backends
+    values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
+    values[("discovery",)] = config.discovery + discovery
+    return apply_settings(config, values)
 
 
 def load_toml(path: str | Path, base: ServerConfig | None = None) -> ServerConfig:
@@ -619,3 +725,17 @@ def load_toml(path: str | Path, base: ServerConfig | None = None) -> ServerConfi
     except UnicodeDecodeError:
         raise ConfigError(f"configuration file {str(path)!r} is not UTF-8 text.") from None
     return attrs.evolve(config_from_mapping(data, base), config_file=str(path))
+
+
+for _cls in (
+    TimeoutConfig,
+    HealthConfig,
+    DiscoveryPolicy,
+    WarmJoinConfig,
+    BackendConfig,
+    DiscoveryConfig,
+    ServerConfig,
+):
+    attrs.resolve_types(_cls)
+for _path, _field, _meta in settings():
+    _TABLES.setdefault(toml_table(_path, _meta), {})[_path[-1]] = (_path, _field)

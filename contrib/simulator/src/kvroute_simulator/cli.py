@@ -10,9 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 
 from kvroute.errors import KvrouteError
+from kvroute.settings import option
+from kvroute.validators import parse_key_values
 from kvroute.warmup import SlowStart
 from kvroute_simulator.driver import Comparison, SimulationConfig, compare, parse_scale
 from kvroute_simulator.engine import EngineConfig
@@ -59,13 +62,15 @@ def _value(text: str) -> Any:
 
 
 def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
-    out = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE (got {item!r}).", param_hint=option)
-        out.append((key.strip().replace("-", "_"), value.strip()))
-    return out
+    return parse_key_values(
+        items, lambda item: click.BadParameter(f"expected KEY=VALUE (got {item!r}).", param_hint=option)
+    )
+
+
+def _field_option(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The option of a `SimulationConfig` setting: flag, type, default and help from its field."""
+    field = attrs.fields_dict(SimulationConfig)[name]
+    return option(field, field.default, name, given=True)
 
 
 @click.command("simulate", epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,9 +88,7 @@ def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="JSONL trace to replay (Mooncake or simple format); implies --workload trace.",
 )
-@click.option(
-    "-n", "--instances", type=click.IntRange(1, 4096), default=7, show_default=True, help="Instances in the fleet."
-)
+@_field_option("instances")
 @click.option(
     "-s",
     "--strategies",
@@ -98,7 +101,7 @@ def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
 @click.option(
     "--rate", type=click.FloatRange(min=0, min_open=True), default=None, help="Arrivals (conversations) per second."
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload and of seeded strategies.")
+@_field_option("seed")
 @click.option("--scale", default=None, metavar="EVENTS", help='Scale events, e.g. "300s:+1,600s:-2".')
 @click.option(
     "-W", "--workload-option", multiple=True, metavar="KEY=VALUE", help="Workload option (repeatable), e.g. groups=100."
@@ -128,14 +131,7 @@ def _pairs(items: Sequence[str], option: str) -> list[tuple[str, str]]:
     metavar="SECONDS",
     help="Warm join: an instance --scale adds ramps from 10 % of its weight to all of it over SECONDS.",
 )
-@click.option(
-    "--prefill",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Warm join: before an added instance takes traffic, pre-fill it with the N hottest prefixes it will own.",
-)
+@_field_option("prefill")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvroute_simulator._validators import flag, non_negative_number, positive_integer, positive_share
+from kvroute.validators import flag, non_negative_number, positive_integer, positive_share
 from kvroute_simulator.sequences import EngineRequest
 
 __all__ = [

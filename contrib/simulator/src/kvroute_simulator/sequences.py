@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvroute_simulator._validators import positive_integer
+from kvroute.validators import positive_integer
 from kvroute_simulator.tokens import TokenSeq, root_hash
 
 __all__ = ["EngineRequest", "EngineSequence"]

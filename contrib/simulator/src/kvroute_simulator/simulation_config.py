@@ -7,10 +7,12 @@ import re
 from collections.abc import Sequence
 
 import attrs
+import click
 
 from kvroute.errors import ConfigError
+from kvroute.settings import setting
+from kvroute.validators import integer, optional, positive_integer, positive_number
 from kvroute.warmup import SlowStart
-from kvroute_simulator._validators import integer, optional, positive_integer, positive_number
 from kvroute_simulator.bound import reused_blocks
 from kvroute_simulator.engine_config import CostModel, EngineConfig
 from kvroute_simulator.sequences import EngineRequest
@@ -46,12 +48,19 @@ def parse_scale(spec: str) -> tuple[ScaleEvent, ...]:
 class SimulationConfig:
     """The simulated fleet: how many instances, each engine's settings and costs, scale events."""
 
-    instances: int = attrs.field(default=7, validator=positive_integer)
+    instances: int = setting(
+        7,
+        positive_integer,
+        flag="--instances",
+        short="-n",
+        click_type=click.IntRange(1, 4096),
+        help="Instances in the fleet.",
+    )
     engine: EngineConfig = attrs.field(factory=EngineConfig)
     cost: CostModel = attrs.field(factory=CostModel)
     scale: tuple[ScaleEvent, ...] = ()
     #: Seed given to strategies that take a ``seed`` option (unless the options set one).
-    seed: int = 0
+    seed: int = setting(0, flag="--seed", help="Seed of the workload and of seeded strategies.")
     #: Send a conversation's next turn ``think_time`` after the previous one finished.
     closed_loop: bool = True
     #: Width in seconds of the windows of the hit-rate and load time series.
@@ -59,7 +68,14 @@ class SimulationConfig:
     #: Warm join: ramp each instance a scale event adds from a tenth of its weight to all of it (Envoy's slow start).
     slow_start: SlowStart | None = None
     #: Warm join: before an added instance takes traffic, pre-fill it with this many of the hottest prefixes it owns.
-    prefill: int = attrs.field(default=0, validator=integer)
+    prefill: int = setting(
+        0,
+        integer,
+        flag="--prefill",
+        metavar="N",
+        click_type=click.IntRange(min=0),
+        help="Warm join: before an added instance takes traffic, pre-fill it with the N hottest prefixes it will own.",
+    )
     #: Pre-fill requests in flight at once on the joining instance (the rate bound).
     prefill_concurrency: int = attrs.field(default=2, validator=positive_integer)
     #: Seconds after a join over which its figures are measured (:class:`~kvroute_simulator.results.JoinResult`).

@@ -19,8 +19,8 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from kvroute.errors import ConfigError, KvrouteError
+from kvroute.validators import expect, integer, optional, positive_integer, positive_number
 from kvroute_simulator._content import draw_words, is_int, is_number, seeded_rng
-from kvroute_simulator._validators import expect, integer, optional, positive_integer, positive_number
 from kvroute_simulator.arrivals import DEFAULT_MODEL, Arrival
 from kvroute_simulator.tokens import TokenSeq, Vocabulary, vocabulary
 

@@ -52,8 +52,7 @@ from typing import Any, ClassVar
 import attrs
 
 from kvroute.errors import ConfigError
-from kvroute_simulator._content import draw_words, is_int, seeded_rng
-from kvroute_simulator._validators import (
+from kvroute.validators import (
     integer,
     non_negative_number,
     optional,
@@ -61,6 +60,7 @@ from kvroute_simulator._validators import (
     positive_number,
     share,
 )
+from kvroute_simulator._content import draw_words, is_int, seeded_rng
 from kvroute_simulator.arrivals import DEFAULT_MODEL, Arrival, Workload
 from kvroute_simulator.tokens import ASSISTANT, END, SYSTEM, USER, TokenSeq, Vocabulary, vocabulary
 from kvroute_simulator.traces import Trace, TraceFormatError
@@ -231,7 +231,7 @@ class HotPrefix(LongPrefix):
 class ShortPrefix(LongPrefix):
     """Groups sharing a prefix shorter than the default ``prefix_length``, then a longer unique question.
 
-    Parameters as :class:`LongPrefix`. The defaults are the chat application of issue 15: 24
+    Parameters as :class:`LongPrefix`. The defaults model a chat application: 24
     system prompts of 380 tokens (~2,500 characters: a simulated word is 6.5 characters with
     its space) and a question of 280-330 tokens (~2,000 characters), 300 requests. The
     routing text of a request is ~4,500 characters, so its first 4,096 hold part of the

@@ -13,6 +13,7 @@ import click
 from kvroute.adapters import HttpReply
 from kvroute.errors import ConfigError, KvrouteError
 from kvroute.strategy import HasPromptTokenizer
+from kvroute.validators import parse_key_values
 from kvroute_server.parity.compare import _models, check_backend
 from kvroute_server.parity.report import ParityReport
 from kvroute_server.parity.samples import sample_chats, sample_prompts
@@ -178,12 +179,11 @@ def check_parity(
     Example:
       kvroute check-parity --backend http://10.0.0.1:8000 --tokenizer /models/llama-3.1-8b
     """
-    opts: dict[str, str] = {}
-    for item in options:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE (got {item!r})", param_hint="--option")
-        opts[key.strip().replace("-", "_")] = value.strip()
+    opts = dict(
+        parse_key_values(
+            options, lambda item: click.BadParameter(f"expected KEY=VALUE (got {item!r})", param_hint="--option")
+        )
+    )
     if tokenizer:
         opts["tokenizer"] = tokenizer
     if chat_template:

@@ -1,0 +1,105 @@
+"""The settings corpus: ``kvroute serve --check`` and ``kvroute simulate`` behave as the reference code did.
+
+``fixtures/settings_corpus/corpus.json`` holds each invocation with what the reference install printed
+and its exit code (``make_corpus.py`` records it; ``cases.py`` lists the cases); the help of both
+commands is stored beside it. Here every case runs again in-process and must match: the same exit
+code, the same error lines, the same effective configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kvroute.cli import main
+
+CORPUS = Path(__file__).parent / "fixtures" / "settings_corpus"
+CASES: list[dict[str, Any]] = json.loads((CORPUS / "corpus.json").read_text(encoding="utf-8"))
+#: Settings added since the corpus was recorded, with their defaults: the only keys ``--check`` may add.
+ADDED: dict[str, Any] = {"http": "kvroute"}
+#: Options added since the help was recorded.
+ADDED_OPTIONS: dict[str, set[str]] = {"serve": {"--http"}, "simulate": set()}
+
+
+def _without_logs(text: str) -> list[str]:
+    """The lines of ``text`` that are not structured log events (those carry timestamps)."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if not (isinstance(event, dict) and "event" in event):
+            lines.append(line)
+    return lines
+
+
+def _without_added(lines: list[str]) -> list[str]:
+    """``lines`` with the added settings taken out of "expected some of: ..." lists of known keys."""
+    out = []
+    for line in lines:
+        head, sep, known = line.partition("(expected some of: ")
+        if sep:
+            names, _, tail = known.partition(")")
+            kept = [name for name in names.split(", ") if name not in ADDED]
+            line = f"{head}{sep}{', '.join(kept)}){tail}"
+        out.append(line)
+    return out
+
+
+def _run(case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name, text in case["files"].items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVROUTE_ADMIN_TOKEN", raising=False)
+    return CliRunner().invoke(main, [case["command"], *case["args"]], terminal_width=80, prog_name="kvroute")
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """The help's options, each with its help text on one line; ``[default: 5.0]`` is read as ``[default: 5]``."""
+    entries: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in help_text.split("Options:", 1)[1].splitlines():
+        if re.match(r"^  -", line):
+            decl, _, text = line.strip().partition("  ")
+            current = entries.setdefault(decl.strip(), [])
+            current.append(text.strip())
+        elif line.strip():
+            current.append(line.strip())
+    out = {}
+    for decl, parts in entries.items():
+        if parts == ["Show this message and exit."]:
+            continue  # click caches a command's help option with the names of the first context that built it
+        text = re.sub(r"(\w)- (\w)", r"\1-\2", re.sub(r"\s+", " ", " ".join(parts)).strip())
+        text = re.sub(r"\[default: (\d+(?:\.\d+)?)\]", lambda m: f"[default: {float(m[1]):g}]", text)
+        out[decl.split()[0]] = text
+    return out
+
+
+class TestSettingsCorpus:
+    @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+    def test_same_behaviour(self, case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The invocation exits with the recorded code, prints the recorded errors and the recorded configuration."""
+        result = _run(case, tmp_path, monkeypatch)
+        errors = _without_added(_without_logs(result.stderr))
+        assert (result.exit_code, errors) == (case["exit_code"], _without_logs(case["stderr"]))
+        if case["command"] == "serve" and case["exit_code"] == 0:
+            shown = json.loads(result.stdout)
+            assert {key: shown.pop(key) for key in ADDED} == ADDED
+            assert shown == json.loads(case["stdout"])
+        else:
+            assert _without_logs(result.stdout) == _without_logs(case["stdout"])
+
+    @pytest.mark.parametrize("command", ["serve", "simulate"])
+    def test_same_help(self, command: str) -> None:
+        """Each option of the recorded help is still there with the same help text (numbers in defaults as %g)."""
+        result = CliRunner().invoke(main, [command, "--help"], terminal_width=80, prog_name="kvroute")
+        recorded = _options((CORPUS / f"{command}-help.txt").read_text(encoding="utf-8"))
+        now = _options(result.stdout)
+        assert set(now) - set(recorded) == ADDED_OPTIONS[command]
+        assert {name: now[name] for name in recorded} == recorded
