@@ -240,7 +240,7 @@ def serve(
 
         app.router.close()  # built only to check the configuration: each worker builds its own
         try:
-            status = Supervisor(config, log_level=log_level, log_format=log_format).run()
+            status = Supervisor(config, log_level=log_level, log_format=log_format, http=config.http).run()
         except KvrouteError as exc:
             raise click.ClickException(str(exc)) from None
         if status:
