@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from click.testing import CliRunner
 
 from kvroute.cli import main
@@ -57,7 +58,15 @@ def _run(case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         (tmp_path / name).write_text(text, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KVROUTE_ADMIN_TOKEN", raising=False)
-    return CliRunner().invoke(main, [case["command"], *case["args"]], terminal_width=80, prog_name="kvroute")
+    # The commands configure structlog for the process. With loggers cached on first use, that would outlive the
+    # test and blind every later test's capture_logs (tests/server/test_warm_join.py reads the proxy's events).
+    saved = structlog.get_config()
+    configure = structlog.configure
+    monkeypatch.setattr(structlog, "configure", lambda **kw: configure(**{**kw, "cache_logger_on_first_use": False}))
+    try:
+        return CliRunner().invoke(main, [case["command"], *case["args"]], terminal_width=80, prog_name="kvroute")
+    finally:
+        configure(**saved)
 
 
 def _options(help_text: str) -> dict[str, str]:
