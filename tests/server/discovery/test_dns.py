@@ -11,9 +11,9 @@ import pytest
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider
 from kvroute.errors import ConfigError
 from kvroute_server.fleet.providers.dns import DnsDiscovery
-from tests.discovery import dnsmasq as dnsmasq_module
-from tests.discovery.conftest import RecordingSink
-from tests.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv
+from tests.server.discovery import dnsmasq as dnsmasq_module
+from tests.server.discovery.conftest import RecordingSink
+from tests.server.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv
 
 NAME = f"vllm.{DOMAIN}"
 SERVICE = f"_http._tcp.vllm.{DOMAIN}"
