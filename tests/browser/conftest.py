@@ -124,7 +124,10 @@ def chromium() -> Iterator[Any]:
     executable = os.environ.get("KVROUTE_CHROMIUM") or shutil.which("chromium")
     if executable is None:
         pytest.fail(
-            "the browser tests need Debian's Chromium: apt-get install -y chromium (or set KVROUTE_CHROMIUM)",
+            "the browser tests need Debian's Chromium (expected chromium on PATH or KVROUTE_CHROMIUM, got neither): "
+            "install Debian's chromium and fonts-dejavu-core packages; the README's test command `bash tests/run` "
+            "does it when run as root, or run "
+            "`apt-get update && apt-get install -y --no-install-recommends chromium fonts-dejavu-core`.",
             pytrace=False,
         )
     with sync_playwright() as playwright:

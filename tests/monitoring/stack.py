@@ -35,8 +35,9 @@ def require(program: str) -> str:
     found = shutil.which(program)
     if found is None:
         pytest.fail(
-            f"{program!r} is not on PATH (expected an executable, got none): install Debian's 'prometheus' "
-            f"package (apt-get install -y prometheus), which provides prometheus and promtool."
+            f"{program!r} is not on PATH (expected an executable, got none): install Debian's prometheus package, "
+            "which provides prometheus and promtool; the README's test command `bash tests/run` does it when run "
+            "as root, or run `apt-get update && apt-get install -y --no-install-recommends prometheus`."
         )
     return found
 

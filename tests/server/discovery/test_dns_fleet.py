@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from kvroute import Backend, Fleet, Router, RouteRequest
-from tests.discovery.dnsmasq import DOMAIN, Dnsmasq
 from tests.replicas.processes import KVROUTE, Process, body, free_port, start_replicas, until, wait_ready
+from tests.server.discovery.dnsmasq import DOMAIN, Dnsmasq
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from kvroute.discovery import Snapshot
-from tests.discovery.dnsmasq import Dnsmasq, Srv, dnsmasq_binary
+from tests.server.discovery.dnsmasq import Dnsmasq, Srv, dnsmasq_binary
 
 
 @pytest.fixture

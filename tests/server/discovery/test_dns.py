@@ -11,9 +11,9 @@ import pytest
 from kvroute.discovery import DiscoveredBackend, DiscoveryProvider
 from kvroute.errors import ConfigError
 from kvroute_server.fleet.providers.dns import DnsDiscovery
-from tests.discovery import dnsmasq as dnsmasq_module
-from tests.discovery.conftest import RecordingSink
-from tests.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv
+from tests.server.discovery import dnsmasq as dnsmasq_module
+from tests.server.discovery.conftest import RecordingSink
+from tests.server.discovery.dnsmasq import DOMAIN, Dnsmasq, Srv
 
 NAME = f"vllm.{DOMAIN}"
 SERVICE = f"_http._tcp.vllm.{DOMAIN}"
@@ -316,7 +316,9 @@ class TestDnsmasqFixture:
     """The dnsmasq fixture itself: a missing binary is a failure that says how to install it."""
 
     def test_missing_binary_fails_with_install_hint(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Without dnsmasq on PATH or in /usr/sbin the tests fail (not skip), naming `apt-get install -y dnsmasq`."""
+        """Without dnsmasq on PATH or in /usr/sbin the tests fail (not skip), naming its package and tests/run."""
         monkeypatch.setattr(dnsmasq_module.shutil, "which", lambda *args, **kwargs: None)
-        with pytest.raises(pytest.fail.Exception, match=r"apt-get install -y dnsmasq"):
+        with pytest.raises(pytest.fail.Exception) as failure:
             dnsmasq_module.dnsmasq_binary()
+        assert "`bash tests/run`" in str(failure.value)
+        assert "apt-get install -y --no-install-recommends dnsmasq-base" in str(failure.value)

@@ -34,8 +34,9 @@ def dnsmasq_binary() -> str:
     found = shutil.which("dnsmasq") or shutil.which("dnsmasq", path="/usr/sbin:/sbin:/usr/local/sbin")
     if found is None:
         pytest.fail(
-            "the DNS discovery tests need a real dnsmasq and none is installed: "
-            "run `apt-get install -y dnsmasq` (Debian/Ubuntu package dnsmasq; .ci/run installs it).",
+            "the DNS discovery tests need a real dnsmasq (expected it on PATH or in /usr/sbin, got none): install "
+            "Debian's dnsmasq-base package; the README's test command `bash tests/run` does it when run as root, "
+            "or run `apt-get update && apt-get install -y --no-install-recommends dnsmasq-base`.",
             pytrace=False,
         )
     return found
