@@ -435,28 +435,21 @@ class Discovery:
                 self._retire(backend_id)
             return
         sources = sorted({self._owned[i].source for i in gone})
+        facts = {
+            "sources": sources,
+            "backends": gone,
+            "share": round(share, 3),
+            "max_removal_share": self.policy.max_removal_share,
+        }
         if self.policy.on_mass_removal == "hold":
             key = ("discovery_mass_removal_held", tuple(gone))
             if key not in self._noted:
                 self._noted.add(key)
                 for source in sources:
                     self._count(source, "held")
-                log.warning(
-                    "discovery_mass_removal_held",
-                    sources=sources,
-                    backends=gone,
-                    share=round(share, 3),
-                    max_removal_share=self.policy.max_removal_share,
-                )
+                log.warning("discovery_mass_removal_held", **facts)
             return
-        log.warning(
-            "discovery_mass_removal_gradual",
-            sources=sources,
-            backends=gone,
-            share=round(share, 3),
-            max_removal_share=self.policy.max_removal_share,
-            removal_interval_s=self.policy.removal_interval,
-        )
+        log.warning("discovery_mass_removal_gradual", **facts, removal_interval_s=self.policy.removal_interval)
         self._queue.extend(gone)
         self._tick()  # the first one goes now, unless a removal just went
         self._changes()  # the next when its turn comes

@@ -173,30 +173,25 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+@attrs.define
 class StatusView:
     """Collects the status document from the proxy's parts (it changes nothing)."""
 
-    def __init__(
-        self,
-        config: ServerConfig,
-        fleet: Fleet,
-        backends: BackendSet,
-        router: Router,
-        metrics: ProxyMetrics,
-        discovery: Discovery | NoDiscovery,
-        decisions: DecisionLog,
-        worker: WorkerContext = ONE_PROCESS,
-    ) -> None:
-        self.config = config
-        self.fleet = fleet
-        self.backends = backends
-        self.router = router
-        self.metrics = metrics
-        self.discovery = discovery
-        self.decisions = decisions
-        self.worker = worker
-        self._static = {b.id for b in config.backends}
-        self._from_file = set(config.backends_from_file)
+    config: ServerConfig
+    fleet: Fleet
+    backends: BackendSet
+    router: Router
+    metrics: ProxyMetrics
+    discovery: Discovery | NoDiscovery
+    decisions: DecisionLog
+    worker: WorkerContext = ONE_PROCESS
+    #: Where a backend came from when discovery does not own it: flags or the configuration file.
+    _static: set[str] = attrs.field(init=False)
+    _from_file: set[str] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._static = {b.id for b in self.config.backends}
+        self._from_file = set(self.config.backends_from_file)
 
     def _origin(self, backend_id: str, owned: Mapping[str, str]) -> str:
         if backend_id in owned:
