@@ -108,6 +108,21 @@ class SourceStatus:
     def stale(self, now: float, stale_after: float) -> bool:
         return self.failing or (self.last_success is not None and now - self.last_success > stale_after)
 
+    def succeeded(self, backends: int) -> None:
+        """A good answer naming ``backends`` backends came now."""
+        self.failing = self.aged = False
+        self.last_error = None
+        self.last_success = time.monotonic()
+        self.last_success_unix = time.time()
+        self.backends = backends
+
+    def fail(self, reason: str) -> bool:
+        """The source failed for ``reason``; False when it was already failing for the same reason."""
+        repeated = self.failing and self.last_error == reason
+        self.failing = True
+        self.last_error = reason
+        return not repeated
+
 
 @attrs.define
 class _Owned:
@@ -138,6 +153,22 @@ def _config_of(found: DiscoveredBackend, api_key: str | None) -> BackendConfig:
         api_key=api_key,
         adapter_options=dict(found.options),
     )
+
+
+def _desired(
+    order: Sequence[str], snapshots: Mapping[str, Sequence[DiscoveredBackend]]
+) -> tuple[dict[str, tuple[str, DiscoveredBackend]], list[tuple[str, str, str]]]:
+    """Each id's first source in ``order`` and what it said, and every later claim as (id, source, kept source)."""
+    desired: dict[str, tuple[str, DiscoveredBackend]] = {}
+    conflicts: list[tuple[str, str, str]] = []
+    for source in order:
+        for found in snapshots.get(source, ()):
+            first = desired.get(found.id)
+            if first is None:
+                desired[found.id] = (source, found)
+            else:
+                conflicts.append((found.id, source, first[0]))
+    return desired, conflicts
 
 
 def _identity(found: DiscoveredBackend) -> tuple[object, ...]:
@@ -303,13 +334,9 @@ class Discovery:
             return
         if status.failing or status.aged:
             log.info("discovery_recovered", source=source, backends=len(snapshot.backends))
-        status.failing = status.aged = False
-        status.last_error = None
-        status.last_success = time.monotonic()
-        status.last_success_unix = time.time()
-        status.backends = len(snapshot.backends)
+        status.succeeded(len(snapshot.backends))
         self.metrics.child(self.metrics.discovery_stale, source).set(0)
-        self.metrics.child(self.metrics.discovery_last_success, source).set(status.last_success_unix)
+        self.metrics.child(self.metrics.discovery_last_success, source).set(status.last_success_unix or 0.0)
         self._snapshots[source] = snapshot.backends
         self.reconcile()
         self._changes()
@@ -319,11 +346,9 @@ class Discovery:
         self._mark_failing(self._status(source), reason, "discovery_failed")
 
     def _mark_failing(self, status: SourceStatus, reason: str, event: str) -> None:
-        repeated = status.failing and status.last_error == reason
-        status.failing = True
-        status.last_error = reason
+        new = status.fail(reason)
         self.metrics.child(self.metrics.discovery_stale, status.source).set(1)
-        if not repeated:  # the same failure every interval is logged once
+        if new:  # the same failure every interval is logged once
             kept = len(self._snapshots.get(status.source, ()))
             log.warning(event, source=status.source, reason=reason, kept_backends=kept)
         self._changes()
@@ -340,14 +365,9 @@ class Discovery:
                 self._queue.remove(backend_id)
         # The discovered fleet before this answer, against which a mass removal is measured.
         before = sum(1 for i in self._owned if i not in self._leaving and i not in self._queue)
-        desired: dict[str, tuple[str, DiscoveredBackend]] = {}
-        for source in self._order:
-            for found in self._snapshots.get(source, ()):
-                first = desired.get(found.id)
-                if first is not None:
-                    self._note("discovery_conflict", backend=found.id, source=source, kept_source=first[0])
-                    continue
-                desired[found.id] = (source, found)
+        desired, conflicts = _desired(self._order, self._snapshots)
+        for backend_id, source, kept in conflicts:
+            self._note("discovery_conflict", backend=backend_id, source=source, kept_source=kept)
         for backend_id, (source, found) in desired.items():
             owned = self._owned.get(backend_id)
             if owned is not None:
@@ -371,6 +391,11 @@ class Discovery:
     def _count(self, source: str, change: str) -> None:
         self.metrics.child(self.metrics.discovery_changes, source, change).inc()
 
+    def _record(self, source: str, change: str, event: str, **context: Any) -> None:
+        """A change discovery made to the fleet: counted by source and kind, and logged."""
+        self._count(source, change)
+        log.info(event, source=source, **context)
+
     def _add(self, source: str, found: DiscoveredBackend) -> None:
         try:
             self.backends.add(_config_of(found, self._api_keys.get(source)))
@@ -390,8 +415,7 @@ class Discovery:
         )
         if found.draining:
             self.backends.drain(found.id)
-            self._count(source, "draining")
-            log.info("backend_draining", source=source, backend=found.id)
+            self._record(source, "draining", "backend_draining", backend=found.id)
 
     def _update(self, owned: _Owned, source: str, found: DiscoveredBackend) -> None:
         before, backend_id = owned.seen, found.id
@@ -401,32 +425,27 @@ class Discovery:
         self._leaving.discard(backend_id)
         owned.source = source
         if returning:
-            log.info("backend_returned", source=source, backend=backend_id)
-            self._count(source, "returned")
+            self._record(source, "returned", "backend_returned", backend=backend_id)
         if _identity(before) != _identity(found):
             self.backends.remove(backend_id)  # requests in flight finish; their count carries over to the new member
             del self._owned[backend_id]
-            log.info("backend_replaced", source=source, backend=backend_id, url=found.url, kind=found.kind)
-            self._count(source, "replaced")
+            self._record(source, "replaced", "backend_replaced", backend=backend_id, url=found.url, kind=found.kind)
             self._add(source, found)
             return
         owned.seen = found
         if before.weight != found.weight:
             self.backends.set_weight(backend_id, found.weight)
-            self._count(source, "weight")
-            log.info("backend_reweighted", source=source, backend=backend_id, weight=found.weight)
+            self._record(source, "weight", "backend_reweighted", backend=backend_id, weight=found.weight)
         if before.models != found.models:
             self.backends.set_models(backend_id, found.models)
-            self._count(source, "models")
-            log.info("backend_models_changed", source=source, backend=backend_id, models=sorted(found.models))
+            self._record(source, "models", "backend_models_changed", backend=backend_id, models=sorted(found.models))
         if dict(before.labels) != dict(found.labels):
             self.backends.set_labels(backend_id, found.labels)
-            self._count(source, "labels")
-            log.info("backend_labels_changed", source=source, backend=backend_id)
+            self._record(source, "labels", "backend_labels_changed", backend=backend_id)
         if returning or before.draining != found.draining:
             self.backends.drain(backend_id, draining=found.draining)
-            self._count(source, "draining" if found.draining else "undrained")
-            log.info("backend_draining" if found.draining else "backend_undrained", source=source, backend=backend_id)
+            change, event = ("draining", "backend_draining") if found.draining else ("undrained", "backend_undrained")
+            self._record(source, change, event, backend=backend_id)
 
     def _remove(self, gone: list[str], before: int) -> None:
         share = len(gone) / max(before, 1)
@@ -461,8 +480,7 @@ class Discovery:
             return
         self._leaving.add(backend_id)
         self.backends.drain(backend_id, remove_when_idle=True)
-        self._count(owned.source, "removed")
-        log.info("backend_gone", source=owned.source, backend=backend_id)
+        self._record(owned.source, "removed", "backend_gone", backend=backend_id)
 
 
 class NoDiscovery:
