@@ -38,8 +38,9 @@ sibling finds the first one's blocks. With ``prefetch`` on, a background thread 
 pending tails ahead of time, so that extending one usually finds its pieces cached.
 
 The strategy composes the pieces: `kvroute_tokenizer_prefix.match` (step 3),
-`kvroute_tokenizer_prefix.tails` (pending tails), `kvroute_tokenizer_prefix.prefetch`, the
-block index (`kvroute_tokenizer_prefix.index`) and the tokenizers.
+`kvroute_tokenizer_prefix.choice` (step 4), `kvroute_tokenizer_prefix.tails` (pending tails),
+`kvroute_tokenizer_prefix.prefetch`, the block index (`kvroute_tokenizer_prefix.index`) and
+the tokenizers.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ from typing import Any
 
 import attrs
 import xxhash
-from kvroute_bounded_load import BoundedLoad, LoadBound, choose
-from kvroute_consistent_hash import Rendezvous
+from kvroute_bounded_load import BoundedLoad
 
 import kvroute
 from kvroute.errors import InvalidRequest
@@ -65,6 +65,7 @@ from kvroute.options import (
     str_option,
 )
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
+from kvroute_tokenizer_prefix.choice import Chooser
 from kvroute_tokenizer_prefix.heat import HotPrefixes
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
 from kvroute_tokenizer_prefix.match import match_bisect, match_walk
@@ -130,7 +131,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _index: BlockIndex = attrs.field(init=False)
     _recent: RecentDecisions = attrs.field(init=False)
     _placer: BoundedLoad = attrs.field(init=False)
-    _cold_bound: LoadBound = attrs.field(init=False)
+    _chooser: Chooser = attrs.field(init=False)
     #: Per request picked and not started yet: its blocks and how many leading blocks it shared.
     _pending: OrderedDict[str, tuple[PromptBlocks, int]] = attrs.field(init=False, factory=OrderedDict)
     _heat: HotPrefixes | None = attrs.field(init=False, default=None)
@@ -163,7 +164,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             engine_load=self.engine_load,
             min_capacity=self.min_capacity,
         )
-        self._cold_bound = LoadBound(self.load_factor, self.concurrency_threshold, self.engine_load, min_capacity=0)
+        self._chooser = Chooser(self._placer, self.load_cost_tokens)
 
     # -- what adapters and operators use ---------------------------------------------------
 
@@ -335,21 +336,6 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             match_bisect(blocks, bits, matched, index, self._tails, self._recent)
         return matched
 
-    def _ranks(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> list[int]:
-        placement = self._placer.placement
-        order = placement.ranking(key, model)
-        rank_of = {index: r for r, index in enumerate(order)}
-        ranks = []
-        for state in candidates:
-            member = placement.index(state)
-            r = rank_of.get(member) if member is not None else None
-            if r is None:  # a candidate the placement does not know: rank over the candidates alone
-                alone = Rendezvous(candidates, cache_size=0)
-                position = {index: r for r, index in enumerate(alone.ranking(key, None))}
-                return [position[i] for i in range(len(candidates))]
-            ranks.append(r)
-        return ranks
-
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         with self._index.lock:
             self._sync_block_size(candidates)
@@ -374,42 +360,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens, "hot_tokens": hot * bs}
         self._totals["prompt_tokens"] += blocks.tokens
         self._totals["available"] += best * bs
-        ranks = self._ranks(key, request.model, candidates)
-        cold = best <= hot
-        if cold:
-            # Nothing past the hot head is cached anywhere, so no backend has hits to lose: the key's
-            # rendezvous order under the bound without the min_capacity floor (which exists to keep hits).
-            loads = self._cold_bound.measure(candidates)
-            order = sorted(range(len(candidates)), key=ranks.__getitem__)
-        else:
-            loads = self._placer.bound.measure(candidates)
-            cost = self.load_cost_tokens
-            scores = [
-                max(0, m - hot) * bs - cost * loads.load(s) / s.backend.weight
-                for m, s in zip(matched, candidates, strict=True)
-            ]
-            order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
-        choice = choose((candidates[j] for j in order), loads)
-        chosen = next(j for j in order if candidates[j] is choice.state)
-        first = candidates[order[0]]
-        reason = choice.reason  # spilled or least_loaded
-        if choice.reason == "first":
-            reason = "cold" if cold else "prefix"
-        self.reasons[reason] += 1
-        self._totals["chosen"] += matched[chosen] * bs
-        detail["matched_tokens"] = matched[chosen] * bs
-        spill_reason = None
-        if choice.state is not first:
-            detail["preferred"] = first.id
-            spill_reason = choice.spill_reason
-        return kvroute.Decision(
-            choice.state.backend,
-            reason=reason,
-            key=key,
-            spilled=choice.state is not first,
-            detail=detail,
-            spill_reason=spill_reason,
-        )
+        decision = self._chooser.decide(key, request.model, candidates, matched, best, hot, bs, detail)
+        self.reasons[decision.reason] += 1
+        self._totals["chosen"] += detail["matched_tokens"]
+        return decision
 
 
 @kvroute.hookimpl

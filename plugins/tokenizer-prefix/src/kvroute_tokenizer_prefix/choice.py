@@ -1,0 +1,111 @@
+"""The choice (step 4 of `kvroute_tokenizer_prefix.strategy`): which candidate gets a request, given its matches.
+
+* Cold (no candidate holds anything past the prompt's hot head): the key's rendezvous order,
+  under the load bound without the ``min_capacity`` floor (the floor keeps hits, and a cold
+  prompt has none to keep).
+* Else: candidates ordered by ``matched tokens past the hot head - load_cost_tokens * load /
+  weight``, best first, ties in the key's rendezvous order, under the placer's own bound.
+
+Either way the ``bounded-load`` plugin's `choose` takes the first candidate with room, else
+the least loaded. `Chooser.decide` is on the strategy's hot path: one call per ``pick``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from kvroute_bounded_load import BoundedLoad, LoadBound, choose
+from kvroute_consistent_hash import Rendezvous
+
+import kvroute
+
+__all__ = ["Chooser"]
+
+
+@attrs.define
+class Chooser:
+    """Orders a request's candidates (cold: by rendezvous rank; else by score) and takes the first with room."""
+
+    #: The strategy's load-bounded placement: its rendezvous order and its bound.
+    placer: BoundedLoad
+    #: Tokens of match one unit of load per unit of weight is worth (the ``load_cost_tokens`` option).
+    load_cost_tokens: float
+    _cold_bound: LoadBound = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        placer = self.placer
+        self._cold_bound = LoadBound(
+            placer.load_factor, placer.concurrency_threshold, placer.engine_load, min_capacity=0
+        )
+
+    def decide(
+        self,
+        key: int,
+        model: str | None,
+        candidates: Sequence[kvroute.BackendState],
+        matched: list[int],
+        best: int,
+        hot: int,
+        block_size: int,
+        detail: dict[str, Any],
+    ) -> kvroute.Decision:
+        """The decision for a request whose candidates hold ``matched`` leading blocks (``best`` at most), ``hot``
+        of them hot.
+
+        Reason ``cold`` or ``prefix`` when the first of the order had room, else `choose`'s
+        (``spilled``, ``least_loaded``). Adds ``matched_tokens`` (the chosen candidate's) and,
+        on a spill, ``preferred`` to ``detail``, which becomes the decision's.
+        """
+        bs = block_size
+        ranks = self._ranks(key, model, candidates)
+        cold = best <= hot
+        if cold:
+            # Nothing past the hot head is cached anywhere, so no backend has hits to lose: the key's
+            # rendezvous order under the bound without the min_capacity floor (which exists to keep hits).
+            loads = self._cold_bound.measure(candidates)
+            order = sorted(range(len(candidates)), key=ranks.__getitem__)
+        else:
+            loads = self.placer.bound.measure(candidates)
+            cost = self.load_cost_tokens
+            scores = [
+                max(0, m - hot) * bs - cost * loads.load(s) / s.backend.weight
+                for m, s in zip(matched, candidates, strict=True)
+            ]
+            order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
+        choice = choose((candidates[j] for j in order), loads)
+        chosen = next(j for j in order if candidates[j] is choice.state)
+        first = candidates[order[0]]
+        reason = choice.reason  # spilled or least_loaded
+        if choice.reason == "first":
+            reason = "cold" if cold else "prefix"
+        detail["matched_tokens"] = matched[chosen] * bs
+        spill_reason = None
+        if choice.state is not first:
+            detail["preferred"] = first.id
+            spill_reason = choice.spill_reason
+        return kvroute.Decision(
+            choice.state.backend,
+            reason=reason,
+            key=key,
+            spilled=choice.state is not first,
+            detail=detail,
+            spill_reason=spill_reason,
+        )
+
+    def _ranks(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> list[int]:
+        """Each candidate's rank in the key's rendezvous order (over the candidates alone if one is unknown)."""
+        placement = self.placer.placement
+        order = placement.ranking(key, model)
+        rank_of = {index: r for r, index in enumerate(order)}
+        ranks = []
+        for state in candidates:
+            member = placement.index(state)
+            r = rank_of.get(member) if member is not None else None
+            if r is None:  # a candidate the placement does not know: rank over the candidates alone
+                alone = Rendezvous(candidates, cache_size=0)
+                position = {index: r for r, index in enumerate(alone.ranking(key, None))}
+                return [position[i] for i in range(len(candidates))]
+            ranks.append(r)
+        return ranks
