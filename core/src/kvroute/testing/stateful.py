@@ -148,10 +148,189 @@ def _plugins() -> PluginManager:
     return _PLUGINS[0]
 
 
-class ScalingStateMachine(RuleBasedStateMachine):
+class _ScalingModel(RuleBasedStateMachine):
+    """What `ScalingStateMachine`'s rules drive and measure, with no rule or invariant of its own.
+
+    Holds one example's state: the two fleets and their routers (the *primary* carries the
+    leases in flight, the *probe* never starts a request), the sample ``requests``, the
+    ``leases`` held, the probe's last ``assignment`` and every assignment ``seen`` per routable
+    membership, each backend's KV ``capacity``, the ``cache`` model and the claim checks. Its
+    helpers apply a change to both fleets in step, draw new backends, measure the probe's
+    assignment (checking balance, determinism and returns), start requests on the primary
+    (checking the load and placement claims), and release everything in ``teardown``.
+    The configuration it reads is declared, with defaults and docs, on `ScalingStateMachine`.
+    """
+
+    strategy_name: ClassVar[str]
+    strategy_options: ClassVar[Mapping[str, Any]]
+    factory: ClassVar[Callable[..., Strategy] | None]
+    claims: ClassVar[Claims]
+    tolerance: ClassVar[Tolerance]
+    keys: ClassVar[int]
+    hot_keys: ClassVar[int]
+    model: ClassVar[str]
+    kv_blocks: ClassVar[tuple[int, ...]]
+    block_size: ClassVar[int]
+    coverage: ClassVar[Coverage]
+
+    def __init__(self) -> None:
+        super().__init__()
+        if "coverage" not in type(self).__dict__:  # run outside `run`: count on this class, not a parent's
+            type(self).coverage = Coverage()
+        type(self).coverage.examples += 1
+        self.requests = _requests(self.keys, self.model)
+        self.primary_fleet = Fleet()
+        self.probe_fleet = Fleet()
+        self.primary = Router(self.primary_fleet, self._new_strategy(), strategy_name=self.strategy_name)
+        self.probe = Router(self.probe_fleet, self._new_strategy(), strategy_name=self.strategy_name)
+        self.leases: list[Lease] = []
+        self.assignment: tuple[str, ...] = ()
+        self.seen: dict[frozenset[tuple[str, float]], tuple[str, ...]] = {}
+        #: Each backend's KV cache size in blocks (by id, kept across a bounce), when ``kv_blocks`` is set.
+        self.capacity: dict[str, int] = {}
+        #: What each primary backend's cache holds, as the claims' rules say (`CacheModel`).
+        self.cache = CacheModel()
+        #: The checks of what the strategy claims (`kvroute.testing.claims`).
+        self._checks = ClaimChecks(self.claims, self.tolerance, self.strategy_name)
+
+    # -- both fleets and the probe's assignment ----------------------------------------
+
+    def _new_strategy(self) -> Strategy:
+        factory = type(self).factory  # read from the class: a plain function stays unbound
+        if factory is not None:
+            return build_strategy(self.strategy_name, factory, self.strategy_options)
+        return _plugins().create_strategy(self.strategy_name, self.strategy_options)
+
+    def _states(self) -> list[BackendState]:
+        return list(self.probe_fleet)
+
+    def _routable(self) -> list[BackendState]:
+        return self.probe_fleet.candidates(self.model)
+
+    def _ids(self) -> list[str]:
+        return sorted(s.id for s in self.probe_fleet)
+
+    def _draw_new_backend(self, data: st.DataObject) -> Backend:
+        taken = set(self._ids())
+        backend_id = data.draw(
+            st.text(alphabet=_ID_ALPHABET, min_size=1, max_size=8).filter(lambda b: b not in taken), label="id"
+        )
+        if self.kv_blocks:
+            self.capacity[backend_id] = data.draw(st.sampled_from(self.kv_blocks), label="kv_blocks")
+        return Backend(backend_id, weight=data.draw(st.sampled_from(_WEIGHTS), label="weight"))
+
+    def _both(self, change: Callable[[Fleet], object]) -> None:
+        change(self.primary_fleet)
+        change(self.probe_fleet)
+        self.cache.keep_only(s.id for s in self.primary_fleet)
+        self._report_capacity()
+
+    def _report_capacity(self) -> None:
+        """Fresh KV cache telemetry on every backend of both fleets (none without ``kv_blocks``)."""
+        if not self.kv_blocks:
+            return
+        for fleet in (self.primary_fleet, self.probe_fleet):
+            for state in fleet:
+                state.load = EngineLoad(kv_blocks=self.capacity[state.id], block_size=self.block_size)
+
+    def _kv_tokens(self, backend_id: str) -> int | None:
+        blocks = self.capacity.get(backend_id)
+        return None if blocks is None else blocks * self.block_size
+
+    def _add_to_both(self, backend: Backend) -> None:
+        self._both(lambda fleet: fleet.add(backend))
+
+    def _signature(self) -> frozenset[tuple[str, float]]:
+        return frozenset((s.id, s.weight) for s in self._routable())
+
+    def _shares(self) -> dict[str, float]:
+        routable = self._routable()
+        total = sum(s.weight for s in routable)
+        return {s.id: s.weight / total for s in routable}
+
+    def _measure(self) -> tuple[str, ...]:
+        """Assign the sample keys on the probe and check balance, determinism and returns."""
+        candidates = self._routable()
+        after = assign(self.probe.strategy, self.requests, candidates)
+        allowed = {s.id for s in candidates}
+        strays = Counter(b for b in after if b not in allowed)
+        assert not strays, f"{self.strategy_name}: picked backends that are not candidates: {dict(strays)}"
+        self._checks.balance(after, self._shares)
+        self._checks.deterministic(after, self._replica_assignment)
+        self._checks.returns(after, self._signature, self.seen)
+        self.assignment = after
+        return after
+
+    def _replica_assignment(self) -> tuple[str, ...]:
+        states = self._states()
+        fleet = Fleet([s.backend for s in reversed(states)])
+        for state in states:
+            fleet.drain(state.id, state.draining)
+            fleet.set_healthy(state.id, state.healthy)
+        router = Router(fleet, self._new_strategy(), strategy_name=self.strategy_name)
+        try:
+            return assign(router.strategy, self.requests, fleet.candidates(self.model))
+        finally:
+            router.close()
+
+    # -- requests on the primary -------------------------------------------------------
+
+    def _hot_request(self, data: st.DataObject) -> RouteRequest:
+        return self.requests[data.draw(st.integers(0, min(self.hot_keys, self.keys) - 1), label="key")]
+
+    def _start(self, request: RouteRequest) -> None:
+        self._report_capacity()
+        candidates = self.primary_fleet.candidates(self.model)
+        loads = {s.id: s.in_flight for s in candidates}
+        weights = {s.id: s.weight for s in candidates}
+        lease = self.primary.acquire(request)
+        self.leases.append(lease)
+        type(self).coverage.starts += 1
+        self._checks.start(lease.backend.id, loads, weights, type(self).coverage)
+        if self.claims.resident or self.claims.cache_bounded:
+            self._check_placement(lease, loads, weights)
+
+    def _check_placement(self, lease: Lease, loads: Mapping[str, int], weights: Mapping[str, float]) -> None:
+        """Check one start against the cache model (claims 8 and 9), then record it there."""
+        decision = lease.decision
+        key, footprint = decision.key, decision.detail.get("footprint")
+        assert key is not None and isinstance(footprint, int), (
+            f"{self.strategy_name} claims resident/cache bounds, so each Decision must carry its key and "
+            f"detail['footprint'] (tokens); got key={key!r}, footprint={footprint!r}"
+        )
+        in_tokens = all(self._kv_tokens(b) is not None for b in loads)
+        capacities = {b: float(self._kv_tokens(b) or 0) if in_tokens else weights[b] for b in loads}
+        claims = self.claims
+        held = {b: self.cache.held(b) for b in loads}
+        rooms = (
+            cache_room(
+                held,
+                capacities,
+                footprint,
+                cache_factor=claims.cache_factor,
+                cache_fill=claims.cache_fill,
+                in_tokens=in_tokens,
+            ),
+            cache_room(held, capacities, footprint, cache_factor=claims.cache_factor, cache_fill=None, in_tokens=False),
+        )
+        holders = self.cache.holders(key, loads)
+        load_room = self._checks.load_room(loads, weights)
+        self._checks.placement(lease.backend.id, key, holders, rooms, load_room, set(loads), type(self).coverage)
+        self.cache.record(lease.backend.id, key, footprint, self._kv_tokens(lease.backend.id))
+
+    def teardown(self) -> None:
+        for lease in self.leases:
+            self.primary.release(lease)
+        self.primary.close()
+        self.probe.close()
+
+
+class ScalingStateMachine(_ScalingModel):
     """Scale a fleet under one strategy and check the invariants it claims.
 
-    Configure a subclass with `for_strategy` (or set the class attributes yourself).
+    Configure a subclass with `for_strategy` (or set the class attributes yourself). This class
+    holds the configuration, the rules and the invariant; the state they drive (fleets, routers,
+    leases, assignments, cache model) and its helpers are in its private base `_ScalingModel`.
     """
 
     #: Entry-point name of the strategy (used with `PluginManager`), or a label when ``factory`` is set.
@@ -237,106 +416,6 @@ class ScalingStateMachine(RuleBasedStateMachine):
         run_state_machine_as_test(cls, settings=budget if budget is not None else cls.TestCase.settings)
         cls.coverage.require(cls.claims, cls.__name__)
         return cls.coverage
-
-    def __init__(self) -> None:
-        super().__init__()
-        if "coverage" not in type(self).__dict__:  # run outside `run`: count on this class, not a parent's
-            type(self).coverage = Coverage()
-        type(self).coverage.examples += 1
-        self.requests = _requests(self.keys, self.model)
-        self.primary_fleet = Fleet()
-        self.probe_fleet = Fleet()
-        self.primary = Router(self.primary_fleet, self._new_strategy(), strategy_name=self.strategy_name)
-        self.probe = Router(self.probe_fleet, self._new_strategy(), strategy_name=self.strategy_name)
-        self.leases: list[Lease] = []
-        self.assignment: tuple[str, ...] = ()
-        self.seen: dict[frozenset[tuple[str, float]], tuple[str, ...]] = {}
-        #: Each backend's KV cache size in blocks (by id, kept across a bounce), when ``kv_blocks`` is set.
-        self.capacity: dict[str, int] = {}
-        #: What each primary backend's cache holds, as the claims' rules say (`CacheModel`).
-        self.cache = CacheModel()
-        #: The checks of what the strategy claims (`kvroute.testing.claims`).
-        self._checks = ClaimChecks(self.claims, self.tolerance, self.strategy_name)
-
-    # -- helpers -----------------------------------------------------------------------
-
-    def _new_strategy(self) -> Strategy:
-        factory = type(self).factory  # read from the class: a plain function stays unbound
-        if factory is not None:
-            return build_strategy(self.strategy_name, factory, self.strategy_options)
-        return _plugins().create_strategy(self.strategy_name, self.strategy_options)
-
-    def _states(self) -> list[BackendState]:
-        return list(self.probe_fleet)
-
-    def _routable(self) -> list[BackendState]:
-        return self.probe_fleet.candidates(self.model)
-
-    def _ids(self) -> list[str]:
-        return sorted(s.id for s in self.probe_fleet)
-
-    def _draw_new_backend(self, data: st.DataObject) -> Backend:
-        taken = set(self._ids())
-        backend_id = data.draw(
-            st.text(alphabet=_ID_ALPHABET, min_size=1, max_size=8).filter(lambda b: b not in taken), label="id"
-        )
-        if self.kv_blocks:
-            self.capacity[backend_id] = data.draw(st.sampled_from(self.kv_blocks), label="kv_blocks")
-        return Backend(backend_id, weight=data.draw(st.sampled_from(_WEIGHTS), label="weight"))
-
-    def _both(self, change: Callable[[Fleet], object]) -> None:
-        change(self.primary_fleet)
-        change(self.probe_fleet)
-        self.cache.keep_only(s.id for s in self.primary_fleet)
-        self._report_capacity()
-
-    def _report_capacity(self) -> None:
-        """Fresh KV cache telemetry on every backend of both fleets (none without ``kv_blocks``)."""
-        if not self.kv_blocks:
-            return
-        for fleet in (self.primary_fleet, self.probe_fleet):
-            for state in fleet:
-                state.load = EngineLoad(kv_blocks=self.capacity[state.id], block_size=self.block_size)
-
-    def _kv_tokens(self, backend_id: str) -> int | None:
-        blocks = self.capacity.get(backend_id)
-        return None if blocks is None else blocks * self.block_size
-
-    def _add_to_both(self, backend: Backend) -> None:
-        self._both(lambda fleet: fleet.add(backend))
-
-    def _signature(self) -> frozenset[tuple[str, float]]:
-        return frozenset((s.id, s.weight) for s in self._routable())
-
-    def _shares(self) -> dict[str, float]:
-        routable = self._routable()
-        total = sum(s.weight for s in routable)
-        return {s.id: s.weight / total for s in routable}
-
-    def _measure(self) -> tuple[str, ...]:
-        """Assign the sample keys on the probe and check balance, determinism and returns."""
-        candidates = self._routable()
-        after = assign(self.probe.strategy, self.requests, candidates)
-        allowed = {s.id for s in candidates}
-        strays = Counter(b for b in after if b not in allowed)
-        assert not strays, f"{self.strategy_name}: picked backends that are not candidates: {dict(strays)}"
-        self._checks.balance(after, self._shares)
-        self._checks.deterministic(after, self._replica_assignment)
-        self._checks.returns(after, self._signature, self.seen)
-        self.assignment = after
-        return after
-
-    def _replica_assignment(self) -> tuple[str, ...]:
-        states = self._states()
-        fleet = Fleet([s.backend for s in reversed(states)])
-        for state in states:
-            fleet.drain(state.id, state.draining)
-            fleet.set_healthy(state.id, state.healthy)
-        router = Router(fleet, self._new_strategy(), strategy_name=self.strategy_name)
-        try:
-            return assign(router.strategy, self.requests, fleet.candidates(self.model))
-        finally:
-            router.close()
 
     # -- rules: membership -------------------------------------------------------------
 
@@ -429,49 +508,6 @@ class ScalingStateMachine(RuleBasedStateMachine):
 
     # -- rules: requests ---------------------------------------------------------------
 
-    def _hot_request(self, data: st.DataObject) -> RouteRequest:
-        return self.requests[data.draw(st.integers(0, min(self.hot_keys, self.keys) - 1), label="key")]
-
-    def _start(self, request: RouteRequest) -> None:
-        self._report_capacity()
-        candidates = self.primary_fleet.candidates(self.model)
-        loads = {s.id: s.in_flight for s in candidates}
-        weights = {s.id: s.weight for s in candidates}
-        lease = self.primary.acquire(request)
-        self.leases.append(lease)
-        type(self).coverage.starts += 1
-        self._checks.start(lease.backend.id, loads, weights, type(self).coverage)
-        if self.claims.resident or self.claims.cache_bounded:
-            self._check_placement(lease, loads, weights)
-
-    def _check_placement(self, lease: Lease, loads: Mapping[str, int], weights: Mapping[str, float]) -> None:
-        """Check one start against the cache model (claims 8 and 9), then record it there."""
-        decision = lease.decision
-        key, footprint = decision.key, decision.detail.get("footprint")
-        assert key is not None and isinstance(footprint, int), (
-            f"{self.strategy_name} claims resident/cache bounds, so each Decision must carry its key and "
-            f"detail['footprint'] (tokens); got key={key!r}, footprint={footprint!r}"
-        )
-        in_tokens = all(self._kv_tokens(b) is not None for b in loads)
-        capacities = {b: float(self._kv_tokens(b) or 0) if in_tokens else weights[b] for b in loads}
-        claims = self.claims
-        held = {b: self.cache.held(b) for b in loads}
-        rooms = (
-            cache_room(
-                held,
-                capacities,
-                footprint,
-                cache_factor=claims.cache_factor,
-                cache_fill=claims.cache_fill,
-                in_tokens=in_tokens,
-            ),
-            cache_room(held, capacities, footprint, cache_factor=claims.cache_factor, cache_fill=None, in_tokens=False),
-        )
-        holders = self.cache.holders(key, loads)
-        load_room = self._checks.load_room(loads, weights)
-        self._checks.placement(lease.backend.id, key, holders, rooms, load_room, set(loads), type(self).coverage)
-        self.cache.record(lease.backend.id, key, footprint, self._kv_tokens(lease.backend.id))
-
     @rule(data=st.data())
     def route(self, data: st.DataObject) -> None:
         self._start(self._hot_request(data))
@@ -500,9 +536,3 @@ class ScalingStateMachine(RuleBasedStateMachine):
         assert not wrong, f"in-flight conservation: (in_flight, leases held) per backend differ: {wrong}"
         probe = {s.id: s.in_flight for s in self.probe_fleet if s.in_flight}
         assert not probe, f"in-flight conservation: the probe never starts a request, but has in_flight {probe}"
-
-    def teardown(self) -> None:
-        for lease in self.leases:
-            self.primary.release(lease)
-        self.primary.close()
-        self.probe.close()
