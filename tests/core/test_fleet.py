@@ -239,3 +239,34 @@ class TestInFlightAcrossMembership:
         fleet.remove("b0")
         with pytest.raises(UnknownBackend, match="backend 'b0' is not a member of this fleet"):
             fleet.request_started(state)
+
+
+class TestWhenIdle:
+    def test_called_once_when_the_last_request_finishes(self) -> None:
+        """A waiter runs when the backend's last request in flight finishes, not before and not again."""
+        fleet = make_fleet(1)
+        state = fleet.get("b0")
+        calls: list[str] = []
+        fleet.request_started(state)
+        fleet.request_started(state)
+        fleet.when_idle("b0", lambda: calls.append("idle"))
+        fleet.request_finished(state)
+        assert calls == []
+        fleet.request_finished(state)
+        assert calls == ["idle"]
+        fleet.request_started(state)
+        fleet.request_finished(state)
+        assert calls == ["idle"]
+
+    def test_cancelled_waiter_is_not_called(self) -> None:
+        """The function `when_idle` returns takes the waiter back; other backends' waiters are untouched."""
+        fleet = make_fleet(2)
+        calls: list[str] = []
+        cancel = fleet.when_idle("b0", lambda: calls.append("b0"))
+        fleet.when_idle("b1", lambda: calls.append("b1"))
+        cancel()
+        for backend_id in ("b0", "b1"):
+            state = fleet.get(backend_id)
+            fleet.request_started(state)
+            fleet.request_finished(state)
+        assert calls == ["b1"]
