@@ -63,7 +63,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,7 +124,7 @@ def workload(seed: int, requests: int, rate: float) -> list[AgentRequest]:
     preamble = "Tools and instructions. " + filler(rng, PREAMBLE_CHARS - 24)
     assert len(preamble) == PREAMBLE_CHARS
     # Sessions as lists of steps (one request, or a fan-out of siblings); times come later.
-    sessions: list[list[list[tuple[list[dict[str, str]], int]]]] = []
+    sessions: list[list[list[tuple[list[dict[str, Any]], int]]]] = []
     total = 0
     while total < requests:
         s = len(sessions)
@@ -130,18 +132,27 @@ def workload(seed: int, requests: int, rate: float) -> list[AgentRequest]:
             {"role": "system", "content": preamble},
             {"role": "user", "content": f"Session {s} task: " + filler(rng, rng.randint(300, 1500))},
         ]
-        steps: list[list[tuple[list[dict[str, str]], int]]] = []
+        steps: list[list[tuple[list[dict[str, Any]], int]]] = []
         for turn in range(rng.randint(4, 7)):
             if turn > 0:
                 prev_messages, prev_tokens = steps[-1][0]
                 answer = vocab.decode(emulator_answer(vocab.render_chat(prev_messages), prev_tokens))
-                history = [*prev_messages, {"role": "assistant", "content": answer}]
-                if rng.random() < 0.75:
+                if rng.random() < 0.75:  # the answer called a tool; its output follows
+                    call = f"call_{s}_{turn}"
+                    calls = [{"id": call, "type": "function", "function": {"name": "run", "arguments": "{}"}}]
                     text = f"Tool output {s}.{turn}: " + filler(rng, rng.randint(1000, 4000))
-                    history.append({"role": "tool", "content": text})
+                    history = [
+                        *prev_messages,
+                        {"role": "assistant", "content": answer, "tool_calls": calls},
+                        {"role": "tool", "tool_call_id": call, "content": text},
+                    ]
                 else:
                     text = f"User {s}.{turn}: " + filler(rng, rng.randint(150, 600))
-                    history.append({"role": "user", "content": text})
+                    history = [
+                        *prev_messages,
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": text},
+                    ]
             if turn > 0 and rng.random() < 0.25:
                 siblings = rng.randint(2, 4)
                 step = [
@@ -156,7 +167,7 @@ def workload(seed: int, requests: int, rate: float) -> list[AgentRequest]:
         sessions.append(steps)
     # Times: sessions start at Poisson times, turns 1-6 s of tool time apart; scaled to `rate` below.
     per_session = total / len(sessions)
-    timed: list[tuple[float, int, int, int, list[dict[str, str]], int]] = []
+    timed: list[tuple[float, int, int, int, list[dict[str, Any]], int]] = []
     start = 0.0
     for s, steps in enumerate(sessions):
         start += rng.expovariate(rate / per_session)
@@ -229,6 +240,40 @@ TARGETS = (
 )
 
 
+@contextlib.contextmanager
+def started(args: Sequence[str], ready_url: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``args`` in its own process group (output to ``log``) until ready; stop the group by its pid after."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"exited with {proc.returncode} before {ready_url} answered: {' '.join(args)}\n{tail}"
+                )
+            with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(ready_url, timeout=2) as response:
+                if response.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{ready_url} not ready after 120 s: {' '.join(args)}")
+            time.sleep(0.1)
+        time.sleep(0.3)  # a server that lost its port to another program exits now
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} (port taken?): {' '.join(args)}")
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
 def proxy_has_sessions() -> bool:
     """Whether this kvroute's ``serve`` has ``--no-sessions`` (sessions landed in the proxy)."""
     done = subprocess.run([*KVROUTE, "serve", "--help"], capture_output=True, text=True, check=True)
@@ -241,13 +286,14 @@ def fleet(
 ) -> Iterator[tuple[list[str], list[str]]]:
     """Fresh engines and routers; yields (the URLs the client sends to, the engines' URLs); stops them all after."""
     with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-agents-")))
         engines = []
         for _ in range(args.engines):
             port = bp.free_port()
             url = f"http://127.0.0.1:{port}"
             emulate = [*KVROUTE, "emulate", "--port", str(port), "--model", MODEL, "--time-scale", str(args.time_scale),
                        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(args.blocks)]  # fmt: skip
-            stack.enter_context(bp.process(emulate, url + "/health"))
+            stack.enter_context(started(emulate, url + "/health", logs / f"engine-{len(engines)}.log"))
             engines.append(url)
         if target.kind == "direct":
             yield engines, engines
@@ -258,14 +304,15 @@ def fleet(
             url = f"http://127.0.0.1:{port}"
             if target.kind == "sglang":
                 command = [str(sglang), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                           *engines, "--log-level", "warn", *target.args]  # fmt: skip
+                           *engines, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+                           "--prometheus-port", str(bp.free_port()), *target.args]  # fmt: skip
             else:
                 command = [*KVROUTE, "serve", "--port", str(port), "--health-interval", "0", "--no-access-log",
                            "--log-level", "warning", *target.args]  # fmt: skip
                 command += [a for i, e in enumerate(engines) for a in ("--backend", f"e{i}={e}")]
                 if target.no_sessions and sessions_flag:
                     command.append("--no-sessions")
-            stack.enter_context(bp.process(command, url + "/health"))
+            stack.enter_context(started(command, url + "/health", logs / f"router-{len(fronts)}.log"))
             fronts.append(url)
         yield fronts, engines
 
