@@ -24,8 +24,11 @@ client sends each request to a replica picked at random, seeded):
 * ``direct random``: the client picks an engine at random (seeded); no router.
 * ``kvroute default, sessions on``: ``kvroute serve`` with its default strategy (bounded-load) and
   the session header (``--session-header``, default ``x-session-id``) sent with every request.
+* ``kvroute default, no header``: the same configuration, traffic without a session id (what the
+  proxy's conversation binding, on by default with sessions, gets).
 * ``kvroute default, sessions off``: the same with ``--no-sessions`` (when the proxy has it) and no
-  header: what plain traffic without a session id gets.
+  header. On a proxy without sessions (before issue 23), the three kvroute default rows are one
+  configuration.
 * ``kvroute tokenizer-prefix``: ``--strategy tokenizer-prefix --option block_size=32`` (its default
   tokenizer is the emulator's word vocabulary), no header.
 * ``SGLang cache_aware``: SGLang's Rust router (``sglang-router`` 0.3.2 from PyPI, installed in its own
@@ -43,7 +46,7 @@ next turn). No routing can do better; parallel sub-requests sent together cannot
 sibling hits its siblings' new blocks only once they are computed). The pooled-LRU reference (one
 LRU cache of the fleet's 7 x 512 blocks) is printed too.
 
-Run: ``nice -n 10 python benchmarks/bench_agents.py`` (9 rows, about 12 minutes on 2 cores);
+Run: ``nice -n 10 python benchmarks/bench_agents.py`` (11 rows, about 14 minutes on 2 cores);
 ``--only "sessions,SGLang"`` for rows whose label contains one of the substrings, ``--replicas 1``,
 ``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``. Every process is started
 in its own process group and stopped by its pid when its row ends, on an error or on Ctrl-C/SIGTERM.
@@ -230,6 +233,7 @@ class Target:
 TARGETS = (
     Target("direct random", "direct"),
     Target("kvroute default, sessions on (header sent)", "kvroute", session_header=True),
+    Target("kvroute default, no header", "kvroute"),
     Target("kvroute default, sessions off", "kvroute", no_sessions=True),
     Target(
         "kvroute tokenizer-prefix",
