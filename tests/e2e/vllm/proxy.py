@@ -66,8 +66,12 @@ def start_proxy(
     *,
     adapter_options: str = "",
     name: str | None = None,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Iterator[Proxy]:
-    """``kvroute serve`` routing with ``strategy`` over the engines; ``adapter_options`` is a TOML inline table."""
+    """``kvroute serve`` routing with ``strategy`` over the engines; ``adapter_options`` is a TOML inline table.
+
+    ``sections`` adds top-level tables of the configuration, e.g. ``{"sessions": {"enabled": False}}``.
+    """
     (port,) = free_ports(1)
     lines = [
         "[server]",
@@ -85,6 +89,8 @@ def start_proxy(
         "timeout = 5.0",
         "",
     ]
+    for section, values in (sections or {}).items():
+        lines += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in values.items()), ""]
     for i, url in enumerate(engine_urls):
         lines += ["[[backends]]", f'id = "vllm-{i}"', f'url = "{url}"', 'kind = "vllm"']
         if adapter_options:
