@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai
 import pytest
 
 from kvroute_server import ProxyApp, SessionConfig
@@ -70,6 +71,25 @@ class TestProxySessions:
         reference = send(proxy, turn_body(1, "ref"), **{"x-session-id": "A"})
         assert send(proxy, turn_body(2, "other", **extra), **headers) == reference
         assert status_json(proxy)["sessions"]["requests"] == {"session/new": 1, "session/stayed": 1}
+
+    def test_openai_sdk_prompt_cache_key_and_session_header(self, servers: Servers) -> None:
+        """The openai SDK's prompt_cache_key, and a session header it sends, keep a conversation on one engine."""
+        proxy = servers.proxy(servers.emulators(4), strategy="bounded-load")
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=30)
+        engines: dict[str, set[str]] = {}
+        for turn in range(1, 5):
+            for name in ("one", "two", "three"):
+                body = turn_body(turn, name)
+                reply = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=body["messages"], max_tokens=2, prompt_cache_key=f"pck-{name}"
+                )
+                engines.setdefault(f"pck-{name}", set()).add(reply.headers["x-kvroute-backend"])
+                reply = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=body["messages"], max_tokens=2, extra_headers={"x-session-id": f"h-{name}"}
+                )
+                engines.setdefault(f"h-{name}", set()).add(reply.headers["x-kvroute-backend"])
+        assert all(len(found) == 1 for found in engines.values()), engines
+        assert status_json(proxy)["sessions"]["requests"] == {"session/new": 6, "session/stayed": 18}
 
     def test_bad_session_ids_are_ignored_and_counted(self, servers: Servers) -> None:
         """Too long, wrong type and non-UTF-8 session ids answer 200 and are counted by reason."""
