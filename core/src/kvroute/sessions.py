@@ -27,15 +27,17 @@ and `request_started` once the request is counted in flight; nothing here does I
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import attrs
+import xxhash
 
 from kvroute.backend import BackendState
-from kvroute.keys import prefix_key
+from kvroute.hashing import hash_parts
 from kvroute.options import float_option, int_option
 from kvroute.request import RouteRequest
 from kvroute.strategy import Decision, Pick, Strategy
@@ -46,14 +48,21 @@ __all__ = ["Binding", "Kind", "Sessions", "session_key"]
 Kind = Literal["session", "conversation"]
 
 
+_SESSION_KEY_VERSION = "kvroute-session-key/1"
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope(model: str, lora: str | None, cache_salt: str | None) -> int:
+    return hash_parts(_SESSION_KEY_VERSION, model, lora, cache_salt)
+
+
 def session_key(request: RouteRequest) -> int | None:
-    """The 64-bit key of ``request``'s session id (scoped like a prefix key: model, adapter, salt)."""
+    """The 64-bit key of ``request``'s session id, scoped like a prefix key (model, LoRA adapter, salt)."""
     session = request.session_id
     if session is None:
         return None
-    if request.affinity_key != session:
-        request = attrs.evolve(request, affinity_key=session)
-    return prefix_key(request)
+    return _xxh3(session.encode("utf-8", "surrogatepass"), _scope(request.model, request.lora, request.cache_salt))
 
 
 @attrs.define(slots=True)
