@@ -451,15 +451,21 @@ class DataParallelEngine:
         if not 0 <= rank < len(self.ranks):
             raise ValueError(f"data_parallel_rank {rank} is out of range [0, {len(self.ranks)}).")
 
-    def submit(self, request: EngineRequest, now: float, rank: int | None = None) -> EngineSequence:
-        """Queue ``request`` on ``rank`` (None: the balancer's pick); ``ValueError`` for a rank out of range."""
-        if rank is None:
-            rank = self.pick()
-            self.balanced[rank] += 1
-        else:
+    def place(self, request: EngineRequest, now: float, rank: int | None = None) -> tuple[int, EngineSequence]:
+        """Queue ``request`` on ``rank`` (None: the balancer's pick); return the rank and the sequence.
+
+        ``ValueError`` for a rank out of range (vLLM's message) or a request the rank refuses.
+        """
+        if rank is not None:
             self.check_rank(rank)
-            self.routed[rank] += 1
-        return self.ranks[rank].submit(request, now)
+        chosen = self.pick() if rank is None else rank
+        seq = self.ranks[chosen].submit(request, now)
+        (self.balanced if rank is None else self.routed)[chosen] += 1
+        return chosen, seq
+
+    def submit(self, request: EngineRequest, now: float, rank: int | None = None) -> EngineSequence:
+        """Queue ``request`` on ``rank`` (None: the balancer's pick); see `place`."""
+        return self.place(request, now, rank)[1]
 
     def rank_of(self, seq: EngineSequence) -> int | None:
         """The rank holding ``seq`` while it is waiting or running (None otherwise)."""
