@@ -7,14 +7,19 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import zmq
+from kvroute_vllm import VllmAdapter
 from kvroute_vllm.events import BlockRemoved, BlockStored, EventBatch, decode_message, decode_replay_reply
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute import Backend
+from kvroute.adapters import RANKS, HttpReply
 from kvroute_server import ServerThread
 from kvroute_simulator.emulator import EmulatorApp, EmulatorConfig
 from kvroute_simulator.emulator.kv_events import KvEventsConfig, parse_kv_events_config
+from tests.contrib.vllm.vllm_fakes import RecordingSink, wait_for
 from tests.server.harness import http
 
 EVENTS = KvEventsConfig(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
@@ -104,7 +109,7 @@ class TestDataParallelRanks:
 
     def test_event_sources_list_every_rank(self, dp2: ServerThread) -> None:
         """/kv_event_sources lists one publisher per rank, each with its own endpoint and replay endpoint."""
-        sources = json.loads(http("GET", dp2.url + "/kv_event_sources")[2])
+        sources = json.loads(http("GET", dp2.url + "/kv_event_sources")[2])["sources"]
         assert [s["data_parallel_rank"] for s in sources] == [0, 1]
         assert len({s["endpoint"] for s in sources}) == 2 and all(s["topic"] == "kv" for s in sources)
         assert all(s["endpoint"].startswith("tcp://127.0.0.1:") for s in sources)
@@ -112,7 +117,7 @@ class TestDataParallelRanks:
 
     def test_events_carry_the_rank(self, dp2: ServerThread) -> None:
         """A request on rank 1 is published by rank 1's socket, in batches the adapter decodes with rank 1."""
-        sources = json.loads(http("GET", dp2.url + "/kv_event_sources")[2])
+        sources = json.loads(http("GET", dp2.url + "/kv_event_sources")[2])["sources"]
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -177,7 +182,7 @@ class TestCpuTier:
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         engine = _stats(tiered.url)["engine"]
         assert engine["cpu_hit_tokens"] == 64 and engine["gpu_hit_tokens"] == 0 and engine["reload_time"] > 0
-        source = json.loads(http("GET", tiered.url + "/kv_event_sources")[2])[0]
+        source = json.loads(http("GET", tiered.url + "/kv_event_sources")[2])["sources"][0]
         events = [e for b in _replay(source["replay_endpoint"]) for e in b.events]
         first = next(e for e in events if isinstance(e, BlockStored))
         head = first.block_hashes[0]  # the first block of prompt "a"
@@ -208,7 +213,7 @@ class TestCpuTier:
             sources = json.loads(http("GET", server.url + "/kv_event_sources")[2])
         finally:
             server.stop()
-        assert "external_prefix_cache" not in text and sources == []
+        assert "external_prefix_cache" not in text and sources == {"sources": []}
 
 
 class TestKvEventsConfig:
@@ -230,3 +235,36 @@ class TestKvEventsConfig:
         """A bad --kv-events-config is refused with a message naming what is wrong."""
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             parse_kv_events_config(text)
+
+
+class _LoopbackHttp:
+    """An `HttpGetter` over real loopback HTTP (urllib in a worker thread)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def get(self, path: str) -> HttpReply:
+        status, _, body = await anyio.to_thread.run_sync(lambda: http("GET", self.url + path))
+        return HttpReply(status, body)
+
+
+class TestVllmAdapterOnEmulator:
+    @pytest.mark.anyio
+    async def test_adapter_follows_each_rank(self, dp2: ServerThread) -> None:
+        """The vLLM adapter finds both ranks at /kv_event_sources and indexes rank 1's blocks under rank 1."""
+        adapter = VllmAdapter.create(Backend(id="b0", url=dp2.url, kind="vllm"))
+        sink = RecordingSink(block_size=16)
+        getter = _LoopbackHttp(dp2.url)
+        await adapter.poll_load(getter)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await tg.start(adapter.run_events, getter, sink)
+                await wait_for(lambda: len(adapter.subscribers) == 2 and all(s.connected for s in adapter.subscribers))
+                await wait_for(lambda: all(f.expected is not None for f in adapter.feeds), 15)
+                await anyio.to_thread.run_sync(lambda: _chat(dp2.url, _words("adapter"), rank=1))
+                await wait_for(lambda: any(n == "blocks_stored" for n in sink.names()), 15)
+                tg.cancel_scope.cancel()
+        assert [s.source.rank for s in adapter.subscribers] == [0, 1]
+        stored = [kw for name, _, kw in sink.calls if name == "blocks_stored"]
+        keys = [k for kw in stored for k in kw["engine_hashes"]]
+        assert keys and all(k % RANKS == 1 for k in keys)

@@ -235,8 +235,9 @@ class EmulatorApp:
         await send_json(send, 200, {"server_load": self.engine.in_flight})
 
     async def _kv_event_sources(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # vLLM mounts the route unconditionally and answers {"sources": [...]}, sorted by rank.
         sources = [] if self.publisher is None else self.publisher.sources()
-        await send_json(send, 200, sources)
+        await send_json(send, 200, {"sources": sources})
 
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, attrs.asdict(self.faults))
