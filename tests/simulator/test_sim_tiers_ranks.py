@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvroute.plugins import PluginManager
@@ -120,6 +122,51 @@ class TestCpuTier:
         assert reloaded > long // 2
         assert gpu_hit < fast < cold
         assert slow - fast == pytest.approx((slow_cost.reload_ms(reloaded) - CostModel().reload_ms(reloaded)) / 1000)
+
+    def test_block_computed_again_leaves_the_cpu_tier(self) -> None:
+        """A CPU-held block the lookup may not reuse (the prompt's last) is computed again and leaves the CPU tier."""
+        recorder = _Recorder()
+        engine = Engine(self.CONFIG, listener=recorder)
+        for tag in range(4):
+            _serve(engine, _request(tag, 64), tag * 10.0)
+        last = _request(0, 64).block_hashes(16)[3]
+        assert engine.is_cpu_cached(last)
+        _serve(engine, _request(0, 64), 50.0)
+        assert engine.stats.cpu_hit_tokens == 48  # at most prompt - 1 tokens are reused: 3 of the 4 blocks
+        assert engine.is_cached(last) and not engine.is_cpu_cached(last)
+        assert ("removed", "CPU", (last,)) in recorder.events
+        assert engine.audit() == []
+
+    def test_random_traffic_keeps_the_tiers_consistent(self) -> None:
+        """Under seeded random traffic sharing prefixes, the tiers stay exclusive and within capacity, and hit more."""
+        rng = random.Random(7)
+        prefixes = [list(range(p * 10_000, p * 10_000 + rng.randint(20, 200))) for p in range(12)]
+        requests = []
+        for i in range(150):
+            tail = [5_000_000 + i * 1000 + j for j in range(rng.randint(1, 60))]
+            tokens = prefixes[rng.randrange(len(prefixes))] + tail
+            requests.append((rng.uniform(0, 20), EngineRequest(f"q{i}", TokenSeq.of(tokens), rng.randint(1, 20))))
+        requests.sort(key=lambda r: r[0])
+
+        def run(config: EngineConfig) -> Engine:
+            engine = Engine(config, listener=_Recorder())
+            pending = list(requests)
+            while pending or engine.next_event_time() is not None:
+                t = engine.next_event_time()
+                if pending and (t is None or pending[0][0] <= t):
+                    at, request = pending.pop(0)
+                    engine.submit(request, at)
+                else:
+                    assert t is not None
+                    engine.step(t)
+                assert engine.audit() == []
+            return engine
+
+        tiered = run(EngineConfig(capacity_blocks=40, cpu_capacity_blocks=60, max_model_len=400))
+        alone = run(EngineConfig(capacity_blocks=40, max_model_len=400))
+        assert tiered.stats.finished == alone.stats.finished == 150
+        assert tiered.stats.cpu_hit_tokens > 0 and tiered.stats.cpu_evicted_blocks > 0
+        assert tiered.stats.hit_tokens > alone.stats.hit_tokens
 
     def test_without_a_tier_evictions_are_gone(self) -> None:
         """With no CPU tier (the default) evicted blocks are gone and nothing is offloaded."""
