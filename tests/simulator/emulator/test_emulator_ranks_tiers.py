@@ -161,10 +161,10 @@ class TestDataParallelRanks:
 
     def test_balancer_spreads_concurrent_requests(self) -> None:
         """Without a header, requests waiting at once spread over the ranks (lowest 4 x waiting + running)."""
-        config = EmulatorConfig(model="m", time_scale=5.0, num_gpu_blocks=256, data_parallel_size=2)
+        config = EmulatorConfig(model="m", time_scale=20.0, num_gpu_blocks=256, data_parallel_size=2)
         server = ServerThread(EmulatorApp(config)).start()
         try:
-            # Slowed down five times, each request stays in its rank for ~0.3 s: the others arrive meanwhile.
+            # Slowed down twenty times, each request stays in its rank for ~1 s: the others arrive meanwhile.
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda i: _chat(server.url, _words(f"c{i}-", 400)), range(4)))
             ranks = _stats(server.url)["ranks"]
