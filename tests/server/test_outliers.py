@@ -204,14 +204,16 @@ class TestDeadline:
             d.succeeded("ab"[i % 2], LIKE, seconds, "m")
         assert d.deadline(LIKE) == pytest.approx(expected)
 
-    def test_larger_prompt_scales_the_nearest_smaller_class(self) -> None:
-        """With data only for smaller prompts, the deadline scales their p95 by the size ratio (prefill grows)."""
+    def test_class_without_data_borrows_the_slowest_like_class(self) -> None:
+        """A prompt size not seen yet borrows the slowest p95 among classes of its kind (no extrapolation)."""
         fleet = Fleet(["a"])
         d = fleet.detector()
         for _ in range(10):
             d.succeeded("a", LIKE, 1.0, "m")
-        bigger = likeness(True, 4 * 500, None)
-        assert d.deadline(bigger) == pytest.approx(4.0 * 1.0 * 4)
+            d.succeeded("a", likeness(True, 40, None), 0.5, "m")
+            d.succeeded("a", likeness(False, 500, 16), 30.0, "m")  # a whole answer: another kind
+        assert d.deadline(likeness(True, 64_000, None)) == pytest.approx(4.0 * 1.0)
+        assert d.deadline(likeness(False, 500, 16)) == pytest.approx(4.0 * 30.0)
 
     def test_factor_zero_is_the_hard_timeout(self) -> None:
         """``deadline_factor = 0`` turns the per-attempt deadline off: every attempt waits the hard timeout."""

@@ -67,9 +67,6 @@ class Likeness:
     prompt: int
     output: int
 
-    def smaller(self, by: int) -> Likeness:
-        return Likeness(self.stream, self.prompt - by, self.output)
-
 
 def _log2_class(n: int | None) -> int:
     return -1 if n is None else max(0, int(n)).bit_length()
@@ -168,9 +165,10 @@ class OutlierDetector:
     def deadline(self, like: Likeness) -> float:
         """Seconds an attempt of this class may wait for its first byte before it is retried elsewhere.
 
-        The fleet's p95 for the class (else the nearest smaller prompt class with data, scaled up by the
-        size ratio, as prefill grows with the prompt; else the nearest larger one) times the factor,
-        within ``[deadline_floor, first_byte]``; the floor before anything like it was seen.
+        The fleet's p95 for the class times the factor, within ``[deadline_floor, first_byte]``. A class
+        with too few samples borrows the slowest p95 of the classes that have enough, among those with its
+        streaming and budget first, else among those with its streaming (never extrapolated beyond what
+        was seen); before anything like it was seen, the floor.
         """
         t = self.timeouts
         if t.deadline_factor <= 0:
@@ -181,15 +179,21 @@ class OutlierDetector:
         return min(t.first_byte, max(t.deadline_floor, t.deadline_factor * expected))
 
     def _expected(self, like: Likeness) -> float | None:
-        for step in range(like.prompt + 2):
-            found = self._class_p95(like.smaller(step))
-            if found is not None:
-                return found * (2.0**step)
-        for step in range(1, 24):
-            found = self._class_p95(like.smaller(-step))
-            if found is not None:
-                return found
-        return None
+        found = self._class_p95(like)
+        if found is not None:
+            return found
+        same_budget: list[float] = []
+        same_kind: list[float] = []
+        for other in list(self._fleet):
+            if other.stream != like.stream:
+                continue
+            p95 = self._class_p95(other)
+            if p95 is not None:
+                same_kind.append(p95)
+                if other.output == like.output:
+                    same_budget.append(p95)
+        borrowed = same_budget or same_kind
+        return max(borrowed) if borrowed else None
 
     def _class_p95(self, like: Likeness) -> float | None:
         samples = self._fleet.get(like)
