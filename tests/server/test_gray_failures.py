@@ -201,3 +201,19 @@ class TestOutlierEjection:
         assert 0 < outlier["returns_in_s"] <= 30
         assert rows["g0"]["ejections"] == {"consecutive_errors": 1}
         assert rows["g1"]["outlier"] is None
+
+
+class TestRetryAvoidsSuspects:
+    def test_retry_skips_backends_whose_last_attempt_failed(
+        self, servers: Servers, engines: Callable[..., GrayEngine]
+    ) -> None:
+        """With two faulty engines of three and two attempts, a retry avoids the engine that just failed
+        elsewhere: once each has failed once, every request is answered (not one in three lost)."""
+        proxy = _proxy(
+            servers,
+            [engines("500"), engines("html"), engines("ok")],
+            max_attempts=2,
+            outliers=OutlierConfig(enabled=False),
+        )
+        statuses = [http("POST", proxy.url + "/v1/chat/completions", chat_body(f"r{i}"))[0] for i in range(30)]
+        assert statuses.count(200) >= 29, statuses

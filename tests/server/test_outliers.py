@@ -147,6 +147,20 @@ class TestRules:
 
 
 class TestEjection:
+    def test_attempts_ending_while_ejected_do_not_count(self) -> None:
+        """Attempts that were in flight at the ejection and fail later do not count against the backend once back."""
+        fleet = Fleet(["a", "b", "c", "d"])
+        d = fleet.detector(consecutive_errors=0, consecutive_deadlines=3, min_requests=20)
+        _traffic(d, fleet, 30, bad={}, slow={})
+        for _ in range(3):
+            d.failed("a", "first_byte_deadline", deadline=True)
+        assert fleet.ejected == [("a", "first_byte_deadlines")]
+        for _ in range(20):  # the attempts it held expire one by one
+            d.failed("a", "first_byte_deadline", deadline=True)
+        d._records["a"].ejected = None  # as a passing probe leaves it
+        _traffic(d, fleet, 30, bad={}, slow={})
+        assert fleet.ejected == [("a", "first_byte_deadlines")]
+
     def test_max_ejected_share(self) -> None:
         """With three backends and a share of 0.5, only one is ejected at a time; the other keeps its place."""
         fleet = Fleet(["a", "b", "c"])

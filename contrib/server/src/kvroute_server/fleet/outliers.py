@@ -45,7 +45,7 @@ _MIN_LATENCY_SAMPLES = 8
 #: A backend's first-byte time must also exceed the fleet's by this many seconds to be slow (timer jitter).
 _LATENCY_SLACK_S = 0.05
 #: A backend is judged at most this often (seconds) by the rate rules.
-_JUDGE_EVERY_S = 0.5
+_JUDGE_EVERY_S = 1.0
 #: Other backends with outcomes in the window needed before a success rate is compared with theirs.
 _MIN_PEERS = 2
 
@@ -93,8 +93,9 @@ class _Record:
 
     errors_in_a_row: int = 0
     deadlines_in_a_row: int = 0
-    #: ``(time, ok)`` per attempt in the window.
+    #: ``(time, ok)`` per attempt in the window, and how many of them are ok (kept as they come and go).
     outcomes: collections.deque[tuple[float, bool]] = attrs.field(factory=collections.deque)
+    ok: int = 0
     #: ``Likeness -> (time, seconds)`` of its first bytes.
     first_bytes: dict[Likeness, collections.deque[tuple[float, float]]] = attrs.field(factory=dict)
     judged_at: float = 0.0
@@ -160,6 +161,10 @@ class OutlierDetector:
         record = self._records.get(backend_id)
         return record is not None and record.ejected is not None
 
+    def suspects(self) -> set[str]:
+        """Backends whose last attempt failed (a retry avoids them while others are left)."""
+        return {b for b, r in self._records.items() if r.errors_in_a_row}
+
     # -- the deadline ---------------------------------------------------------------------
 
     def deadline(self, like: Likeness) -> float:
@@ -212,9 +217,12 @@ class OutlierDetector:
         as for a 4xx, which is the client's fault but says nothing of the backend's speed)."""
         now = self.clock()
         record = self._record(backend_id)
-        record.errors_in_a_row = record.deadlines_in_a_row = 0
         record.model = model or record.model
+        if record.ejected is not None:
+            return  # an attempt that was in flight when it was ejected: its probe request decides
+        record.errors_in_a_row = record.deadlines_in_a_row = 0
         record.outcomes.append((now, True))
+        record.ok += 1
         if first_byte is not None:
             samples = record.first_bytes.get(like)
             if samples is None:
@@ -231,6 +239,8 @@ class OutlierDetector:
         """An attempt failed for a reason of the backend's (5xx, gateway error, bad answer, expired deadline)."""
         now = self.clock()
         record = self._record(backend_id)
+        if record.ejected is not None:
+            return  # an attempt that was in flight when it was ejected: its probe request decides
         record.outcomes.append((now, False))
         record.errors_in_a_row += 1
         record.deadlines_in_a_row = record.deadlines_in_a_row + 1 if deadline else 0
@@ -250,8 +260,9 @@ class OutlierDetector:
         record.judged_at = now
         horizon = now - self.config.window
         for other in self._records.values():
-            while other.outcomes and other.outcomes[0][0] < horizon:
-                other.outcomes.popleft()
+            outcomes = other.outcomes
+            while outcomes and outcomes[0][0] < horizon:
+                other.ok -= outcomes.popleft()[1]
         if len(record.outcomes) < self.config.min_requests:
             return
         verdict = self._success_rate(backend_id, record) or self._slow(backend_id, record, horizon)
@@ -262,14 +273,11 @@ class OutlierDetector:
         ratio = self.config.success_rate_ratio
         if ratio <= 0:
             return None
-        ok = sum(1 for _, good in record.outcomes if good)
-        rate = ok / len(record.outcomes)
+        rate = record.ok / len(record.outcomes)
         peers = [r for b, r in self._records.items() if b != backend_id and r.ejected is None and r.outcomes]
         if len(peers) < _MIN_PEERS:
             return None
-        peer_total = sum(len(r.outcomes) for r in peers)
-        peer_ok = sum(1 for r in peers for _, good in r.outcomes if good)
-        fleet_rate = peer_ok / peer_total
+        fleet_rate = sum(r.ok for r in peers) / sum(len(r.outcomes) for r in peers)
         if rate < ratio * fleet_rate:
             return Cause.SUCCESS_RATE, f"success rate {rate:.2f} against the fleet's {fleet_rate:.2f}"
         return None
@@ -324,6 +332,7 @@ class OutlierDetector:
         record.ejected, record.ejected_at, record.until = cause, now, now + duration
         record.errors_in_a_row = record.deadlines_in_a_row = 0
         record.outcomes.clear()
+        record.ok = 0
         record.first_bytes.clear()
         self._wake.set()
 
@@ -375,6 +384,9 @@ class OutlierDetector:
             return  # removed meanwhile
         now = self.clock()
         if ok:
+            record.outcomes.clear()  # judged afresh: nothing from before its ejection counts
+            record.ok = 0
+            record.first_bytes.clear()
             record.ejected = None
             record.returned_at = now
             record.judged_at = now

@@ -125,14 +125,15 @@ class Forwarder:
     async def _attempts(
         self, request: RouteRequest, raw: bytes, scope: Scope, send: Send, ex: Exchange, id_header: Header
     ) -> None:
-        failed: set[str] = set()  # the router's exclude: only backends that failed this request
+        failed: set[str] = set()  # backends that failed this request: never tried again
+        avoid = failed  # the router's exclude: those, and on a retry the backends whose last attempt failed
         last: Failure | None = None
         ex.prompt_tokens = prompt_tokens_estimate(request.token_ids, request.text)
         ex.max_tokens = request.max_tokens
         for _ in range(self.config.max_attempts):
             failure: Failure | None = None
             try:
-                with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
+                with self.router.route(request, exclude=avoid) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
                     ex.decision = decision  # for the status page's decision log
@@ -168,6 +169,7 @@ class Forwarder:
                 return
             last = failure
             failed.add(lease.backend.id)
+            avoid = self._avoid(request, failed)
             self.metrics.child(self.metrics.retries, lease.backend.id, failure.reason).inc()
             self.outliers.failed(lease.backend.id, failure.reason, deadline=failure.deadline)
             if failure.connection:
@@ -193,6 +195,15 @@ class Forwarder:
             await send({"type": "http.response.body", "body": last.body, "more_body": False})
         else:
             await reject(self.metrics, send, last.status, last.message, code=last.reason, headers=[id_header])
+
+    def _avoid(self, request: RouteRequest, failed: set[str]) -> set[str]:
+        """What a retry excludes: the backends that failed this request and, while others are left, those whose
+        last attempt failed (a fleet with several faulty engines should not spend a request's attempts on them)."""
+        suspects = self.outliers.suspects() - failed
+        if not suspects:
+            return failed
+        wider = failed | suspects
+        return wider if self.backends.fleet.candidates(request.model, wider) else failed
 
     def _deadline(self, request: RouteRequest, ex: Exchange, backend_id: str, failed: set[str]) -> float:
         """The attempt's first-byte deadline: the hard timeout for the last attempt or when no other backend is left."""
