@@ -165,6 +165,11 @@ class OutlierDetector:
         """Backends whose last attempt failed (a retry avoids them while others are left)."""
         return {b for b, r in self._records.items() if r.errors_in_a_row}
 
+    def untrusted(self, ids: Iterable[str]) -> set[str]:
+        """Of ``ids``, those not known to answer: no success in the window, or the last attempt failed."""
+        records = self._records
+        return {b for b in ids if (r := records.get(b)) is None or r.errors_in_a_row or not r.ok}
+
     # -- the deadline ---------------------------------------------------------------------
 
     def deadline(self, like: Likeness) -> float:

@@ -169,7 +169,7 @@ class Forwarder:
                 return
             last = failure
             failed.add(lease.backend.id)
-            avoid = self._avoid(request, failed)
+            avoid = self._avoid(request, failed, ex.attempts + 1 >= self.config.max_attempts)
             self.metrics.child(self.metrics.retries, lease.backend.id, failure.reason).inc()
             self.outliers.failed(lease.backend.id, failure.reason, deadline=failure.deadline)
             if failure.connection:
@@ -196,14 +196,18 @@ class Forwarder:
         else:
             await reject(self.metrics, send, last.status, last.message, code=last.reason, headers=[id_header])
 
-    def _avoid(self, request: RouteRequest, failed: set[str]) -> set[str]:
-        """What a retry excludes: the backends that failed this request and, while others are left, those whose
-        last attempt failed (a fleet with several faulty engines should not spend a request's attempts on them)."""
-        suspects = self.outliers.suspects() - failed
-        if not suspects:
-            return failed
-        wider = failed | suspects
-        return wider if self.backends.fleet.candidates(request.model, wider) else failed
+    def _avoid(self, request: RouteRequest, failed: set[str], last: bool) -> set[str]:
+        """What a retry excludes: the backends that failed this request and, while others are left, for the last
+        attempt those not known to answer, else those whose last attempt failed (a fleet with several faulty
+        engines should not spend a request's attempts on them)."""
+        fleet = self.backends.fleet
+        choices = [self.outliers.untrusted(s.id for s in fleet)] if last else []
+        choices.append(self.outliers.suspects())
+        for doubtful in choices:
+            wider = failed | doubtful
+            if wider != failed and fleet.candidates(request.model, wider):
+                return wider
+        return failed
 
     def _deadline(self, request: RouteRequest, ex: Exchange, backend_id: str, failed: set[str]) -> float:
         """The attempt's first-byte deadline: the hard timeout for the last attempt or when no other backend is left."""
