@@ -186,6 +186,40 @@ class TestOutlierEjection:
         assert _wait_for(lambda: _metric(proxy, 'kvroute_backend_healthy{backend="g0"}') == 1)
         assert _metric(proxy, 'kvroute_restorations_total{backend="g0"}') == 1
 
+    def test_streamed_probe_keeps_out_an_engine_that_fails_only_streams(
+        self, servers: Servers, engines: Callable[..., GrayEngine]
+    ) -> None:
+        """An engine whose whole answers are fine but whose streams are garbage fails its probe's streamed half:
+        it stays out through several back-offs."""
+        bad, a, b = engines("not_sse"), engines("ok"), engines("ok")
+        proxy = _proxy(servers, [bad, a, b], outliers=OutlierConfig(base_ejection=0.2, max_ejection=0.4))
+        i = 0
+        while len(bad.completions) < 5 and i < 200:
+            assert http("POST", proxy.url + "/v1/chat/completions", chat_body(f"p{i}", stream=True))[0] == 200
+            i += 1
+        assert _wait_for(lambda: _metric(proxy, 'kvroute_backend_healthy{backend="g0"}') == 0)
+        probed = len(bad.completions)
+        assert _wait_for(lambda: len(bad.completions) >= probed + 4)  # two probes, each a whole and a stream
+        assert _metric(proxy, 'kvroute_backend_healthy{backend="g0"}') == 0
+        assert _metric(proxy, 'kvroute_restorations_total{backend="g0"}') == 0
+
+    def test_passively_ejected_engine_is_counted_as_an_outlier(
+        self, servers: Servers, engines: Callable[..., GrayEngine]
+    ) -> None:
+        """An engine that closes every whole answer half-way is ejected at once (passive) and brought back by its
+        passing health probes, until its errors reach five in a row: then it is an outlier, held out."""
+        bad, a, b = engines("cut"), engines("ok"), engines("ok")
+        proxy = _proxy(servers, [bad, a, b], outliers=OutlierConfig(base_ejection=30.0))
+        for i in range(200):
+            assert http("POST", proxy.url + "/v1/chat/completions", chat_body(f"c{i}"))[0] == 200
+            if _metric(proxy, 'kvroute_ejections_total{backend="g0",cause="consecutive_errors"}'):
+                break
+            time.sleep(0.05)  # probes (every 0.1 s) bring it back between passive ejections
+        assert _metric(proxy, 'kvroute_ejections_total{backend="g0",cause="consecutive_errors"}') == 1
+        assert _metric(proxy, 'kvroute_ejections_total{backend="g0",cause="passive"}') >= 1
+        time.sleep(0.5)  # passing health probes no longer bring it back
+        assert _metric(proxy, 'kvroute_backend_healthy{backend="g0"}') == 0
+
     def test_status_shows_the_cause(self, servers: Servers, engines: Callable[..., GrayEngine]) -> None:
         """/status.json names an outlier's cause, its back-off level and when it is probed again."""
         bad, a, b = engines("html"), engines("ok"), engines("ok")

@@ -8,8 +8,12 @@ import anyio
 import attrs
 import pytest
 
-from kvroute_server.config import OutlierConfig, TimeoutConfig
+from kvroute.backend import Backend
+from kvroute.fleet import Fleet as CoreFleet
+from kvroute_server.config import HealthConfig, OutlierConfig, TimeoutConfig
+from kvroute_server.fleet.health import HealthChecker
 from kvroute_server.fleet.outliers import Cause, OutlierDetector, likeness
+from kvroute_server.ops.metrics import ProxyMetrics
 
 LIKE = likeness(True, 500, None)
 
@@ -234,3 +238,31 @@ class TestDeadline:
         fleet = Fleet(["a"])
         d = fleet.detector(timeouts=TimeoutConfig(first_byte=30.0, deadline_factor=0.0))
         assert d.deadline(LIKE) == 30.0
+
+
+class TestHealthCheckerHoldsOutliers:
+    def _checker(self) -> tuple[HealthChecker, CoreFleet, ProxyMetrics]:
+        fleet = CoreFleet([Backend("a", url="http://127.0.0.1:9"), Backend("b", url="http://127.0.0.1:9")])
+        metrics = ProxyMetrics(fleet, "random")
+        checker = HealthChecker(fleet, lambda _: None, lambda _: None, HealthConfig(), metrics)  # type: ignore[arg-type,return-value]
+        return checker, fleet, metrics
+
+    def test_already_out_is_counted_under_the_outlier_cause(self) -> None:
+        """A backend already out (a connection error) that becomes an outlier is counted under the outlier's cause."""
+        checker, fleet, metrics = self._checker()
+        checker.connection_failed("a", "refused")
+        assert not fleet.get("a").healthy
+        assert checker._eject_outlier("a", "consecutive_errors", "5 errors in a row")
+        assert metrics.ejections.labels("a", "consecutive_errors")._value.get() == 1
+        assert metrics.ejections.labels("a", "passive")._value.get() == 1
+
+    def test_restore_waits_for_failing_health_probes(self) -> None:
+        """An outlier whose probe request passed stays out while its health probes are failing."""
+        checker, fleet, _ = self._checker()
+        checker._count("a").failures = checker.config.unhealthy_threshold
+        fleet.set_healthy("a", False)
+        checker._restore_outlier("a")
+        assert not fleet.get("a").healthy
+        checker._count("a").failures = 0
+        checker._restore_outlier("a")
+        assert fleet.get("a").healthy

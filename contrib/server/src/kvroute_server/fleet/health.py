@@ -31,6 +31,7 @@ from kvroute.fleet import Fleet
 from kvroute_server.config import HealthConfig, OutlierConfig, TimeoutConfig
 from kvroute_server.fleet.adapter_http import BackendHttp
 from kvroute_server.fleet.outliers import OutlierDetector
+from kvroute_server.http.sse import ends_with_done, first_data_event, is_json_object
 from kvroute_server.ops.metrics import ProxyMetrics
 
 __all__ = ["HealthChecker"]
@@ -110,10 +111,18 @@ class HealthChecker:
         self._set(backend_id, False, "passive", error)
 
     def _eject_outlier(self, backend_id: str, cause: str, message: str) -> bool:
-        """Eject an outlier (`OutlierDetector`); refused when probes are off (nothing would probe it back)."""
+        """Eject an outlier (`OutlierDetector`); refused when probes are off (nothing would probe it back).
+
+        One already out (a failed probe, a connection error) is counted and logged under the outlier's cause
+        too: from now on its probe request, not passing health probes, brings it back.
+        """
         if not self.config.enabled or backend_id not in self.fleet:
             return False
-        self._set(backend_id, False, cause, message)
+        if self.fleet.get(backend_id).healthy:
+            self._set(backend_id, False, cause, message)
+        else:
+            self.metrics.ejections.labels(backend_id, cause).inc()
+            log.warning("backend_ejected", backend=backend_id, cause=cause, error=message, already_out=True)
         return True
 
     def _restore_outlier(self, backend_id: str) -> None:
@@ -122,23 +131,36 @@ class HealthChecker:
             self._set(backend_id, True, "outlier_probe")
 
     async def _probe_request(self, backend_id: str, model: str | None, seconds: float) -> bool:
-        """One small completion (``max_tokens`` 1, not streamed): a 200 whose body is a JSON object passes."""
+        """Two small completions (``max_tokens`` 1), whole then streamed: the first must answer 200 with a JSON
+        object, the second 200 with a data event first and ``data: [DONE]`` last."""
         if backend_id not in self.fleet:
             return False
         state = self.fleet.get(backend_id)
         model = model or next(iter(sorted(state.models)), None) or "default"
-        body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1, "stream": False}
-        try:
-            with anyio.fail_after(seconds):
-                http = self.http_for(backend_id)
-                if not isinstance(http, BackendHttp):
-                    return False
-                reply = await http.with_timeout(seconds).post(PROBE_PATH, body)
-        except _PROBE_ERRORS as exc:
-            log.info("outlier_probe_error", backend=backend_id, error=f"{type(exc).__name__}: {exc}")
+        http = self.http_for(backend_id)
+        if not isinstance(http, BackendHttp):
             return False
-        text = reply.body.strip()
-        return reply.status == 200 and text.startswith(b"{") and text.endswith(b"}")
+        http = http.with_timeout(seconds)
+        for stream in (False, True):
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "ping"}],
+                "max_tokens": 1,
+                "stream": stream,
+            }
+            try:
+                with anyio.fail_after(seconds):
+                    reply = await http.post(PROBE_PATH, body)
+            except _PROBE_ERRORS as exc:
+                log.info("outlier_probe_error", backend=backend_id, stream=stream, error=f"{type(exc).__name__}: {exc}")
+                return False
+            if reply.status != 200:
+                return False
+            text = reply.body
+            good = bool(first_data_event(text)) and ends_with_done(text) if stream else is_json_object(text)
+            if not good:
+                return False
+        return True
 
     def _set(self, backend_id: str, healthy: bool, cause: str, error: str | None = None) -> None:
         try:
