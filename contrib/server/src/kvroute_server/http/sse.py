@@ -1,7 +1,7 @@
 """Server-sent events and JSON bodies as bytes: where events end, and what a completion's answer looks like.
 
 Used by the proxy to check an engine's answer before relaying it (`kvroute_server.proxy.answers`) and by the
-health checker's probe request. A completion answered 2xx is a JSON object; a stream's first event carries
+health checker's probe request. A completion answered 200 is a JSON object; a stream's first event carries
 a ``data:`` line (events that hold only comments, ``: keep-alive``, may come before it); a stream that ended
 well has ``data: [DONE]`` as its last event. Nothing here parses a whole body: a JSON object starts with
 ``{`` and ends with ``}`` (an HTML error page, a truncated body or an empty one does not).

@@ -1,7 +1,7 @@
 """What the proxy checks of an engine's answer before relaying it, and the SSE pieces it writes itself.
 
 The checks are `kvroute_server.http.sse`'s (shared with the health checker's probe request), re-exported
-here: a 2xx completion must be a JSON object, a stream's first event a data event, a finished stream's last
+here: a completion answered 200 must be a JSON object, a stream's first event a data event, a finished stream's last
 event ``data: [DONE]``. Also here: the error event the proxy appends to a broken stream, and the prompt's
 size estimate and an answered request's likeness for the outlier detector.
 """

@@ -107,7 +107,7 @@ async def relay_whole(
     id_header: Header,
     first_byte: float,
 ) -> Failure | None:
-    """A complete (non-streamed) body: read it all, then answer, or fail on a 5xx or a non-JSON 2xx for a retry."""
+    """A complete (non-streamed) body: read it all, then answer, or fail on a 5xx or a non-JSON 200 for a retry."""
     backend_id = ex.backend
     parts = [first]
     try:
@@ -127,7 +127,7 @@ async def relay_whole(
     out_headers = filter_response_headers(response.raw_headers)
     if status >= 500:
         return Failure("upstream_5xx", f"{backend_id} answered {status}", status=status, body=body, headers=out_headers)
-    if status < 300 and not is_json_object(body):  # an HTML error page, an empty or truncated body
+    if status == 200 and not is_json_object(body):  # an HTML error page, an empty or truncated body
         kind = response.content_type or "no content type"
         return Failure("invalid_answer", f"{backend_id} answered {status} with a body that is not JSON ({kind})")
     sniffer = UsageSniffer()
