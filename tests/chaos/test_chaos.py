@@ -83,16 +83,21 @@ async def _metrics(client: httpx.AsyncClient, proxy: Process) -> dict[str, Any]:
     found = await samples(client, proxy.url)
     causes: dict[str, float] = {}
     attempts: dict[str, float] = {}
+    retries: dict[str, float] = {}
     for name, labels, value in found:
         if name == "kvroute_ejections_total" and value:
             key = f"{labels['backend']}:{labels['cause']}"
             causes[key] = causes.get(key, 0) + value
         if name in ("kvroute_requests_total", "kvroute_retries_total"):
             attempts[labels["backend"]] = attempts.get(labels["backend"], 0) + value
+        if name == "kvroute_retries_total" and value:
+            key = f"{labels['backend']}:{labels['reason']}"
+            retries[key] = retries.get(key, 0) + value
     return {
         "ejections": causes,
         "restorations": total(found, "kvroute_restorations_total"),
         "attempts": attempts,
+        "retries": retries,
     }
 
 
