@@ -27,7 +27,8 @@ class Fleet:
     ejected: list[tuple[str, str]] = attrs.field(factory=list)
     restored: list[str] = attrs.field(factory=list)
     probes: list[tuple[str, str | None, float]] = attrs.field(factory=list)
-    probe_answers: list[bool] = attrs.field(factory=list)
+    #: What each probe answers: True (passed, in 0.01 s), False (failed), or the seconds it took.
+    probe_answers: list[bool | float] = attrs.field(factory=list)
 
     def detector(self, **config: Any) -> OutlierDetector:
         timeouts = config.pop("timeouts", TimeoutConfig(first_byte=300.0, deadline_floor=2.0, deadline_factor=4.0))
@@ -45,9 +46,10 @@ class Fleet:
         self.ejected.append((backend_id, cause))
         return True
 
-    async def probe(self, backend_id: str, model: str | None, seconds: float) -> bool:
+    async def probe(self, backend_id: str, model: str | None, seconds: float) -> float | None:
         self.probes.append((backend_id, model, seconds))
-        return self.probe_answers.pop(0)
+        answer = self.probe_answers.pop(0)
+        return answer if isinstance(answer, float) else (0.01 if answer else None)
 
 
 def _traffic(d: OutlierDetector, fleet: Fleet, rounds: int, bad: dict[str, float], slow: dict[str, float]) -> None:
@@ -203,6 +205,32 @@ class TestEjection:
         assert fleet.restored == ["a"] and not d.holds("a")
         assert [p[0] for p in fleet.probes] == ["a", "a"]
         assert fleet.probes[0][2] == 2.0  # the probe waits the deadline of a one-token prompt: the floor here
+
+    @pytest.mark.anyio
+    async def test_probe_slower_than_the_fleet_fails(self) -> None:
+        """A probe that answers, but ten times slower than the fleet's smallest whole answers, does not restore."""
+        fleet = Fleet(["a", "b", "c"], probe_answers=[2.0, 0.1])
+        d = fleet.detector(base_ejection=10.0)
+        for _ in range(10):
+            d.succeeded("b", likeness(False, 40, 4), 0.2, "m")
+            d.succeeded("c", likeness(False, 4000, 32), 1.5, "m")
+        for _ in range(5):
+            d.failed("a", "upstream_5xx")
+        async with anyio.create_task_group() as tg:
+            await tg.start(d.run)
+            fleet.now += 10.0
+            d._wake.set()
+            with anyio.fail_after(5):
+                while len(fleet.probes) < 1 or d.describe("a")["probing"]:  # type: ignore[index]  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert fleet.restored == [] and d.describe("a")["level"] == 2  # type: ignore[index]
+            fleet.now += 20.0
+            d._wake.set()
+            with anyio.fail_after(5):
+                while not fleet.restored:  # noqa: ASYNC110 - the detector's task fills it
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert fleet.restored == ["a"]
 
 
 class TestDeadline:

@@ -17,6 +17,7 @@ probes' loop, so it is off when probing is.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import anyio
@@ -130,17 +131,19 @@ class HealthChecker:
         if self._count(backend_id).failures < self.config.unhealthy_threshold:
             self._set(backend_id, True, "outlier_probe")
 
-    async def _probe_request(self, backend_id: str, model: str | None, seconds: float) -> bool:
+    async def _probe_request(self, backend_id: str, model: str | None, seconds: float) -> float | None:
         """Two small completions (``max_tokens`` 1), whole then streamed: the first must answer 200 with a JSON
-        object, the second 200 with a data event first and ``data: [DONE]`` last."""
+        object, the second 200 with a data event first and ``data: [DONE]`` last. Returns the seconds the whole
+        one took (the detector compares them with the fleet's), None when either failed."""
         if backend_id not in self.fleet:
-            return False
+            return None
         state = self.fleet.get(backend_id)
         model = model or next(iter(sorted(state.models)), None) or "default"
         http = self.http_for(backend_id)
         if not isinstance(http, BackendHttp):
-            return False
+            return None
         http = http.with_timeout(seconds)
+        took: float | None = None
         for stream in (False, True):
             body = {
                 "model": model,
@@ -148,19 +151,19 @@ class HealthChecker:
                 "max_tokens": 1,
                 "stream": stream,
             }
+            started = time.monotonic()
             try:
                 with anyio.fail_after(seconds):
                     reply = await http.post(PROBE_PATH, body)
             except _PROBE_ERRORS as exc:
                 log.info("outlier_probe_error", backend=backend_id, stream=stream, error=f"{type(exc).__name__}: {exc}")
-                return False
-            if reply.status != 200:
-                return False
+                return None
+            took = took if took is not None else time.monotonic() - started
             text = reply.body
             good = bool(first_data_event(text)) and ends_with_done(text) if stream else is_json_object(text)
-            if not good:
-                return False
-        return True
+            if reply.status != 200 or not good:
+                return None
+        return took
 
     def _set(self, backend_id: str, healthy: bool, cause: str, error: str | None = None) -> None:
         try:

@@ -114,7 +114,8 @@ class OutlierDetector:
     """Judges every backend on the outcomes of its attempts; ejects and probes through the given callbacks.
 
     ``eject(id, cause, message)`` and ``restore(id)`` change the fleet (the health checker's);
-    ``probe(id, model, timeout)`` sends one small completion and says whether it succeeded;
+    ``probe(id, model, timeout)`` sends small completions and returns the seconds the whole one took (None
+    when one failed);
     ``fleet_ids()`` lists the backends now in the fleet.
     """
 
@@ -125,7 +126,7 @@ class OutlierDetector:
         *,
         eject: Callable[[str, str, str], bool],
         restore: Callable[[str], None],
-        probe: Callable[[str, str | None, float], Awaitable[bool]],
+        probe: Callable[[str, str | None, float], Awaitable[float | None]],
         fleet_ids: Callable[[], Iterable[str]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -373,6 +374,19 @@ class OutlierDetector:
                     await self._wake.wait()
                 self._wake = anyio.Event()
 
+    def _probe_limit(self) -> float | None:
+        """The longest a probe's one-token whole answer may take: ``latency_factor`` times the fleet's median for
+        its smallest class of whole answers with data (a probe is no larger), plus the slack; None when unknown."""
+        if self.config.latency_factor <= 0:
+            return None
+        known = [
+            like for like, samples in self._fleet.items() if not like.stream and len(samples) >= _MIN_CLASS_SAMPLES
+        ]
+        if not known:
+            return None
+        smallest = min(known, key=lambda like: (like.prompt, like.output))
+        return self.config.latency_factor * _median(list(self._fleet[smallest])) + _LATENCY_SLACK_S
+
     def _decay(self, record: _Record, now: float) -> None:
         """One level of back-off is forgiven per ``max_ejection`` seconds spent back in rotation."""
         if record.ejected is None and record.level and now - record.returned_at >= self.config.max_ejection:
@@ -382,9 +396,11 @@ class OutlierDetector:
     async def _probe_one(self, backend_id: str, record: _Record) -> None:
         timeout = self.deadline(likeness(False, 1, 1))
         try:
-            ok = await self._probe(backend_id, record.model, timeout)
+            seconds = await self._probe(backend_id, record.model, timeout)
         finally:
             record.probing = False
+        limit = self._probe_limit()
+        ok = seconds is not None and (limit is None or seconds <= limit)
         if self._records.get(backend_id) is not record:
             return  # removed meanwhile
         now = self.clock()
@@ -401,5 +417,7 @@ class OutlierDetector:
             duration = min(self.config.max_ejection, self.config.base_ejection * 2.0**record.level)
             record.level += 1
             record.until = now + duration
-            log.warning("outlier_probe_failed", backend=backend_id, level=record.level, out_for_s=duration)
+            log.warning(
+                "outlier_probe_failed", backend=backend_id, level=record.level, out_for_s=duration, took_s=seconds
+            )
         self._wake.set()
