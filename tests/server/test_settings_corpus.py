@@ -20,11 +20,25 @@ from click.testing import CliRunner
 from kvroute.cli import main
 from kvroute.session_ids import DEFAULT_SESSION_SOURCES
 
+#: The outlier detector's settings (docs/serve.md, "Gray failures") and their defaults, added as one table.
+OUTLIERS_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "consecutive_errors": 5,
+    "consecutive_deadlines": 3,
+    "success_rate_ratio": 0.8,
+    "latency_factor": 4.0,
+    "min_requests": 20,
+    "window": 30.0,
+    "base_ejection": 10.0,
+    "max_ejection": 300.0,
+    "max_ejected_share": 0.6,
+}
 CORPUS = Path(__file__).parent / "fixtures" / "settings_corpus"
 CASES: list[dict[str, Any]] = json.loads((CORPUS / "corpus.json").read_text(encoding="utf-8"))
 #: Settings added since the corpus was recorded, with their defaults: the only keys ``--check`` may add.
 ADDED: dict[str, Any] = {
     "http": "kvroute",
+    "outliers": OUTLIERS_DEFAULTS,
     "sessions": {
         "enabled": True,
         "sources": [str(source) for source in DEFAULT_SESSION_SOURCES],
@@ -33,6 +47,8 @@ ADDED: dict[str, Any] = {
         "conversations": True,
     },
 }
+#: Keys of nested tables added since, with their defaults: ``{table: {key: default}}``.
+ADDED_NESTED: dict[str, dict[str, Any]] = {"timeouts": {"deadline_floor": 5.0, "deadline_factor": 4.0}}
 #: Options added since the help was recorded.
 ADDED_OPTIONS: dict[str, set[str]] = {
     "serve": {
@@ -42,6 +58,11 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         "--session-ttl",
         "--max-sessions",
         "--session-conversations",
+        "--first-byte-deadline-floor",
+        "--first-byte-deadline-factor",
+        *(f"--outlier-{name}" for name in ("detection", "consecutive-errors", "consecutive-deadlines")),
+        *(f"--outlier-{name}" for name in ("success-rate-ratio", "latency-factor", "min-requests", "window")),
+        *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
     },
     "simulate": set(),
 }
@@ -67,7 +88,8 @@ def _without_added(lines: list[str]) -> list[str]:
         head, sep, known = line.partition("(expected some of: ")
         if sep:
             names, _, tail = known.partition(")")
-            kept = [name for name in names.split(", ") if name not in ADDED]
+            nested = {key for added in ADDED_NESTED.values() for key in added}
+            kept = [name for name in names.split(", ") if name not in ADDED and name not in nested]
             line = f"{head}{sep}{', '.join(kept)}){tail}"
         out.append(line)
     return out
@@ -120,6 +142,8 @@ class TestSettingsCorpus:
         if case["command"] == "serve" and case["exit_code"] == 0:
             shown = json.loads(result.stdout)
             assert {key: shown.pop(key) for key in ADDED} == ADDED
+            for table, added in ADDED_NESTED.items():
+                assert {key: shown[table].pop(key) for key in added} == added
             assert shown == json.loads(case["stdout"])
         else:
             assert _without_logs(result.stdout) == _without_logs(case["stdout"])

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute_server.proxy.forwarding import _event_end, _stream_error_event
+from kvroute_server.proxy.answers import event_end, stream_error_event
 from kvroute_server.proxy.headers import HOP_BY_HOP, filter_request_headers, filter_response_headers
 from kvroute_server.proxy.usage import UsageSniffer
 
@@ -255,19 +255,19 @@ class TestSseBoundaries:
         st.lists(st.text(alphabet='ab: {}"', max_size=20), min_size=1, max_size=5),
         st.text(alphabet="ab: ", max_size=10),
     )
-    def test_event_end_cuts_after_last_complete_event(self, events: list[str], partial: str) -> None:
-        """_event_end points just past the last blank line, so the partial tail is never sent early."""
+    def testevent_end_cuts_after_last_complete_event(self, events: list[str], partial: str) -> None:
+        """event_end points just past the last blank line, so the partial tail is never sent early."""
         complete = "".join(f"data: {e}\n\n" for e in events).encode()
         data = complete + partial.replace("\n", "").encode()
-        assert _event_end(data) == len(complete)
+        assert event_end(data) == len(complete)
 
     def test_crlf_events(self) -> None:
         """CRLF-delimited events are recognised too."""
-        assert _event_end(b"data: x\r\n\r\ndata: y") == len(b"data: x\r\n\r\n")
+        assert event_end(b"data: x\r\n\r\ndata: y") == len(b"data: x\r\n\r\n")
 
     def test_error_event_is_openai_shaped_sse(self) -> None:
         """The mid-stream error is one SSE event with an OpenAI error body, then [DONE]."""
-        event = _stream_error_event("broke", "upstream_stream_error")
+        event = stream_error_event("broke", "upstream_stream_error")
         first, done, rest = event.split(b"\n\n")
         assert json.loads(first.removeprefix(b"data: "))["error"]["code"] == "upstream_stream_error"
         assert done == b"data: [DONE]" and rest == b""

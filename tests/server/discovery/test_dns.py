@@ -195,6 +195,44 @@ class TestDnsDiscoveryRun:
         assert sink.published == []
         assert reason in sink.failures[0], sink.failures[0]
 
+    @pytest.mark.parametrize(
+        ("name", "addresses", "refused"),
+        [("only-a.example", ["127.0.0.2", "127.0.0.3"], "AAAA"), ("only-v6.example", ["fd00::5"], "A")],
+    )
+    async def test_one_family_answering_is_a_good_answer(
+        self,
+        dnsmasq_factory: Factory,
+        sink: RecordingSink,
+        name: str,
+        addresses: list[str],
+        refused: str,
+    ) -> None:
+        """A name outside dnsmasq's local domain has its hosts records answered and the other family REFUSED:
+        the answering family's addresses are published, and the refused family is kept as its own failure."""
+        server = dnsmasq_factory(hosts={name: addresses})
+        p = provider(server, target=f"{name}:8000", min_interval=30, max_interval=60)
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(WAIT):
+                await tg.start(p.run, sink)
+            tg.cancel_scope.cancel()
+        assert server.queries(name, refused) >= 1
+        assert sink.failures == []
+        assert sink.ids() == ids(*addresses)
+        assert list(p.family_errors) == [(name, refused)]
+        assert "REFUSED" in p.family_errors[(name, refused)], p.family_errors
+
+    async def test_both_families_failing_report_each(self, dnsmasq_factory: Factory, sink: RecordingSink) -> None:
+        """When neither family has an address, the failure gives each family's own reason."""
+        server = dnsmasq_factory(hosts={})
+        p = provider(server, target="vllm.example:8000", min_interval=30, max_interval=60)
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(WAIT):
+                await tg.start(p.run, sink)
+            tg.cancel_scope.cancel()
+        (failure,) = sink.failures
+        assert failure.startswith("dns:vllm.example:8000: no A or AAAA address for vllm.example (A: "), failure
+        assert "; AAAA: " in failure and failure.count("REFUSED") == 2, failure
+
     async def test_nxdomain_then_name_appears(self, dnsmasq_factory: Factory, sink: RecordingSink) -> None:
         """A name that does not exist yet is published as soon as it does."""
         server = dnsmasq_factory(hosts={})
@@ -217,8 +255,9 @@ class TestDnsDiscoveryRun:
                     await tg.start(p.run, sink)
                 tg.cancel_scope.cancel()
         assert sink.published == []
-        assert sink.failures == [f"dns:{NAME}:8000: timeout: no answer to {NAME} A within 0.3 s"] or sink.failures == [
-            f"dns:{NAME}:8000: timeout: no answer to {NAME} AAAA within 0.3 s"
+        assert sink.failures == [
+            f"dns:{NAME}:8000: no A or AAAA address for {NAME} (A: timeout: no answer to {NAME} A within 0.3 s; "
+            f"AAAA: timeout: no answer to {NAME} AAAA within 0.3 s)"
         ]
 
     async def test_short_ttl_change_seen_within_ttl(self, dnsmasq_factory: Factory, sink: RecordingSink) -> None:

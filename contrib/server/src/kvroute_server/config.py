@@ -37,6 +37,7 @@ __all__ = [
     "DiscoveryConfig",
     "DiscoveryPolicy",
     "HealthConfig",
+    "OutlierConfig",
     "ServerConfig",
     "Setting",
     "TimeoutConfig",
@@ -220,6 +221,22 @@ class TimeoutConfig:
     idle: float = setting(
         60.0, _positive_number, converter=_as_float, flag="--idle-timeout", help="Longest gap between response chunks"
     )
+    #: Per-attempt first-byte deadline (docs/serve.md, "Gray failures"): ``deadline_factor`` times the fleet's
+    #: observed first-byte time for like requests, at least ``deadline_floor``, at most ``first_byte``.
+    deadline_floor: float = setting(
+        5.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--first-byte-deadline-floor",
+        help="Smallest per-attempt first-byte deadline (and the deadline before any first byte was seen)",
+    )
+    deadline_factor: float = setting(
+        4.0,
+        _non_negative_number,
+        converter=_as_float,
+        flag="--first-byte-deadline-factor",
+        help="Per-attempt deadline: this times the fleet's p95 first-byte time for like requests; 0 = off",
+    )
 
 
 @attrs.frozen
@@ -250,6 +267,74 @@ class HealthConfig:
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+
+_ratio = expect("a number in [0, 1]", *NUMBER, v.ge(0), v.le(1))
+
+
+@attrs.frozen
+class OutlierConfig:
+    """Outlier detection on every attempt's outcome (docs/serve.md, "Gray failures").
+
+    A backend is ejected for ``consecutive_errors`` gateway errors in a row (5xx, connection
+    errors, answers that are not completions, streams cut short), ``consecutive_deadlines``
+    expired first-byte deadlines in a row, a success rate under ``success_rate_ratio`` times the
+    rest of the fleet's, or first-byte times over ``latency_factor`` times the rest of the fleet's
+    for like requests (both judged over the last ``window`` seconds once it has ``min_requests``
+    attempts). It stays out ``base_ejection`` seconds, doubled for each ejection in a row up to
+    ``max_ejection``, then returns only when a probe request succeeds; at most
+    ``max_ejected_share`` of the fleet is ejected this way at once. 0 turns a rule off.
+    """
+
+    enabled: bool = setting(True, flag="--outlier-detection", help="Eject backends that misbehave while healthy")
+    consecutive_errors: int = setting(
+        5, _non_negative_int, flag="--outlier-consecutive-errors", help="Gateway errors in a row that eject; 0 = off"
+    )
+    consecutive_deadlines: int = setting(
+        3,
+        _non_negative_int,
+        flag="--outlier-consecutive-deadlines",
+        help="Expired first-byte deadlines in a row that eject; 0 = off",
+    )
+    success_rate_ratio: float = setting(
+        0.8,
+        _ratio,
+        converter=_as_float,
+        flag="--outlier-success-rate-ratio",
+        help="Eject below this share of the rest of the fleet's success rate; 0 = off",
+    )
+    latency_factor: float = setting(
+        4.0,
+        _non_negative_number,
+        converter=_as_float,
+        flag="--outlier-latency-factor",
+        help="Eject when first bytes take this many times the fleet's for like requests; 0 = off",
+    )
+    min_requests: int = setting(
+        20, _positive_int, flag="--outlier-min-requests", help="Attempts in the window before rates are judged"
+    )
+    window: float = setting(
+        30.0, _positive_number, converter=_as_float, flag="--outlier-window", help="Seconds of outcomes judged"
+    )
+    base_ejection: float = setting(
+        10.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--outlier-base-ejection",
+        help="Seconds of a first ejection, doubled for each one in a row",
+    )
+    max_ejection: float = setting(
+        300.0, _positive_number, converter=_as_float, flag="--outlier-max-ejection", help="Longest ejection"
+    )
+    max_ejected_share: float = setting(
+        0.6, _share, flag="--outlier-max-ejected-share", help="Largest share of the fleet ejected as outliers at once"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_ejection < self.base_ejection:
+            raise ConfigError(
+                f"'max_ejection' must be >= 'base_ejection' {self.base_ejection} (got {self.max_ejection})."
+            )
 
 
 _MASS_REMOVAL = ("gradual", "hold")
@@ -478,6 +563,7 @@ class ServerConfig:
     )
     timeouts: TimeoutConfig = attrs.field(factory=TimeoutConfig)
     health: HealthConfig = attrs.field(factory=HealthConfig)
+    outliers: OutlierConfig = attrs.field(factory=OutlierConfig)
     #: Proxy processes sharing the listening socket (``kvroute serve --workers``); 1 = this process.
     workers: int = setting(
         1,
@@ -740,7 +826,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
     shadow = values.get(("shadow",))
     if shadow is not None and not all(isinstance(name, str) and name for name in shadow):
         raise ConfigError(f"[routing] 'shadow' must be a list of strategy names (got {list(shadow)!r}).")
-    for name in ("timeouts", "health"):
+    for name in ("timeouts", "health", "outliers"):
         values.update(_read_table(data, name))
 
     backends_raw = data.get("backends", [])
@@ -778,6 +864,7 @@ def load_toml(path: str | Path, base: ServerConfig | None = None) -> ServerConfi
 for _cls in (
     TimeoutConfig,
     HealthConfig,
+    OutlierConfig,
     DiscoveryPolicy,
     WarmJoinConfig,
     SessionConfig,

@@ -250,6 +250,8 @@ class StatusView:
                     },
                     "spills_to": self.decisions.spills_to(bid),
                     "ejections": {cause: _number(v) for (b, cause), v in sorted(ejections.items()) if b == bid and v},
+                    # Ejected as an outlier: cause, back-off level, seconds until its probe request (else None).
+                    "outlier": self.backends.health.outliers.describe(bid),
                 }
             )
         spills = samples.sum_by("kvroute_spills_total", "reason", where={"strategy": strategy})

@@ -1,11 +1,15 @@
 """Forwarding one request upstream: attempts, retries before the first byte, SSE pass-through, disconnects.
 
-`Forwarder.forward` asks the `Router` for a lease, sends the client's original bytes to the
-chosen backend and passes the answer back: SSE event by event as it arrives, anything else once
-complete. An attempt that fails before any byte reached the client (connection error, 5xx, a
-stream that ends before its first event) is retried on another backend, up to ``max_attempts``;
-the backends tried so far are the router's ``exclude``, and nothing else is. A client that goes
-away cancels the request and the upstream call with it.
+`Forwarder.forward` asks the `Router` for a lease, sends the client's original bytes to the chosen backend and
+passes the answer back: SSE event by event as it arrives, anything else once complete. An attempt that fails
+before any byte reached the client (connection error, 5xx, a stream that ends before its first event, an answer
+that is not a completion: `proxy.answers`, no first byte within its deadline) is retried on another backend, up
+to ``max_attempts``; the backends tried so far are the router's ``exclude``, and nothing else is. A client that
+goes away cancels the request and the upstream call with it.
+
+Every attempt's outcome goes to the outlier detector (`kvroute_server.fleet.outliers`), which also sets each
+attempt's first-byte deadline from the fleet's first-byte times for like requests; the last attempt, or one with
+no other candidate left, waits the whole ``first_byte`` timeout.
 
 What a request went through is kept in an `Exchange`, which the app logs and counts at the end.
 """
@@ -14,26 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
 
-import attrs
 import structlog
 
 from kvroute.errors import NoBackendAvailable
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
-from kvroute.shadow import ShadowRound
-from kvroute.strategy import Decision
 from kvroute_server.config import ServerConfig
 from kvroute_server.fleet.backends import BackendSet
-from kvroute_server.http.asgi import Receive, Scope, Send, dumps, openai_error, send_error
+from kvroute_server.fleet.outliers import likeness
+from kvroute_server.http.asgi import Receive, Scope, Send, send_error
 from kvroute_server.http.client import UpstreamPool, UpstreamResponse
-from kvroute_server.http.protocol import DISCONNECT_EXTENSION, DisconnectNotice
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import NoShadows, ProxyShadows
-from kvroute_server.proxy.headers import filter_request_headers, filter_response_headers
-from kvroute_server.proxy.usage import UsageSniffer
+from kvroute_server.proxy.answers import prompt_tokens_estimate
+from kvroute_server.proxy.client_watch import watch_client
+from kvroute_server.proxy.headers import filter_request_headers
+from kvroute_server.proxy.relay import Exchange, Failure, Header, relay_stream, relay_whole
 
 __all__ = ["Exchange", "Forwarder", "count_reject", "reject"]
 
@@ -44,49 +45,9 @@ _SSE = "text/event-stream"
 #: ``TimeoutError`` (also one) for our own first-byte and idle timeouts; `_is_timeout` tells them apart.
 _TRANSPORT_ERRORS = OSError
 
-Header = tuple[bytes, bytes]
-
 
 def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError)
-
-
-@attrs.define
-class Exchange:
-    """What one client request has gone through so far (for the log line and metrics)."""
-
-    request_id: str
-    started: float
-    status: int = 0
-    backend: str = "none"
-    outcome: RequestOutcome = RequestOutcome.REJECTED
-    model: str | None = None
-    reason: str | None = None
-    key: int | None = None
-    spilled: bool = False
-    attempts: int = 0
-    ttft: float | None = None
-    stream: bool = False
-    response_started: bool = False
-    complete: bool = False
-    client_gone: bool = False
-    error: str | None = None
-    #: The last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
-    decision: Decision | None = None
-    #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
-    shadow: ShadowRound | None = None
-
-
-@attrs.define
-class _Failure:
-    """An attempt that failed before any byte reached the client (may be retried)."""
-
-    reason: str
-    message: str
-    connection: bool = False
-    status: int = 502
-    body: bytes | None = None
-    headers: list[Header] = attrs.field(factory=list)
 
 
 async def reject(
@@ -112,21 +73,6 @@ def count_reject(metrics: ProxyMetrics, status: int, ex: Exchange | None, messag
         ex.status, ex.outcome, ex.error = status, RequestOutcome.REJECTED, message
 
 
-def _event_end(data: bytes) -> int:
-    """Index just past the last complete SSE event in ``data`` (0 when none is complete)."""
-    end = data.rfind(b"\n\n")
-    end = end + 2 if end >= 0 else 0
-    crlf = data.rfind(b"\r\n\r\n")
-    if crlf >= 0 and crlf + 4 > end:
-        end = crlf + 4
-    return end
-
-
-def _stream_error_event(message: str, code: str) -> bytes:
-    body = openai_error(502, message, code=code)
-    return b"data: " + dumps(body) + b"\n\ndata: [DONE]\n\n"
-
-
 class Forwarder:
     """Sends requests to the backends the router picks, retrying on another before the first byte."""
 
@@ -146,7 +92,9 @@ class Forwarder:
         #: The proxied requests' own client (keep-alive connections per backend host).
         self.upstream = UpstreamPool(config.timeouts.connect)
         self._shared_metrics = metrics.shared
-        self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
+        self.backend_header = config.backend_header.lower().encode() if config.backend_header else None
+        self.outliers = backends.health.outliers
+        self.outliers.configure(config.outliers, config.timeouts)
 
     async def forward(
         self,
@@ -161,7 +109,7 @@ class Forwarder:
         """Forward ``raw`` (the body ``request`` was parsed from) and answer; a client leaving cancels it."""
         task = asyncio.current_task()
         assert task is not None
-        stop_watching = _watch_client(scope, receive, ex, task)
+        stop_watching = watch_client(scope, receive, ex, task)
         try:
             await self._attempts(request, raw, scope, send, ex, id_header)
         except asyncio.CancelledError:
@@ -177,12 +125,15 @@ class Forwarder:
     async def _attempts(
         self, request: RouteRequest, raw: bytes, scope: Scope, send: Send, ex: Exchange, id_header: Header
     ) -> None:
-        failed: set[str] = set()  # the router's exclude: only backends that failed this request
-        last: _Failure | None = None
+        failed: set[str] = set()  # backends that failed this request: never tried again
+        avoid = failed  # the router's exclude: those, and on a retry the backends whose last attempt failed
+        last: Failure | None = None
+        ex.prompt_tokens = prompt_tokens_estimate(request.token_ids, request.text)
+        ex.max_tokens = request.max_tokens
         for _ in range(self.config.max_attempts):
-            failure: _Failure | None = None
+            failure: Failure | None = None
             try:
-                with self.router.route(request, exclude=failed) as lease:  # acquire and release are synchronous
+                with self.router.route(request, exclude=avoid) as lease:  # acquire and release are synchronous
                     ex.attempts += 1
                     decision = lease.decision
                     ex.decision = decision  # for the status page's decision log
@@ -204,11 +155,11 @@ class Forwarder:
                         gauge = self.metrics.in_flight_child(decision.backend.id)
                         gauge.inc()
                         try:
-                            failure = await self._attempt(lease, raw, scope, send, ex, id_header)
+                            failure = await self._attempt(lease, request, raw, scope, send, ex, id_header, failed)
                         finally:
                             gauge.dec()
                     else:
-                        failure = await self._attempt(lease, raw, scope, send, ex, id_header)
+                        failure = await self._attempt(lease, request, raw, scope, send, ex, id_header, failed)
                     if failure is not None:
                         lease.fail(failure.message)
             except NoBackendAvailable as exc:
@@ -220,7 +171,9 @@ class Forwarder:
                 return
             last = failure
             failed.add(lease.backend.id)
+            avoid = self._avoid(request, failed, ex.attempts + 1 >= self.config.max_attempts)
             self.metrics.child(self.metrics.retries, lease.backend.id, failure.reason).inc()
+            self.outliers.failed(lease.backend.id, failure.reason, deadline=failure.deadline)
             if failure.connection:
                 self.backends.health.connection_failed(lease.backend.id, failure.message)
             log.info(
@@ -238,17 +191,48 @@ class Forwarder:
         )
         if last.body is not None:
             headers = [*last.headers, id_header]
-            if self._backend_header is not None:
-                headers.append((self._backend_header, ex.backend.encode()))
+            if self.backend_header is not None:
+                headers.append((self.backend_header, ex.backend.encode()))
             await send({"type": "http.response.start", "status": last.status, "headers": headers})
             await send({"type": "http.response.body", "body": last.body, "more_body": False})
         else:
             await reject(self.metrics, send, last.status, last.message, code=last.reason, headers=[id_header])
 
+    def _avoid(self, request: RouteRequest, failed: set[str], last: bool) -> set[str]:
+        """What a retry excludes: the backends that failed this request and, while others are left, for the last
+        attempt those not known to answer, else those whose last attempt failed (a fleet with several faulty
+        engines should not spend a request's attempts on them)."""
+        fleet = self.backends.fleet
+        choices = [self.outliers.untrusted(s.id for s in fleet)] if last else []
+        choices.append(self.outliers.suspects())
+        for doubtful in choices:
+            wider = failed | doubtful
+            if wider != failed and fleet.candidates(request.model, wider):
+                return wider
+        return failed
+
+    def _deadline(self, request: RouteRequest, ex: Exchange, backend_id: str, failed: set[str]) -> float:
+        """The attempt's first-byte deadline: the hard timeout for the last attempt or when no other backend is left."""
+        hard = self.config.timeouts.first_byte
+        if ex.attempts >= self.config.max_attempts:
+            return hard
+        soft = self.outliers.deadline(likeness(request.stream, ex.prompt_tokens, request.max_tokens))
+        if soft < hard and not self.backends.fleet.candidates(request.model, {*failed, backend_id}):
+            return hard
+        return soft
+
     async def _attempt(
-        self, lease: Lease, raw: bytes, scope: Scope, send: Send, ex: Exchange, id_header: Header
-    ) -> _Failure | None:
-        """One try on ``lease.backend``; returns a `_Failure` when nothing reached the client."""
+        self,
+        lease: Lease,
+        request: RouteRequest,
+        raw: bytes,
+        scope: Scope,
+        send: Send,
+        ex: Exchange,
+        id_header: Header,
+        failed: set[str],
+    ) -> Failure | None:
+        """One try on ``lease.backend``; returns a `Failure` when nothing reached the client."""
         backend_id = lease.backend.id
         config = self.backends.config(backend_id)
         query = scope["query_string"]
@@ -260,16 +244,21 @@ class Forwarder:
             request_id=ex.request_id,
         )
         timeouts = self.config.timeouts
+        seconds = self._deadline(request, ex, backend_id, failed)
         sent_at = time.perf_counter()
         response: UpstreamResponse | None = None
         try:
             try:
-                deadline = asyncio.get_running_loop().time() + timeouts.first_byte
+                deadline = asyncio.get_running_loop().time() + seconds
                 response = await self.upstream.post(lease.backend.url, target, raw, headers, deadline)
                 first = await response.readany(deadline)
             except _TRANSPORT_ERRORS as exc:
                 if not _is_timeout(exc):
-                    return _Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
+                    return Failure("connection_error", f"{backend_id}: {type(exc).__name__}: {exc}", connection=True)
+                if seconds < timeouts.first_byte:  # cancelled (the connection closes) and retried elsewhere
+                    message = f"{backend_id}: no first byte within its {seconds:.3g} s deadline"
+                    return Failure("first_byte_deadline", message, status=504, deadline=True)
+                self.outliers.failed(backend_id, "timeout", deadline=True)
                 ex.status, ex.outcome = 504, RequestOutcome.TIMEOUT
                 ex.error = f"no response from {backend_id} within {timeouts.first_byte} s"
                 await reject(
@@ -283,142 +272,18 @@ class Forwarder:
                 return None
             status = response.status
             sse = response.content_type == _SSE
+            first_byte = time.perf_counter() - sent_at
             if sse and status < 400:
-                ex.ttft = time.perf_counter() - sent_at
+                ex.ttft = first_byte
                 self.metrics.child(self.metrics.ttft, backend_id).observe(ex.ttft)
-                return await self._stream(response, first, send, ex, id_header)
-            return await self._whole(response, first, send, ex, id_header)
+                return await relay_stream(self, response, first, send, ex, id_header)
+            return await relay_whole(self, response, first, send, ex, id_header, first_byte)
         finally:
             if response is not None:
                 if response.at_eof():
                     response.release()  # fully read: the connection goes back to the pool
                 else:
                     response.close()  # cut short or cancelled: the backend sees the disconnect
-
-    async def _whole(
-        self, response: UpstreamResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
-    ) -> _Failure | None:
-        """A complete (non-streamed) body: read it all, then answer, or fail on a 5xx for a retry."""
-        backend_id = ex.backend
-        parts = [first]
-        try:
-            while first and not response.at_eof():
-                chunk = await response.readany(asyncio.get_running_loop().time() + self.config.timeouts.idle)
-                if not chunk:
-                    break
-                parts.append(chunk)
-        except _TRANSPORT_ERRORS as exc:
-            return _Failure(
-                "connection_error",
-                f"{backend_id}: body cut short: {type(exc).__name__}: {exc}",
-                connection=not _is_timeout(exc),
-            )
-        body = b"".join(parts)
-        status = response.status
-        out_headers = filter_response_headers(response.raw_headers)
-        if status >= 500:
-            return _Failure(
-                "upstream_5xx", f"{backend_id} answered {status}", status=status, body=body, headers=out_headers
-            )
-        sniffer = UsageSniffer()
-        sniffer.feed(body)
-        self._record_usage(backend_id, sniffer)
-        out_headers.append(id_header)
-        if self._backend_header is not None:
-            out_headers.append((self._backend_header, backend_id.encode()))
-        out_headers.append((b"content-length", str(len(body)).encode()))
-        ex.status = status
-        ex.outcome = RequestOutcome.OK if status < 400 else RequestOutcome.CLIENT_ERROR
-        ex.response_started = True
-        ex.complete = True
-        await send({"type": "http.response.start", "status": status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        return None
-
-    async def _stream(
-        self, response: UpstreamResponse, first: bytes, send: Send, ex: Exchange, id_header: Header
-    ) -> _Failure | None:
-        """Pass SSE events through as they arrive; never split an event on failure."""
-        backend_id = ex.backend
-        idle = self.config.timeouts.idle
-        loop = asyncio.get_running_loop()
-        sniffer = UsageSniffer()
-        pending = first
-        try:
-            # Wait for the first complete event before committing to this backend, so that
-            # a backend dying before it is still a failure the client never sees.
-            while not _event_end(pending):
-                chunk = await response.readany(loop.time() + idle)
-                if not chunk:
-                    break
-                pending += chunk
-        except _TRANSPORT_ERRORS as exc:
-            return _Failure(
-                "connection_error",
-                f"{backend_id}: stream failed before its first event: {type(exc).__name__}: {exc}",
-                connection=not _is_timeout(exc),
-            )
-        cut = _event_end(pending)
-        if not cut:
-            return _Failure("connection_error", f"{backend_id}: stream ended before its first event", connection=True)
-
-        headers = filter_response_headers(response.raw_headers)
-        headers.append(id_header)
-        if self._backend_header is not None:
-            headers.append((self._backend_header, backend_id.encode()))
-        ex.status = response.status
-        ex.response_started = True
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        out, pending = pending[:cut], pending[cut:]
-        sniffer.feed(out)
-        await send({"type": "http.response.body", "body": out, "more_body": True})
-        try:
-            while True:
-                chunk = await response.readany(loop.time() + idle)
-                if not chunk:
-                    break
-                if pending:
-                    chunk = pending + chunk
-                cut = _event_end(chunk)
-                if cut == len(chunk):
-                    pending = b""
-                else:
-                    chunk, pending = chunk[:cut], chunk[cut:]
-                    if not chunk:
-                        continue
-                sniffer.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except _TRANSPORT_ERRORS as exc:
-            timed_out = _is_timeout(exc)
-            why = "went idle" if timed_out else "failed"
-            ex.outcome = RequestOutcome.STREAM_ERROR
-            ex.error = f"{backend_id}: stream {why}: {type(exc).__name__}: {exc}"
-            if not timed_out:
-                self.backends.health.connection_failed(backend_id, ex.error)
-            ex.complete = True
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": _stream_error_event(
-                        f"The backend's stream {why} after it started ({backend_id}).", "upstream_stream_error"
-                    ),
-                    "more_body": False,
-                }
-            )
-            self._record_usage(backend_id, sniffer)
-            return None
-        ex.complete = True
-        ex.outcome = RequestOutcome.OK
-        await send({"type": "http.response.body", "body": pending, "more_body": False})
-        self._record_usage(backend_id, sniffer)
-        return None
-
-    def _record_usage(self, backend_id: str, sniffer: UsageSniffer) -> None:
-        metrics = self.metrics
-        if sniffer.prompt_tokens is not None:
-            metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
-        if sniffer.cached_tokens is not None:
-            metrics.child(metrics.cached_tokens, backend_id).inc(sniffer.cached_tokens)
 
 
 async def _no_backend(
@@ -447,34 +312,3 @@ async def _no_backend(
         code="no_backend_available",
         headers=[(b"retry-after", str(forwarder.config.retry_after_s).encode()), id_header],
     )
-
-
-def _watch_client(scope: Scope, receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> Callable[[], object]:
-    """Have ``task`` cancelled if the client leaves before the response is complete; returns the undo.
-
-    Under kvroute's own HTTP protocol the server calls back (the ``kvroute.disconnect`` extension,
-    `kvroute_server.http.protocol`); under any other ASGI server a task waits in ``receive()`` for
-    ``http.disconnect``.
-    """
-    extensions = scope.get("extensions")
-    notice: DisconnectNotice | None = extensions.get(DISCONNECT_EXTENSION) if extensions else None
-    if notice is not None:
-        notice.callback = lambda: _client_gone(ex, task)
-        return notice.forget
-    return asyncio.create_task(_watch_disconnect(receive, ex, task)).cancel
-
-
-def _client_gone(ex: Exchange, task: asyncio.Task[Any]) -> None:
-    """Cancel the request's task: its client went away before the response was complete."""
-    if not ex.complete:
-        ex.client_gone = True
-        task.cancel()
-
-
-async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:
-    """Wait in ``receive()`` for ``http.disconnect`` (ASGI servers without the disconnect extension)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            _client_gone(ex, task)
-            return

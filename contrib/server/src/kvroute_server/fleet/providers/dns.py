@@ -4,6 +4,9 @@ Two target forms, told apart by the leading underscore:
 
 - ``NAME:PORT`` (``vllm.default.svc.cluster.local:8000``): every A and AAAA address of ``NAME`` is a
   backend on ``PORT``, weight 1. A Kubernetes headless Service answers this way, one address per ready pod.
+  The two families are asked independently: addresses of one are a good answer even when the other
+  query failed (logged as ``dns_family_failed``); only when neither has an address is the lookup a
+  failure, whose reason gives each family's own.
 - ``_service._proto.NAME`` (``_http._tcp.vllm.default.svc.cluster.local``): every SRV record of the lowest
   priority in the answer is a backend; the port and weight come from the record, the record's target name is
   resolved to its A and AAAA addresses. SRV weight 0 becomes 1, the smallest positive SRV weight, so such a
@@ -84,6 +87,8 @@ class DnsDiscovery:
     scheme: str = "http"
     search: bool = False
     source: str = attrs.field(init=False)
+    #: ``(name, "A" | "AAAA")`` -> why that family failed in the last lookup while the other answered.
+    family_errors: dict[tuple[str, str], str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.source = f"dns:{self.target}"
@@ -243,20 +248,54 @@ class DnsDiscovery:
         return endpoints, ttl
 
     async def _addresses(self, name: str) -> tuple[list[_Address], float]:
-        """The A and AAAA addresses of ``name`` and the smaller TTL of the two answers."""
-        answers = await self._resolve_all([(name, "A"), (name, "AAAA")])
+        """The A and AAAA addresses of ``name`` and the smaller TTL of the answers that had some.
+
+        The two families are independent: one that answers is a good answer even when the other
+        failed (REFUSED for AAAA is what dnsmasq without an upstream and some resolvers say for a name
+        with only A records). A family's failure beside a good answer is logged (``dns_family_failed``,
+        once per new reason) and kept in ``family_errors``; when neither family has an address the
+        lookup fails with each family's own reason.
+        """
+        results = await self._ask_all([(name, "A"), (name, "AAAA")])
         addresses: list[_Address] = []
         ttls: list[float] = []
-        for answer in answers.values():
-            if answer.rrset is not None and len(answer.rrset):
-                addresses.extend(ipaddress.ip_address(r.address) for r in answer.rrset)
-                ttls.append(float(answer.chaining_result.minimum_ttl))
+        reasons: dict[str, str] = {}
+        for (_, rdtype), result in results.items():
+            if isinstance(result, BaseException):
+                reasons[rdtype] = self._reason((name, rdtype), result)
+            elif result.rrset is not None and len(result.rrset):
+                addresses.extend(ipaddress.ip_address(r.address) for r in result.rrset)
+                ttls.append(float(result.chaining_result.minimum_ttl))
         if not addresses:
-            raise DnsLookupError(f"no A or AAAA records for {name}")
+            if not reasons:
+                raise DnsLookupError(f"no A or AAAA records for {name}")
+            nxdomain = [r for r in results.values() if isinstance(r, dns.resolver.NXDOMAIN)]
+            if nxdomain:  # the name itself is missing: one reason says it for both families
+                raise DnsLookupError(self._reason((name, "A"), nxdomain[0])) from nxdomain[0]
+            words = "; ".join(f"{rdtype}: {reasons.get(rdtype, 'no records')}" for rdtype in ("A", "AAAA"))
+            raise DnsLookupError(f"no A or AAAA address for {name} ({words})")
+        self._note_families(name, reasons)
         return addresses, min(ttls)
 
-    async def _resolve_all(self, questions: list[tuple[str, str]]) -> Mapping[tuple[str, str], dns.resolver.Answer]:
-        """Ask every question at once; any answer that is an error (not an empty one) fails the whole lookup."""
+    def _note_families(self, name: str, reasons: Mapping[str, str]) -> None:
+        """Log each family that failed beside a good answer (once per new reason), and each that recovered."""
+        for rdtype in ("A", "AAAA"):
+            key = (name, rdtype)
+            reason = reasons.get(rdtype)
+            before = self.family_errors.get(key)
+            if reason is None:
+                if before is not None:
+                    del self.family_errors[key]
+                    log.info("dns_family_recovered", source=self.source, name=name, family=rdtype)
+                continue
+            if reason != before:
+                self.family_errors[key] = reason
+                log.warning("dns_family_failed", source=self.source, name=name, family=rdtype, reason=reason)
+
+    async def _ask_all(
+        self, questions: list[tuple[str, str]]
+    ) -> dict[tuple[str, str], dns.resolver.Answer | BaseException]:
+        """Ask every question at once; each gets its answer or the error it ended with."""
         results: dict[tuple[str, str], dns.resolver.Answer | BaseException] = {}
 
         async def ask(question: tuple[str, str]) -> None:
@@ -271,9 +310,12 @@ class DnsDiscovery:
         async with anyio.create_task_group() as tg:
             for question in questions:
                 tg.start_soon(ask, question)
+        return {question: results[question] for question in questions}
+
+    async def _resolve_all(self, questions: list[tuple[str, str]]) -> Mapping[tuple[str, str], dns.resolver.Answer]:
+        """Ask every question at once; any answer that is an error (not an empty one) fails the whole lookup."""
         answers: dict[tuple[str, str], dns.resolver.Answer] = {}
-        for question in questions:
-            result = results[question]
+        for question, result in (await self._ask_all(questions)).items():
             if isinstance(result, BaseException):
                 raise DnsLookupError(self._reason(question, result)) from result
             answers[question] = result
