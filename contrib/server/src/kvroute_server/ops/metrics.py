@@ -152,6 +152,12 @@ class ProxyMetrics:
             ["backend"],
             registry=r,
         )
+        self.dropped_headers = Counter(
+            "kvroute_dropped_request_headers",
+            "Client request headers the proxy owns and dropped (a client-sent X-data-parallel-rank), by header.",
+            ["header"],
+            registry=r,
+        )
         self.rejected = Counter(
             "kvroute_rejected_requests",
             "Requests answered by the proxy itself with an error, by status.",

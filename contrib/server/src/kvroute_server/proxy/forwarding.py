@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import attrs
 import structlog
 
 from kvroute.errors import NoBackendAvailable
+from kvroute.ranks import rank_for
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.shadow import ShadowRound
@@ -71,6 +73,8 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
+    #: The data-parallel rank sent upstream (``X-data-parallel-rank``) on the last attempt, if any.
+    rank: int | None = None
     #: The last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
     decision: Decision | None = None
     #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
@@ -147,6 +151,9 @@ class Forwarder:
         self.upstream = UpstreamPool(config.timeouts.connect)
         self._shared_metrics = metrics.shared
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
+        #: Requests sent with a rank header, by (backend, rank); client-sent rank headers dropped.
+        self.rank_requests: Counter[tuple[str, int]] = Counter()
+        self.forged_rank_headers = 0
 
     async def forward(
         self,
@@ -251,12 +258,22 @@ class Forwarder:
         config = self.backends.config(backend_id)
         query = scope["query_string"]
         target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        rank = rank_for(lease.decision, lease.state)
+        forged: list[str] = []
         headers = filter_request_headers(
             scope["headers"],
             forward_authorization=self.config.forward_authorization,
             api_key=config.api_key if config is not None else None,
             request_id=ex.request_id,
+            rank=rank,
+            forged=forged,
         )
+        if forged and ex.attempts == 1:
+            self.forged_rank_headers += 1
+            self.metrics.child(self.metrics.dropped_headers, forged[0]).inc()
+        if rank is not None:
+            ex.rank = rank
+            self.rank_requests[backend_id, rank] += 1
         timeouts = self.config.timeouts
         sent_at = time.perf_counter()
         response: UpstreamResponse | None = None
