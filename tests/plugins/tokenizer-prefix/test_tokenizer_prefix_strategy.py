@@ -275,6 +275,43 @@ class TestBursts:
         assert len(strategy.index) == 0 and len(strategy.recent) == 5
         for lease in leases:
             router.release(lease)
+        assert len(strategy.recent) == 5  # kept for the grace after finishing: no event covered them
+
+    def test_no_grace_forgets_at_finish(self, strategy: TokenizerPrefix) -> None:
+        """With recent_grace 0 a finished request's recent decision is forgotten at once."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, recent_grace=0)
+        router = make_router(strategy)
+        strategy.index.set_exact("b0")
+        with router.route(request(chat("A question for one backend. " * 40))):
+            pass
+        assert len(strategy.recent) == 0
+
+    def test_siblings_after_finish_land_together_before_events(self, strategy: TokenizerPrefix) -> None:
+        """8 siblings sent back to back, each done before the next and before any KV event, land on one backend."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name)
+        router = make_router(strategy, 7)
+        for i in range(7):
+            strategy.index.set_exact(f"b{i}")
+        # A short new shared head (about two blocks), then each sibling's own text: their cold keys all differ.
+        head = "Parallel tool calls for the failing build, step three:"
+        homes = []
+        for i in range(8):
+            own = f"call {i} reads file number {i * 7919} " * 20
+            with router.route(request(chat(head + own, system="Agent."))) as lease:
+                homes.append(lease.backend.id)
+        assert len(set(homes)) == 1, homes
+        assert strategy.stats()["recent_kept_after_finish"] == 8
+
+    def test_events_covering_a_finished_request_end_its_grace(self, strategy: TokenizerPrefix) -> None:
+        """A finished request whose blocks the engine reported is forgotten at once (the index holds them)."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name)
+        router = make_router(strategy, 2)
+        strategy.index.set_exact("b0")
+        strategy.index.set_exact("b1")
+        body = chat("What does the document say?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        with router.route(request(body)) as lease:
+            strategy.index.blocks_stored(lease.backend.id, ids, block_size=16)
         assert len(strategy.recent) == 0
 
     def test_kv_events_feed_exact_matches(self, strategy: TokenizerPrefix) -> None:
@@ -386,7 +423,7 @@ class TestLazyRecording:
         for backend, doc, turns in sent:
             strategy.index.record(f"b{backend}", strategy.prompt_blocks(request(text(doc, turns))).complete())
         blocks = strategy.prompt_blocks(request(text(*query)))
-        matched = strategy._match(blocks, cands)
+        matched, _ = strategy._match(blocks, [s.id for s in cands])
         expected = strategy.index.match(blocks.complete(), [s.id for s in cands])
         assert matched == [expected[s.id] for s in cands]
 
@@ -428,7 +465,7 @@ class TestLazyRecording:
         assert sibling.backend.id == lease.backend.id and sibling.decision.detail["matched_tokens"] > 1000
         router.release(lease)
         router.release(sibling)
-        assert strategy.stats()["pending_tails"] == 0 and len(strategy.recent) == 0
+        assert strategy.stats()["pending_tails"] == 0 and len(strategy.recent) == 2  # kept for the grace
 
     def test_removed_backend_drops_its_tails(self, strategy: TokenizerPrefix) -> None:
         """Removing a backend forgets the pending tails sent to it."""
