@@ -60,6 +60,16 @@ class TestVllmAdapter:
         adapter = registration.factory(Backend(id="b", url=URL, kind="vllm"))
         assert isinstance(adapter, VllmAdapter) and registration.plugin.distribution == "kvroute-vllm"
 
+    async def test_poll_load_reports_the_event_sources_ranks(self) -> None:
+        """A server whose /kv_event_sources listed 3 ranks reports a data-parallel size of 3 in its load."""
+        from kvroute_tokenizer_prefix import BlockIndex
+        from kvroute_vllm import VllmEventFeed
+
+        adapter = _adapter()
+        assert (await adapter.poll_load(_metrics_http())).data_parallel_size is None
+        adapter.feeds = [VllmEventFeed("b0", BlockIndex(128), rank=r, size=3) for r in range(3)]
+        assert (await adapter.poll_load(_metrics_http())).data_parallel_size == 3
+
     @pytest.mark.parametrize(
         ("options", "message"),
         [
