@@ -273,7 +273,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             backend = index.slot(decision.backend.id, decision.data_parallel_rank)
             hashes = blocks.hashes
             if self._heat is not None:
-                self._heat.observe(hashes[:shared], len(self._placer.placement.states))
+                self._heat.observe(hashes[:shared], self._caches())
             exact = index.is_exact(backend)
             if exact:
                 self._recent.add(request.request_id, index.bit(backend), tuple(hashes))
@@ -327,11 +327,15 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             if self._heat is not None:
                 self._heat.clear()
 
+    def _caches(self) -> int:
+        """Separate KV caches in the fleet: one per backend, one per rank of a data-parallel one (hot-head share)."""
+        return sum(state.data_parallel_size for state in self._placer.placement.states)
+
     def _hot_depth(self, blocks: PromptBlocks) -> int:
         """Leading blocks of the prompt that are hot (0 with ``hot_window`` 0 or a one-backend fleet)."""
         if self._heat is None:
             return 0
-        return self._heat.depth(blocks, len(self._placer.placement.states))
+        return self._heat.depth(blocks, self._caches())
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, hot: int) -> int:
         """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head."""
