@@ -138,3 +138,49 @@ class TestRankHeaderUpstream:
                     health=NO_HEALTH,
                 )
             )
+
+
+class TestStatusRanks:
+    def test_status_shows_ranks_and_dropped_headers(self, upstream: tuple[RecordingUpstream, ServerThread]) -> None:
+        """/status.json lists a backend's ranks with the attempts sent to each, the decision's rank and the drops."""
+        app, server = upstream
+        backend = BackendConfig(id="dp", url=server.url, adapter_options={"data_parallel_size": 2})
+        config = ServerConfig(
+            backends=(backend,), strategy="consistent-hash", health=NO_HEALTH, access_log=False, status="on"
+        )
+        proxy = ServerThread(ProxyApp(config)).start()
+        try:
+            for i in range(6):
+                headers = {"X-data-parallel-rank": "1"} if i == 0 else {}
+                http("POST", proxy.url + "/v1/chat/completions", chat_body(f"topic {i} " * 30), headers=headers)
+            _, _, raw = http("GET", proxy.url + "/status.json")
+        finally:
+            proxy.stop()
+        status = json.loads(raw)
+        (row,) = status["backends"]
+        assert row["data_parallel_size"] == 2 and [r["rank"] for r in row["ranks"]] == [0, 1]
+        sent = [int(h["x-data-parallel-rank"]) for h in app.seen]
+        assert [r["requests"] for r in row["ranks"]] == [sent.count(0), sent.count(1)]
+        assert status["dropped_headers"] == {"x-data-parallel-rank": 1}
+        recent = status["decisions"]["recent"]
+        assert sorted(r["data_parallel_rank"] for r in recent) == sorted(sent)
+        assert status["tiers"] is None  # consistent-hash counts no tiers
+
+    def test_status_shows_tier_hits_for_tokenizer_prefix(
+        self, upstream: tuple[RecordingUpstream, ServerThread]
+    ) -> None:
+        """With tokenizer-prefix, /status.json carries prefix hits by tier (GPU tokens once a prompt repeats)."""
+        _, server = upstream
+        backend = BackendConfig(id="one", url=server.url)
+        config = ServerConfig(
+            backends=(backend,), strategy="tokenizer-prefix", health=NO_HEALTH, access_log=False, status="on"
+        )
+        proxy = ServerThread(ProxyApp(config)).start()
+        try:
+            for _ in range(2):
+                http("POST", proxy.url + "/v1/chat/completions", chat_body("the same long question " * 40))
+            _, _, raw = http("GET", proxy.url + "/status.json")
+        finally:
+            proxy.stop()
+        tiers = json.loads(raw)["tiers"]
+        assert tiers["hit_tokens"]["GPU"] > 0 and tiers["blocks"] == {}

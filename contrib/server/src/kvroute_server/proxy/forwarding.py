@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -151,9 +150,6 @@ class Forwarder:
         self.upstream = UpstreamPool(config.timeouts.connect)
         self._shared_metrics = metrics.shared
         self._backend_header = config.backend_header.lower().encode() if config.backend_header else None
-        #: Requests sent with a rank header, by (backend, rank); client-sent rank headers dropped.
-        self.rank_requests: Counter[tuple[str, int]] = Counter()
-        self.forged_rank_headers = 0
 
     async def forward(
         self,
@@ -269,11 +265,10 @@ class Forwarder:
             forged=forged,
         )
         if forged and ex.attempts == 1:
-            self.forged_rank_headers += 1
             self.metrics.child(self.metrics.dropped_headers, forged[0]).inc()
         if rank is not None:
             ex.rank = rank
-            self.rank_requests[backend_id, rank] += 1
+            self.metrics.child(self.metrics.rank_requests, backend_id, str(rank)).inc()
         timeouts = self.config.timeouts
         sent_at = time.perf_counter()
         response: UpstreamResponse | None = None
