@@ -16,7 +16,7 @@ NO_HEALTH = HealthConfig(interval=0, discover_models=False)
 
 
 class RecordingUpstream:
-    """An OpenAI-shaped upstream that answers every chat request and keeps the headers each one carried."""
+    """An OpenAI-shaped upstream that answers every request as a chat completion and keeps each POST's headers."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
@@ -30,7 +30,8 @@ class RecordingUpstream:
         more = True
         while more:
             more = (await receive()).get("more_body", False)
-        self.seen.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
+        if scope["method"] == "POST":  # not the startup parity check's GETs
+            self.seen.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
         body = json.dumps(
             {
                 "id": "c",
@@ -95,6 +96,19 @@ class TestRankHeaderUpstream:
         ranks = [int(h["x-data-parallel-rank"]) for h in app.seen]
         assert all(0 <= r < 4 for r in ranks)
         assert ranks[0] == ranks[2] and ranks[1] == ranks[4]
+
+    def test_tokenizer_prefix_sends_its_rank(self, upstream: tuple[RecordingUpstream, ServerThread]) -> None:
+        """tokenizer-prefix's decisions name a rank of a 4-rank backend; a prompt sent again goes to the same rank."""
+        app, server = upstream
+        proxy = proxy_for(server, "tokenizer-prefix", data_parallel_size=4)
+        try:
+            texts = [f"document {i} " + "shared words " * 60 for i in range(6)]
+            for text in [*texts, *texts]:
+                assert http("POST", proxy.url + "/v1/chat/completions", chat_body(text))[0] == 200
+        finally:
+            proxy.stop()
+        ranks = [h["x-data-parallel-rank"] for h in app.seen]
+        assert ranks[:6] == ranks[6:] and all(r in {"0", "1", "2", "3"} for r in ranks)
 
     def test_forged_rank_dropped_without_dp(self, upstream: tuple[RecordingUpstream, ServerThread]) -> None:
         """Without data parallelism no rank is sent, and a client's forged one never reaches the engine."""

@@ -649,3 +649,20 @@ class TestTierCredit:
         strategy.index.blocks_stored("b1", ids, block_size=16)
         decision = router.decide(request(body))[0]
         assert strategy.stats()["tier_hit_tokens"] == {"GPU": decision.detail["matched_tokens"]}
+
+
+class TestDataParallelRemoval:
+    def test_removed_backend_forgets_every_rank(self, strategy: TokenizerPrefix) -> None:
+        """Removing a data-parallel backend drops its ranks' blocks, recent decisions and pending tails."""
+        router = dp_router(strategy, [2, 1])
+        for b in ("b0", "b1"):
+            strategy.index.set_exact(b)
+        leases = [router.acquire(request(chat(document(d) + " Question?"))) for d in range(5, 17)]
+        ranked = [lease for lease in leases if lease.decision.data_parallel_rank == 1]
+        for lease in leases:
+            router.release(lease)
+        assert ranked and len(strategy.recent) > 0
+        router.fleet.remove("b0")
+        router.fleet.remove("b1")
+        assert len(strategy.recent) == 0 and strategy.stats()["pending_tails"] == 0
+        assert strategy.index.slots_of("b0") == ["b0"]

@@ -146,6 +146,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     tier_hits: Counter[str] = attrs.field(factory=Counter, init=False)
     rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
     _credit: dict[str, float] = attrs.field(init=False, factory=dict)
+    _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
     _tails: PendingTails = attrs.field(init=False)
@@ -248,9 +249,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._placer.on_fleet_change(event, members)
         if event.kind == "removed" and event.backend is not None:
             with self._index.lock:
-                bit = self._index.bit(event.backend.id)
-                self._recent.drop_bit(bit)
-                self._tails.clear(bit)
+                for slot in self._index.slots_of(event.backend.id):  # the backend's own, and its ranks'
+                    bit = self._index.bit(slot)
+                    self._recent.drop_bit(bit)
+                    self._tails.clear(bit)
                 self._index.remove_backend(event.backend.id)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
@@ -328,8 +330,18 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 self._heat.clear()
 
     def _caches(self) -> int:
-        """Separate KV caches in the fleet: one per backend, one per rank of a data-parallel one (hot-head share)."""
-        return sum(state.data_parallel_size for state in self._placer.placement.states)
+        """Separate KV caches in the fleet: one per backend, one per rank of a data-parallel one (hot-head share).
+
+        Counted again when the membership changes and every 256 calls (engines report their ranks in their load).
+        """
+        placement = self._placer.placement
+        memo = self._caches_memo
+        if memo[0] is placement and memo[2] < 256:
+            self._caches_memo = (placement, memo[1], memo[2] + 1)
+            return memo[1]
+        count = sum(state.data_parallel_size for state in placement.states)
+        self._caches_memo = (placement, count, 0)
+        return count
 
     def _hot_depth(self, blocks: PromptBlocks) -> int:
         """Leading blocks of the prompt that are hot (0 with ``hot_window`` 0 or a one-backend fleet)."""
@@ -348,6 +360,13 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 
     def _slots(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], list[int | None], list[str]]:
         """The index slots to match: each candidate's, or each of its ranks' (owner index, rank, slot name)."""
+        for state in candidates:
+            load = state.load
+            if state.backend.data_parallel_size != 1 or (load is not None and load.data_parallel_size is not None):
+                break
+        else:  # no data parallelism (the usual case): one slot per candidate, its own name
+            n = len(candidates)
+            return list(range(n)), [None] * n, [state.backend.id for state in candidates]
         owners: list[int] = []
         ranks: list[int | None] = []
         names: list[str] = []
