@@ -68,17 +68,10 @@ class VllmMetrics(EngineMetrics):
     prefix_caching: bool | None = None
     started_at: float | None = None
     engines: int = 0
-    #: Per data-parallel rank (label ``engine``), in rank order; empty unless the samples carry the label.
-    ranks: tuple[RankLoad, ...] = ()
 
     def to_load(self, observed_at: float | None = None) -> EngineLoad:
-        """`EngineMetrics.to_load`, with the cache's size (``kv_blocks`` is ``num_gpu_blocks``) and the ranks."""
-        return attrs.evolve(
-            super().to_load(observed_at),
-            kv_blocks=self.num_gpu_blocks,
-            ranks=self.ranks,
-            data_parallel_size=len(self.ranks) if len(self.ranks) > 1 else None,
-        )
+        """`EngineMetrics.to_load`, with the cache's size: ``kv_blocks`` is ``num_gpu_blocks``."""
+        return attrs.evolve(super().to_load(observed_at), kv_blocks=self.num_gpu_blocks)
 
 
 def _values(samples: dict[str, list[float]], names: Iterable[str], *, counter: bool = False) -> list[float] | None:
@@ -147,6 +140,7 @@ def parse_prometheus(text: str) -> VllmMetrics:
         started_at=min(start) if start else None,
         engines=max(len(running or ()), len(usage or ()), len(infos)),
         ranks=tuple(_rank_load(rank, values) for rank, values in sorted(per_rank.items())),
+        data_parallel_size=len(per_rank) if len(per_rank) > 1 else None,
     )
 
 
