@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import xxhash
+
 from kvroute.backend import BackendState
-from kvroute.hashing import hash_parts
 from kvroute.strategy import Decision
 
 __all__ = ["RANK_HEADER", "RANK_LOAD_FACTOR", "choose_rank", "rank_for", "rank_order"]
@@ -33,9 +34,18 @@ RANK_HEADER = "x-data-parallel-rank"
 RANK_LOAD_FACTOR = 1.25
 
 
+_SEED_MASK = (1 << 64) - 1
+_RANK_TAG = 0x6B76_726F_7574_6521  # seeds the ranks' scores apart from any other use of the key
+
+
 def rank_order(key: int, size: int) -> list[int]:
-    """Ranks ``0 .. size - 1`` in ``key``'s rendezvous order (highest score first); the same in every process."""
-    return sorted(range(size), key=lambda rank: hash_parts("kvroute-rank/1", key, rank), reverse=True)
+    """Ranks ``0 .. size - 1`` in ``key``'s rendezvous order (highest score first); the same in every process.
+
+    A rank's score is xxh3 of its number (4 bytes, little-endian) seeded with the key.
+    """
+    seed = (key ^ _RANK_TAG) & _SEED_MASK
+    score = xxhash.xxh3_64_intdigest
+    return sorted(range(size), key=lambda rank: score(rank.to_bytes(4, "little"), seed), reverse=True)
 
 
 def choose_rank(state: BackendState, order: Sequence[int], *, load_factor: float = RANK_LOAD_FACTOR) -> int:
