@@ -657,11 +657,14 @@ class TestDataParallelRemoval:
         router = dp_router(strategy, [2, 1])
         for b in ("b0", "b1"):
             strategy.index.set_exact(b)
-        leases = [router.acquire(request(chat(document(d) + " Question?"))) for d in range(5, 17)]
-        ranked = [lease for lease in leases if lease.decision.data_parallel_rank == 1]
+        body = chat(document(5) + " Question?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.blocks_stored("b0", ids[:64], block_size=16, rank=1)  # draws the prompt to rank 1
+        leases = [router.acquire(request(chat(document(5) + f" Question {i}?"))) for i in range(3)]
+        assert all(lease.decision.data_parallel_rank == 1 for lease in leases)
         for lease in leases:
             router.release(lease)
-        assert ranked and len(strategy.recent) > 0
+        assert len(strategy.recent) == 3  # kept for the grace, in rank 1's slot
         router.fleet.remove("b0")
         router.fleet.remove("b1")
         assert len(strategy.recent) == 0 and strategy.stats()["pending_tails"] == 0
