@@ -288,6 +288,12 @@ class TestDataParallelFeed:
         feed.receive(_batch(0, _stored([1], list(range(BS))), rank=-1))
         assert feed.lost_reason == "bad_rank" and len(index) == 0
 
+    def test_one_publisher_is_one_cache_whatever_its_rank(self) -> None:
+        """A server with one publisher whose batches name rank 3 (a rank served at its own URL) fills the backend."""
+        index = BlockIndex(BS)
+        VllmEventFeed("x", index).receive(_batch(0, _stored([1], list(range(BS))), rank=3))
+        assert index.blocks("x") == 1 and index.slots_of("x") == ["x"]
+
 
 class TestTieredFeed:
     def test_block_moved_to_cpu_changes_tier(self) -> None:

@@ -53,8 +53,10 @@ group beside it (``cache_kind_not_indexed``), an event type it does not know
 is complete again.
 
 Engine hashes are keyed per data-parallel rank (`kvroute.adapters.rank_key`) so that ranks never
-share a key; a sink whose methods take ``rank`` (the tokenizer-prefix index) is given each batch's
-rank and keeps one cache per rank. A batch whose rank makes no sense (negative, or not below the
+share a key; when the server has several ranks (``size``, one publisher each), a sink whose methods
+take ``rank`` (the tokenizer-prefix index) is given each batch's rank and keeps one cache per rank. A
+server with one publisher is one cache whatever rank its batches name (a rank of a data-parallel
+deployment whose ranks are served at separate URLs). A batch whose rank makes no sense (negative, or not below the
 server's ranks, ``size``) is not applied: ``bad_rank``.
 
 Tiers: with a sink whose methods take ``medium``, blocks stored or removed on a slower tier
@@ -293,7 +295,7 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             if not self._tiered:
                 return None
             out["medium"] = tier
-        if self._ranked and (rank or self.size is not None):
+        if self._ranked and self.size is not None:  # one stream of a data-parallel server's several
             out["rank"] = rank
         return out
 
