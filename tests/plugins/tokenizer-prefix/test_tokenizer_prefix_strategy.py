@@ -669,3 +669,20 @@ class TestDataParallelRemoval:
         router.fleet.remove("b1")
         assert len(strategy.recent) == 0 and strategy.stats()["pending_tails"] == 0
         assert strategy.index.slots_of("b0") == ["b0"]
+
+
+class TestRankOfOtherDecisions:
+    def test_keyed_decision_without_rank_records_where_the_host_sends_it(self, strategy: TokenizerPrefix) -> None:
+        """A decision naming no rank (a session's binding) is recorded in the rank the proxy derives from its key."""
+        from kvroute.ranks import rank_for
+
+        router = dp_router(strategy, [4])
+        state = router.fleet.get("b0")
+        body = request(chat("A session's turn on a data-parallel backend. " * 20))
+        decision = kvroute.Decision(state.backend, reason="session", key=12345)
+        strategy.pick(body, [state])
+        strategy.on_request_start(body, decision)
+        rank = rank_for(decision, state)
+        assert rank is not None and rank > 0
+        slot = strategy.index.slot("b0", rank)
+        assert strategy.index.blocks(slot) > 0 and strategy.index.blocks("b0") == 0

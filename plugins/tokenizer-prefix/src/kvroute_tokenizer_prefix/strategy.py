@@ -65,7 +65,7 @@ from kvroute.options import (
     optional_int_option,
     str_option,
 )
-from kvroute.ranks import choose_rank, rank_order
+from kvroute.ranks import choose_rank, rank_for, rank_order
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
 from kvroute_tokenizer_prefix.choice import Chooser
 from kvroute_tokenizer_prefix.heat import HotPrefixes
@@ -272,7 +272,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
-            backend = index.slot(decision.backend.id, decision.data_parallel_rank)
+            backend = index.slot(decision.backend.id, self._rank_sent(decision))
             hashes = blocks.hashes
             if self._heat is not None:
                 self._heat.observe(hashes[:shared], self._caches())
@@ -297,6 +297,19 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 if self._prefetcher is None:
                     self._prefetcher = Prefetcher(index.lock)
                 self._prefetcher.submit(blocks)
+
+    def _rank_sent(self, decision: kvroute.Decision) -> int | None:
+        """The rank the request reaches: the decision's, or for a decision this strategy did not make (a session's
+        binding) the one the host derives from its key (`kvroute.ranks.rank_for`)."""
+        if decision.data_parallel_rank is not None:
+            return decision.data_parallel_rank
+        placement = self._placer.placement
+        if self._caches() == len(placement.states):
+            return None  # no data-parallel backend in the fleet
+        for state in placement.states:
+            if state.backend.id == decision.backend.id:
+                return rank_for(decision, state)
+        return None
 
     def on_request_finish(
         self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome
