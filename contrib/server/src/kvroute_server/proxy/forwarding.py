@@ -256,7 +256,7 @@ class Forwarder:
         config = self.backends.config(backend_id)
         query = scope["query_string"]
         target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        rank = rank_for(lease.decision, lease.state)
+        ex.rank = rank = rank_for(lease.decision, lease.state)
         forged: list[str] = []
         headers = filter_request_headers(
             scope["headers"],
@@ -269,7 +269,6 @@ class Forwarder:
         if forged and ex.attempts == 1:
             self.metrics.child(self.metrics.dropped_headers, forged[0]).inc()
         if rank is not None:
-            ex.rank = rank
             self.metrics.child(self.metrics.rank_requests, backend_id, str(rank)).inc()
         timeouts = self.config.timeouts
         sent_at = time.perf_counter()
