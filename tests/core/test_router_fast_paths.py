@@ -24,6 +24,7 @@ EVERY_FIELD: dict[str, Any] = {
     "spilled": True,
     "detail": {"home": "b0", "rank": 1},
     "spill_reason": SpillReason.LOAD_FACTOR,
+    "data_parallel_rank": 3,
 }
 ROUTER_SETS = ("strategy", "duration_s")
 

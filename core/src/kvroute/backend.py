@@ -11,10 +11,11 @@ from attrs import validators as v
 
 from kvroute.validators import expect
 
-__all__ = ["Backend", "BackendState", "EngineLoad"]
+__all__ = ["Backend", "BackendState", "EngineLoad", "RankLoad"]
 
 
 _positive = expect("> 0", v.gt(0), error=ValueError)
+_size = expect("an integer from 1 to 65536", v.instance_of(int), v.ge(1), v.le(1 << 16), error=ValueError)
 _non_empty = expect("a non-empty string", v.instance_of(str), v.min_len(1), error=ValueError)
 
 
@@ -37,6 +38,9 @@ class Backend:
     ``models`` are the declared ones; empty means "serves whatever it is asked for". What the
     engine itself reports serving is live state (`BackendState.served_models`) and wins once known.
     ``weight`` is relative capacity: a backend of weight 2 should take twice the share.
+    ``data_parallel_size`` is how many data-parallel ranks (separate KV caches behind the one URL,
+    as a vLLM server started with ``--data-parallel-size N`` holds) the configuration declares;
+    an engine may report more (`BackendState.data_parallel_size`).
     """
 
     id: str = attrs.field(validator=_non_empty)
@@ -45,10 +49,26 @@ class Backend:
     weight: float = attrs.field(default=1.0, converter=float, validator=_positive)
     models: frozenset[str] = attrs.field(factory=frozenset, converter=_models)
     labels: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+    data_parallel_size: int = attrs.field(default=1, validator=_size)
 
     def serves(self, model: str | None) -> bool:
         """Whether the declared models allow ``model`` (``None`` matches everything)."""
         return model is None or not self.models or model in self.models
+
+
+@attrs.frozen
+class RankLoad:
+    """What an engine reported about one of its data-parallel ranks (vLLM's ``engine`` label); ``None``: not said."""
+
+    rank: int
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+
+    @property
+    def requests(self) -> int:
+        """Requests on this rank: running plus waiting (what is known of them)."""
+        return (self.running or 0) + (self.waiting or 0)
 
 
 @attrs.frozen
@@ -69,6 +89,10 @@ class EngineLoad:
     block_size: int | None = None
     kv_blocks: int | None = None
     observed_at: float = attrs.field(factory=time.monotonic)
+    #: Data-parallel ranks the engine reports (its ``/kv_event_sources`` entries, its metrics' engines).
+    data_parallel_size: int | None = None
+    #: Per-rank load, in rank order, when the engine reports it per rank.
+    ranks: tuple[RankLoad, ...] = ()
 
     @property
     def kv_tokens(self) -> int | None:
@@ -125,6 +149,13 @@ class BackendState:
     def routable(self) -> bool:
         """Healthy and not draining: may take new requests."""
         return self.healthy and not self.draining
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks behind this backend: the configured count, or more when the engine reported more."""
+        configured = self.backend.data_parallel_size
+        reported = self.load.data_parallel_size if self.load is not None else None
+        return max(configured, reported or 1)
 
     def fresh_load(self, now: float | None = None) -> EngineLoad | None:
         """The engine-reported load if it is younger than ``load_max_age``, else ``None``."""

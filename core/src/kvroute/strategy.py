@@ -59,6 +59,9 @@ class Decision:
     ``spilled``...); ``detail`` holds anything that explains it (the home backend, the spill
     cause, the matched prefix length). ``key`` is the prefix key hash when there is one.
     The router fills ``strategy`` and ``duration_s`` (wall-clock cost of ``pick``).
+    ``data_parallel_rank`` names the rank of a data-parallel backend the request should reach
+    (the proxy sends it upstream as ``X-data-parallel-rank``); ``None`` lets the host decide
+    (`kvroute.ranks.rank_for`) or leaves it to the engine.
     """
 
     backend: Backend
@@ -71,14 +74,19 @@ class Decision:
     #: Why a spilled decision left the key's first choice: a `SpillReason` value for the
     #: limits the in-repo strategies apply, any short word for a third party's own.
     spill_reason: SpillReason | str | None = None
+    #: The data-parallel rank chosen within ``backend`` (``None``: no rank chosen).
+    data_parallel_rank: int | None = None
 
     def explain(self) -> str:
-        """One human-readable line: ``bounded-load -> b2 (spilled: concurrency_threshold)``."""
+        """One human-readable line: ``bounded-load -> b2 (spilled: concurrency_threshold)``, ``-> b2 rank 1 (...)``."""
         items = dict(self.detail)
         if self.spill_reason is not None:
             items.setdefault("spill_reason", str(self.spill_reason))
         extra = ", ".join(f"{k}={v}" for k, v in items.items())
-        return f"{self.strategy} -> {self.backend.id} ({self.reason}{': ' + extra if extra else ''})"
+        where = (
+            self.backend.id if self.data_parallel_rank is None else f"{self.backend.id} rank {self.data_parallel_rank}"
+        )
+        return f"{self.strategy} -> {where} ({self.reason}{': ' + extra if extra else ''})"
 
 
 #: What ``pick`` may return: a full `Decision`, or just the backend (or its state).

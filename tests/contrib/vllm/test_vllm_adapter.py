@@ -60,6 +60,16 @@ class TestVllmAdapter:
         adapter = registration.factory(Backend(id="b", url=URL, kind="vllm"))
         assert isinstance(adapter, VllmAdapter) and registration.plugin.distribution == "kvroute-vllm"
 
+    async def test_poll_load_reports_the_event_sources_ranks(self) -> None:
+        """A server whose /kv_event_sources listed 3 ranks reports a data-parallel size of 3 in its load."""
+        from kvroute_tokenizer_prefix import BlockIndex
+        from kvroute_vllm import VllmEventFeed
+
+        adapter = _adapter()
+        assert (await adapter.poll_load(_metrics_http())).data_parallel_size is None
+        adapter.feeds = [VllmEventFeed("b0", BlockIndex(128), rank=r, size=3) for r in range(3)]
+        assert (await adapter.poll_load(_metrics_http())).data_parallel_size == 3
+
     @pytest.mark.parametrize(
         ("options", "message"),
         [
@@ -189,6 +199,50 @@ class TestVllmAdapter:
         assert sink.exact == {"b0": False}  # cancelled: back to the strategy's own records
         assert set(sink.index.holders) == model_router_hashes(payloads)
         assert adapter.stats()["kv_events"][0]["batches"] == 10
+
+    async def test_data_parallel_ranks_feed_their_own_slots(self) -> None:
+        """Two ranks listed by /kv_event_sources, one publisher each: each rank's blocks land in its slot of the
+        index, the load names 2 ranks, and the backend is exact once both are followed."""
+        import msgpack
+        from kvroute_tokenizer_prefix import BlockIndex, block_hashes
+
+        index = BlockIndex(128)
+        tokens = [list(range(256)), list(range(7, 263))]
+
+        def payload(rank: int) -> bytes:
+            stored = {
+                "type": "BlockStored",
+                "block_hashes": [11, 12],
+                "parent_block_hash": None,
+                "token_ids": tokens[rank],
+                "block_size": 128,
+                "medium": "GPU",
+            }
+            return msgpack.packb([0.0, [stored], rank])
+
+        async with FakeVllmPublisher() as pub0, FakeVllmPublisher() as pub1:
+            answer = {}
+            for rank, pub in enumerate((pub0, pub1)):
+                entry = _sources("tcp://*:" + pub.endpoint.rsplit(":", 1)[1], None)["0"]
+                answer[str(rank)] = {**entry, "replay_endpoint": None}
+            http = _metrics_http()
+            http.set("GET", "/kv_event_sources", json_reply(answer))
+            adapter = _adapter()
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(adapter.run_events, http, index)
+                    await wait_for(
+                        lambda: len(adapter.subscribers) == 2 and all(s.connected for s in adapter.subscribers)
+                    )
+                    for rank, pub in enumerate((pub0, pub1)):
+                        seq = pub.store(payload(rank))
+                        await pub.send_until(seq, lambda r=rank: adapter.feeds[r].stats.batches == 1)
+                    assert (await adapter.poll_load(http)).data_parallel_size == 2
+                    assert index.is_exact("b0") and index.is_exact(index.slot("b0", 1))
+                    tg.cancel_scope.cancel()
+        slot1 = index.slot("b0", 1)
+        assert index.match(block_hashes(tokens[0], 128), ["b0", slot1]) == {"b0": 2, slot1: 0}
+        assert index.match(block_hashes(tokens[1], 128), ["b0", slot1]) == {"b0": 0, slot1: 2}
 
     async def test_run_events_restart_clears(self) -> None:
         """When the engine's start time changes, the event task forgets the backend's blocks."""

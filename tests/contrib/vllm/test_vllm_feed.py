@@ -243,3 +243,93 @@ class TestFeedDelivery:
         assert index.holders == reference.holders
         assert set(index.holders) == model_router_hashes(captured_payloads()[:10]) != set()
         assert feed.stats.lost_batches == 0 and feed.expected == len(batches)
+
+
+def _removed(hashes: list[int], medium: str = "GPU") -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+class TestDataParallelFeed:
+    def test_ranks_fill_their_own_slots(self) -> None:
+        """Batches of ranks 0 and 1 (one stream each) put their blocks in the backend's rank slots, apart."""
+        index = BlockIndex(BS)
+        tokens_a, tokens_b = list(range(2 * BS)), list(range(5, 2 * BS + 5))
+        VllmEventFeed("x", index, rank=0, size=2).receive(_batch(0, _stored([1, 2], tokens_a), rank=0))
+        VllmEventFeed("x", index, rank=1, size=2).receive(_batch(0, _stored([1, 2], tokens_b), rank=1))
+        slot1 = index.slot("x", 1)
+        assert index.match(block_hashes(tokens_a, BS), ["x", slot1]) == {"x": 2, slot1: 0}
+        assert index.match(block_hashes(tokens_b, BS), ["x", slot1]) == {"x": 0, slot1: 2}
+
+    def test_rank_clear_and_removal_stay_in_their_rank(self) -> None:
+        """A removal and an AllBlocksCleared on rank 1 leave rank 0's blocks alone."""
+        index = BlockIndex(BS)
+        tokens = list(range(BS))
+        rank0, rank1 = VllmEventFeed("x", index, rank=0, size=2), VllmEventFeed("x", index, rank=1, size=2)
+        rank0.receive(_batch(0, _stored([7], tokens), rank=0))
+        rank1.receive(_batch(0, _stored([7], tokens), rank=1))
+        rank1.receive(_batch(1, _removed([7]), rank=1))
+        assert (index.blocks("x"), index.blocks(index.slot("x", 1))) == (1, 0)
+        rank1.receive(_batch(2, _stored([8], tokens), rank=1))
+        rank1.receive(_batch(3, {"type": "AllBlocksCleared"}, rank=1))
+        assert (index.blocks("x"), index.blocks(index.slot("x", 1))) == (1, 0)
+
+    def test_rank_beyond_the_servers_ranks_is_a_loss(self) -> None:
+        """A batch naming rank 3 of a 2-rank server is not applied, and the index is inexact: bad_rank."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("x", index, rank=1, size=2)
+        feed.receive(_batch(0, _stored([1], list(range(BS))), rank=3))
+        assert feed.lost_reason == "bad_rank" and index.blocks(index.slot("x", 3)) == 0
+        assert index.inexact_reason("x") == "bad_rank"
+
+    def test_negative_rank_is_a_loss_not_a_crash(self) -> None:
+        """A negative rank decodes, is refused by the feed (bad_rank) and stores nothing."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("x", index)
+        feed.receive(_batch(0, _stored([1], list(range(BS))), rank=-1))
+        assert feed.lost_reason == "bad_rank" and len(index) == 0
+
+    def test_one_publisher_is_one_cache_whatever_its_rank(self) -> None:
+        """A server with one publisher whose batches name rank 3 (a rank served at its own URL) fills the backend."""
+        index = BlockIndex(BS)
+        VllmEventFeed("x", index).receive(_batch(0, _stored([1], list(range(BS))), rank=3))
+        assert index.blocks("x") == 1 and index.slots_of("x") == ["x"]
+
+
+class TestTieredFeed:
+    def test_block_moved_to_cpu_changes_tier(self) -> None:
+        """GPU removal then a CPU store of the same engine hashes (no token ids, as the offloading connector sends)
+        moves the blocks to the CPU tier."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("a", index)
+        tokens = list(range(2 * BS))
+        hashes = block_hashes(tokens, BS)
+        feed.receive(_batch(0, _stored([1, 2], tokens)))
+        feed.receive(_batch(1, _removed([1, 2])))
+        feed.receive(_batch(2, _stored([1, 2], [], medium="CPU")))
+        assert index.blocks("a") == 0 and feed.lost_reason is None
+        assert [index.tier_of_block("a", h) for h in hashes] == ["CPU", "CPU"]
+        feed.receive(_batch(3, _removed([2], medium="CPU")))
+        assert [index.tier_of_block("a", h) for h in hashes] == ["CPU", None]
+
+    def test_cpu_store_with_tokens_and_disk_names(self) -> None:
+        """A CPU store carrying token ids is hashed like a GPU one; LMCache's disk backend's name reads as DISK."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("a", index)
+        tokens = list(range(BS))
+        feed.receive(_batch(0, _stored([1], tokens, medium="cpu"), _stored([2], tokens, medium="LocalDiskBackend")))
+        (h,) = block_hashes(tokens, BS)
+        assert index.tier_of_block("a", h) == "CPU" and index.tier_blocks("a") == {"GPU": 0, "CPU": 1, "DISK": 1}
+
+    def test_unknown_medium_is_a_loss(self) -> None:
+        """A medium the adapter does not know stores nothing and marks the index inexact: unknown_medium."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("a", index)
+        feed.receive(_batch(0, _stored([1], list(range(BS)), medium="TAPE")))
+        assert feed.lost_reason == "unknown_medium" and len(index) == 0 and not index.tiered
+
+    def test_offload_of_a_block_never_seen_is_a_loss(self) -> None:
+        """A CPU store naming an engine hash no event named cannot be placed: unknown_offloaded_block."""
+        index = BlockIndex(BS)
+        feed = VllmEventFeed("a", index)
+        feed.receive(_batch(0, _stored([99], [], medium="CPU")))
+        assert feed.lost_reason == "unknown_offloaded_block" and not index.tiered

@@ -92,6 +92,22 @@ class TestParseMetrics:
         assert m.kv_usage == pytest.approx(0.25)
         assert (m.block_size, m.num_gpu_blocks, m.engines) == (16, 5460, 2)
 
+    def test_data_parallel_engines_kept_per_rank(self) -> None:
+        """Each engine's running, waiting and KV usage are kept as its rank's load, and the load names 2 ranks."""
+        from kvroute.backend import RankLoad
+
+        m = parse_prometheus(CURRENT)
+        assert m.ranks == (
+            RankLoad(0, running=3, waiting=1, kv_usage=0.4375),
+            RankLoad(1, running=2, waiting=4, kv_usage=0.0625),
+        )
+        load = m.to_load()
+        assert load.data_parallel_size == 2 and load.ranks[1].requests == 6
+
+    def test_one_engine_names_no_data_parallelism(self) -> None:
+        """A server with one engine (or no engine label) reports no data-parallel size."""
+        assert parse_prometheus(OLD).to_load().data_parallel_size is None
+
     def test_old_gpu_prefixed_names_without_engine_label(self) -> None:
         """Servers before 0.9.2 (gpu_ names, no engine label) are read the same way."""
         m = parse_prometheus(OLD)

@@ -477,3 +477,89 @@ class TestRecentDecisions:
         recent.add("r2", 2, [5])
         recent.drop_bit(1)
         assert recent.holders == {5: 2}
+
+
+class TestRecentGrace:
+    def test_finished_request_kept_for_the_grace(self) -> None:
+        """A finished request's blocks stay held grace_s seconds, then go."""
+        now = [0.0]
+        recent = RecentDecisions(ttl_s=30.0, grace_s=2.0, clock=lambda: now[0])
+        recent.add("r1", 1, [10, 11])
+        recent.finish("r1")
+        now[0] = 1.9
+        recent.expire()
+        assert recent.holders == {10: 1, 11: 1}
+        now[0] = 2.0
+        recent.expire()
+        assert recent.holders == {} and recent.kept_after_finish == 1
+
+    def test_covered_or_no_grace_forgets_at_once(self) -> None:
+        """A finished request whose blocks the engine reported (or with no grace) is forgotten at finish."""
+        recent = RecentDecisions(grace_s=2.0)
+        recent.add("r1", 1, [10])
+        recent.finish("r1", lambda bit, hashes: True)
+        assert len(recent) == 0 and recent.covered_at_finish == 1
+        none = RecentDecisions(grace_s=0.0)
+        none.add("r1", 1, [10])
+        none.finish("r1")
+        assert len(none) == 0
+
+    def test_readded_request_not_dropped_by_an_old_grace(self) -> None:
+        """A request id sent again after its grace began keeps its new entry when the old grace ends."""
+        now = [0.0]
+        recent = RecentDecisions(grace_s=1.0, clock=lambda: now[0])
+        recent.add("r1", 1, [10])
+        recent.finish("r1")
+        recent.add("r1", 2, [20])
+        now[0] = 5.0
+        recent.expire()
+        assert recent.holders == {20: 2}
+
+
+class TestRankSlots:
+    def test_slots_are_apart_and_share_the_backends_fate(self) -> None:
+        """Each rank holds its own blocks; exactness and removal apply to every rank of the backend."""
+        index = BlockIndex(4)
+        r1 = index.slot("b", 1)
+        assert index.slot("b", 0) == index.slot("b") == "b" and index.owner(r1) == "b"
+        index.record("b", [1, 2])
+        index.record(r1, [1, 3])
+        assert index.match([1, 2], ["b", r1]) == {"b": 2, r1: 1}
+        index.set_exact("b")
+        assert index.is_exact(r1) and len(index) == 0
+        index.blocks_stored("b", list(range(4)), block_size=4, rank=1)
+        assert index.blocks(r1) == 1 and index.blocks("b") == 0
+        index.remove_backend("b")
+        assert len(index) == 0 and index.slots_of("b") == ["b"] and not index.is_exact(r1)
+
+    def test_clear_of_one_rank(self) -> None:
+        """all_cleared with a rank clears that rank only; without one, every rank."""
+        index = BlockIndex(4)
+        index.blocks_stored("b", list(range(4)), block_size=4)
+        index.blocks_stored("b", list(range(4)), block_size=4, rank=2)
+        index.all_cleared("b", rank=2)
+        assert (index.blocks("b"), index.blocks(index.slot("b", 2))) == (1, 0)
+        index.blocks_stored("b", list(range(4)), block_size=4, rank=2)
+        index.all_cleared("b")
+        assert len(index) == 0
+
+
+class TestTiers:
+    def test_tier_blocks_bounded_and_cleared(self) -> None:
+        """A slower tier holds at most the backend's capacity, and a clear empties it with the GPU's."""
+        index = BlockIndex(4, capacity_blocks=2)
+        for start in range(0, 12, 4):
+            index.blocks_stored("b", list(range(start, start + 4)), block_size=4, medium="CPU")
+        assert index.tier_blocks("b") == {"GPU": 0, "CPU": 2} and len(index.tiered) == 2
+        index.all_cleared("b")
+        assert index.tier_blocks("b") == {"GPU": 0} and not index.tiered
+
+    def test_block_on_both_tiers_is_on_the_gpu(self) -> None:
+        """A block on GPU and CPU counts as GPU; removed from the GPU it is on CPU, still named by its engine hash."""
+        index = BlockIndex(4)
+        (h,) = index.blocks_stored("b", list(range(4)), block_size=4, engine_hashes=[77])
+        index.blocks_stored("b", (), block_size=4, engine_hashes=[77], medium="CPU")
+        assert index.tier_of_block("b", h) == "GPU"
+        index.blocks_removed("b", [77])
+        assert index.tier_of_block("b", h) == "CPU"
+        assert index.blocks_removed("b", [77], medium="CPU") == 1 and index.tier_of_block("b", h) is None

@@ -275,6 +275,43 @@ class TestBursts:
         assert len(strategy.index) == 0 and len(strategy.recent) == 5
         for lease in leases:
             router.release(lease)
+        assert len(strategy.recent) == 5  # kept for the grace after finishing: no event covered them
+
+    def test_no_grace_forgets_at_finish(self, strategy: TokenizerPrefix) -> None:
+        """With recent_grace 0 a finished request's recent decision is forgotten at once."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, recent_grace=0)
+        router = make_router(strategy)
+        strategy.index.set_exact("b0")
+        with router.route(request(chat("A question for one backend. " * 40))):
+            pass
+        assert len(strategy.recent) == 0
+
+    def test_siblings_after_finish_land_together_before_events(self, strategy: TokenizerPrefix) -> None:
+        """8 siblings sent back to back, each done before the next and before any KV event, land on one backend."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name)
+        router = make_router(strategy, 7)
+        for i in range(7):
+            strategy.index.set_exact(f"b{i}")
+        # A short new shared head (about two blocks), then each sibling's own text: their cold keys all differ.
+        head = "Parallel tool calls for the failing build, step three:"
+        homes = []
+        for i in range(8):
+            own = f"call {i} reads file number {i * 7919} " * 20
+            with router.route(request(chat(head + own, system="Agent."))) as lease:
+                homes.append(lease.backend.id)
+        assert len(set(homes)) == 1, homes
+        assert strategy.stats()["recent_kept_after_finish"] == 8
+
+    def test_events_covering_a_finished_request_end_its_grace(self, strategy: TokenizerPrefix) -> None:
+        """A finished request whose blocks the engine reported is forgotten at once (the index holds them)."""
+        strategy = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name)
+        router = make_router(strategy, 2)
+        strategy.index.set_exact("b0")
+        strategy.index.set_exact("b1")
+        body = chat("What does the document say?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        with router.route(request(body)) as lease:
+            strategy.index.blocks_stored(lease.backend.id, ids, block_size=16)
         assert len(strategy.recent) == 0
 
     def test_kv_events_feed_exact_matches(self, strategy: TokenizerPrefix) -> None:
@@ -386,7 +423,7 @@ class TestLazyRecording:
         for backend, doc, turns in sent:
             strategy.index.record(f"b{backend}", strategy.prompt_blocks(request(text(doc, turns))).complete())
         blocks = strategy.prompt_blocks(request(text(*query)))
-        matched = strategy._match(blocks, cands)
+        matched, _ = strategy._match(blocks, [s.id for s in cands])
         expected = strategy.index.match(blocks.complete(), [s.id for s in cands])
         assert matched == [expected[s.id] for s in cands]
 
@@ -428,7 +465,7 @@ class TestLazyRecording:
         assert sibling.backend.id == lease.backend.id and sibling.decision.detail["matched_tokens"] > 1000
         router.release(lease)
         router.release(sibling)
-        assert strategy.stats()["pending_tails"] == 0 and len(strategy.recent) == 0
+        assert strategy.stats()["pending_tails"] == 0 and len(strategy.recent) == 2  # kept for the grace
 
     def test_removed_backend_drops_its_tails(self, strategy: TokenizerPrefix) -> None:
         """Removing a backend forgets the pending tails sent to it."""
@@ -517,3 +554,135 @@ TestScalingSmallBlocks = ScalingStateMachine.for_strategy(
     steps=20,
     keys=400,
 ).TestCase
+
+
+def dp_router(strategy: TokenizerPrefix, sizes: list[int]) -> kvroute.Router:
+    """A router over backends b0, b1... with the given data-parallel sizes."""
+    backends = [kvroute.Backend(f"b{i}", data_parallel_size=n) for i, n in enumerate(sizes)]
+    return kvroute.Router(kvroute.Fleet(backends), strategy, strategy_name="tokenizer-prefix")
+
+
+class TestDataParallelRanks:
+    def test_events_on_a_rank_draw_requests_to_that_rank(self, strategy: TokenizerPrefix) -> None:
+        """Blocks reported on rank 2 of a 4-rank backend send the prompt to that backend and rank, explained."""
+        router = dp_router(strategy, [4, 4])
+        body = chat("What does the document say about ranks?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.set_exact("b1")
+        strategy.index.blocks_stored("b1", ids, block_size=16, rank=2)
+        decision = router.decide(request(body))[0]
+        assert (decision.backend.id, decision.data_parallel_rank) == ("b1", 2)
+        assert decision.detail["matched_tokens"] == len(ids) // 16 * 16
+        assert "b1 rank 2" in decision.explain()
+
+    def test_no_rank_without_data_parallelism(self, strategy: TokenizerPrefix) -> None:
+        """Backends of one rank get decisions naming no rank."""
+        router = dp_router(strategy, [1, 1])
+        with router.route(request(chat("Plain question?"))) as lease:
+            assert lease.decision.data_parallel_rank is None
+
+    def test_siblings_share_backend_and_rank(self, strategy: TokenizerPrefix) -> None:
+        """Approximate mode: siblings of a new prompt land on one backend and one rank, its own records per rank."""
+        router = dp_router(strategy, [4, 4, 4])
+        doc = "A brand new document for a data-parallel fleet. " * 40
+        leases = [router.acquire(request(chat(f"{doc} Question {i}?"))) for i in range(8)]
+        assert len({(lease.backend.id, lease.decision.data_parallel_rank) for lease in leases}) == 1
+        rank = leases[0].decision.data_parallel_rank
+        assert rank is not None and strategy.stats()["rank_decisions"] == {str(rank): 8}
+        for lease in leases:
+            router.release(lease)
+
+    def test_cold_prompts_spread_over_ranks(self, strategy: TokenizerPrefix) -> None:
+        """Different new prompts to one data-parallel backend use several of its ranks (the key's rank order)."""
+        router = dp_router(strategy, [4])
+        ranks = set()
+        for i in range(24):
+            with router.route(request(chat(f"Unrelated topic number {i * 7}: " + f"word{i} " * 80))) as lease:
+                ranks.add(lease.decision.data_parallel_rank)
+        assert len(ranks) >= 3
+
+    def test_busy_rank_passed_over(self, strategy: TokenizerPrefix) -> None:
+        """A rank the engine reports far busier than the others does not get the prompt it holds."""
+        from kvroute.backend import RankLoad
+
+        router = dp_router(strategy, [2])
+        body = chat("What does the document say about busy ranks?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.set_exact("b0")
+        strategy.index.blocks_stored("b0", ids, block_size=16, rank=1)
+        loads = (RankLoad(0, running=0), RankLoad(1, running=40))
+        router.fleet.update_load("b0", kvroute.EngineLoad(ranks=loads))
+        assert router.decide(request(body))[0].data_parallel_rank == 0
+        router.fleet.update_load("b0", kvroute.EngineLoad(ranks=(RankLoad(0, running=3), RankLoad(1, running=3))))
+        assert router.decide(request(body))[0].data_parallel_rank == 1
+
+
+class TestTierCredit:
+    def _setup(self, strategy: TokenizerPrefix) -> tuple[kvroute.Router, dict[str, Any], list[int]]:
+        router = make_router(strategy, 2)
+        body = chat("Explain the offloaded document in detail. " + "tiered words " * 120)
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        full = len(ids) // 16
+        for b in ("b0", "b1"):
+            strategy.index.set_exact(b)
+        strategy.index.blocks_stored("b0", ids[: full * 16], block_size=16, medium="CPU")
+        strategy.index.blocks_stored("b1", ids[: (full * 6 // 10) * 16], block_size=16)
+        return router, body, ids
+
+    def test_cpu_hit_credited_at_its_fraction(self, model_dir: Path) -> None:
+        """A whole prompt on CPU (0.75) beats 60 % of it on GPU; with cpu_credit 0.5 the GPU backend wins."""
+        strategy = TokenizerPrefix(tokenizer=str(model_dir), hot_window=0)
+        router, body, _ = self._setup(strategy)
+        decision = router.decide(request(body))[0]
+        assert decision.backend.id == "b0" and set(decision.detail["tier_tokens"]) == {"CPU"}
+        assert strategy.stats()["tier_hit_tokens"]["CPU"] == decision.detail["matched_tokens"]
+        low = TokenizerPrefix(tokenizer=str(model_dir), hot_window=0, cpu_credit=0.5)
+        router, body, _ = self._setup(low)
+        assert router.decide(request(body))[0].backend.id == "b1"
+
+    def test_gpu_hits_counted_per_tier(self, strategy: TokenizerPrefix) -> None:
+        """Without slower tiers the chosen match counts as GPU tokens in the stats."""
+        router = make_router(strategy, 2)
+        body = chat("What does the GPU hold?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.set_exact("b1")
+        strategy.index.blocks_stored("b1", ids, block_size=16)
+        decision = router.decide(request(body))[0]
+        assert strategy.stats()["tier_hit_tokens"] == {"GPU": decision.detail["matched_tokens"]}
+
+
+class TestDataParallelRemoval:
+    def test_removed_backend_forgets_every_rank(self, strategy: TokenizerPrefix) -> None:
+        """Removing a data-parallel backend drops its ranks' blocks, recent decisions and pending tails."""
+        router = dp_router(strategy, [2, 1])
+        for b in ("b0", "b1"):
+            strategy.index.set_exact(b)
+        body = chat(document(5) + " Question?")
+        ids = prompt_ids(strategy.prompt_tokenizer, request(body))
+        strategy.index.blocks_stored("b0", ids[:64], block_size=16, rank=1)  # draws the prompt to rank 1
+        leases = [router.acquire(request(chat(document(5) + f" Question {i}?"))) for i in range(3)]
+        assert all(lease.decision.data_parallel_rank == 1 for lease in leases)
+        for lease in leases:
+            router.release(lease)
+        assert len(strategy.recent) == 3  # kept for the grace, in rank 1's slot
+        router.fleet.remove("b0")
+        router.fleet.remove("b1")
+        assert len(strategy.recent) == 0 and strategy.stats()["pending_tails"] == 0
+        assert strategy.index.slots_of("b0") == ["b0"]
+
+
+class TestRankOfOtherDecisions:
+    def test_keyed_decision_without_rank_records_where_the_host_sends_it(self, strategy: TokenizerPrefix) -> None:
+        """A decision naming no rank (a session's binding) is recorded in the rank the proxy derives from its key."""
+        from kvroute.ranks import rank_for
+
+        router = dp_router(strategy, [4])
+        state = router.fleet.get("b0")
+        body = request(chat("A session's turn on a data-parallel backend. " * 20))
+        decision = kvroute.Decision(state.backend, reason="session", key=12345)
+        strategy.pick(body, [state])
+        strategy.on_request_start(body, decision)
+        rank = rank_for(decision, state)
+        assert rank is not None and rank > 0
+        slot = strategy.index.slot("b0", rank)
+        assert strategy.index.blocks(slot) > 0 and strategy.index.blocks("b0") == 0

@@ -21,6 +21,12 @@ option                 default        meaning
 ``kv_bind``            none           bind this address instead, when the engine connects
 ``kv_ranks``           ``1``          data-parallel ranks (with ``kv_events`` given; ports offset by rank)
 =====================  =============  ============================================================
+
+Data-parallel ranks: the server's ranks are learnt from ``/kv_event_sources`` (one entry per
+rank) and from ``/metrics`` (one ``engine`` per rank); `poll_load` reports them in the load's
+``data_parallel_size`` and per-rank loads, and each rank's events go to that rank's slot of a
+sink that keeps ranks apart. Any backend can also declare them (adapter option
+``data_parallel_size``, read by the proxy).
 """
 
 from __future__ import annotations
@@ -195,7 +201,10 @@ class VllmAdapter(OpenAIAdapter):
             self._epoch += 1
             log.warning("engine_restarted", backend=self.backend.id, started_at=metrics.started_at)
         self.metrics = metrics
-        return metrics.to_load()
+        load = metrics.to_load()
+        if len(self.feeds) > (load.data_parallel_size or 1):
+            load = attrs.evolve(load, data_parallel_size=len(self.feeds))
+        return load
 
     # -- KV events ---------------------------------------------------------------------
 
@@ -290,7 +299,8 @@ class VllmAdapter(OpenAIAdapter):
             return
         backend = self.backend.id
         flag = ExactFlag(backend, sink)
-        self.feeds = [VllmEventFeed(backend, sink, rank=s.rank, exact_flag=flag) for s in sources]
+        size = max(s.rank for s in sources) + 1 if len(sources) > 1 else None
+        self.feeds = [VllmEventFeed(backend, sink, rank=s.rank, size=size, exact_flag=flag) for s in sources]
         self.subscribers = [ZmqSubscriber(s) for s in sources]
         try:
             async with anyio.create_task_group() as tg:

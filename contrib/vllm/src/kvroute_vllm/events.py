@@ -30,8 +30,6 @@ from typing import Any
 import attrs
 import msgpack
 
-from kvroute.adapters import RANKS
-
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
@@ -254,9 +252,8 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
     if not isinstance(raw_events, list | tuple):
         raise EventFormatError(f"{where}: expected a list of events second, got {type(raw_events).__name__}.")
     events = tuple(_event(raw, f"{where} event {i}") for i, raw in enumerate(raw_events))
+    # Any integer rank decodes: the feed refuses one that makes no sense (negative, past the ranks) as a loss.
     rank = _optional_int(rank, f"{where}.data_parallel_rank")
-    if rank is not None and not 0 <= rank < RANKS:
-        raise EventFormatError(f"{where}.data_parallel_rank: expected 0 to {RANKS - 1}, got {rank}.")
     return EventBatch(seq=seq, ts=float(ts), events=events, data_parallel_rank=rank)
 
 

@@ -41,6 +41,8 @@ or one added after vLLM 0.33) is warned about once per kind and marks the backen
 Exactness (`kvroute.adapters.KvEventFeed.lose`): a feed is *complete* while nothing it was given
 could have been skipped or lost since its blocks were last cleared; every loss has a reason. The
 losses:
+a batch's rank that makes no sense (``bad_rank``), a medium this adapter does not know (``unknown_medium``),
+an offload naming a block by an engine hash no earlier event named (``unknown_offloaded_block``),
 a gap the replay could not fill (``lost_batches``), joining a stream whose earlier batches are
 gone (``history_incomplete``), a store that could not be applied (``lora_without_name``,
 ``malformed_store``, ``unknown_parent``, ``rejected_store``, ``lookahead_hashing``), a
@@ -51,7 +53,17 @@ group beside it (``cache_kind_not_indexed``), an event type it does not know
 is complete again.
 
 Engine hashes are keyed per data-parallel rank (`kvroute.adapters.rank_key`) so that ranks never
-share a key. While the sink hashes blocks of another size than the engine's (the strategy has
+share a key; when the server has several ranks (``size``, one publisher each), a sink whose methods
+take ``rank`` (the tokenizer-prefix index) is given each batch's rank and keeps one cache per rank. A
+server with one publisher is one cache whatever rank its batches name (a rank of a data-parallel
+deployment whose ranks are served at separate URLs). A batch whose rank makes no sense (negative, or not below the
+server's ranks, ``size``) is not applied: ``bad_rank``.
+
+Tiers: with a sink whose methods take ``medium``, blocks stored or removed on a slower tier
+(``medium`` ``"CPU"``, ``"DISK"``, an offloading connector's names: `kvroute.adapters.kv_events.tier_of`)
+are applied on that tier, including a store that names the blocks by engine hash only (no token
+ids: vLLM's offloading connector); an unknown medium is not applied (``unknown_medium``). Other
+sinks get GPU blocks only, as before. While the sink hashes blocks of another size than the engine's (the strategy has
 not learned the engine's block size yet), batches are held, in order, and applied once the
 sizes agree (`resume`).
 """
@@ -64,7 +76,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvroute.adapters import ExactFlag, FeedStats, KvEventFeed, KvEventSink, rank_key
+from kvroute.adapters import RANKS, ExactFlag, FeedStats, KvEventFeed, KvEventSink, rank_key
+from kvroute.adapters.kv_events import GPU, accepts, tier_of
 from kvroute.logs import get_logger
 from kvroute_vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, UnknownEvent
 
@@ -140,11 +153,17 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
         sink: KvEventSink,
         *,
         rank: int = 0,
+        size: int | None = None,
         max_held: int = 10_000,
         exact_flag: ExactFlag | None = None,
     ) -> None:
         super().__init__(backend, sink, rank=rank, max_held=max_held, exact_flag=exact_flag, stats=VllmFeedStats())
         self.rank: int = rank
+        #: The server's data-parallel ranks (a batch's rank must be below it); ``None``: not known.
+        self.size = size
+        #: Whether the sink keeps ranks apart and tiers (its methods take ``rank``, ``medium``).
+        self._ranked = accepts(sink.blocks_stored, "rank") and accepts(sink.blocks_removed, "rank")
+        self._tiered = accepts(sink.blocks_stored, "medium") and accepts(sink.blocks_removed, "medium")
         #: The sequence number of the next batch to apply (``None``: nothing seen yet).
         self.expected: int | None = None
         self._last_live: int | None = None
@@ -243,7 +262,7 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
 
     def _classify(self, event: BlockStored, *, pick: bool) -> str:
         """``track``, ``ignore`` (another medium or group), ``window`` (a kind not indexed) or ``unknown``."""
-        if event.medium not in _GPU:
+        if event.medium not in _GPU and not self._tiered:
             return "ignore"
         kind = event.kv_cache_spec_kind
         if kind in WINDOW_KINDS:
@@ -258,9 +277,49 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             log.info("kv_events_group", backend=self.backend, rank=self.rank, group_idx=event.group_idx, kind=kind)
         return "track" if event.group_idx == self._group else "ignore"
 
+    def _where_to(self, rank: int, medium: str | None) -> dict[str, Any] | None:
+        """The sink's keywords for ``rank`` and ``medium`` (``None``: not applied, another medium for this sink,
+        or an unknown one: a loss)."""
+        tier = tier_of(medium)
+        out: dict[str, Any] = {}
+        if tier is None:
+            self._warn_once(
+                f"medium:{medium}",
+                "kv_events_unknown_medium",
+                medium=medium,
+                hint="a KV cache tier this adapter does not know; its blocks are not indexed",
+            )
+            self.lose("unknown_medium", medium=str(medium)[:64])
+            return None
+        if tier != GPU:
+            if not self._tiered:
+                return None
+            out["medium"] = tier
+        if self._ranked and self.size is not None:  # one stream of a data-parallel server's several
+            out["rank"] = rank
+        return out
+
+    def _rank_of(self, batch: EventBatch) -> int | None:
+        """The batch's rank, ``None`` (a loss, ``bad_rank``) when it is negative or not below the server's ranks."""
+        rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else self.rank
+        if 0 <= rank < RANKS and (self.size is None or rank < self.size):
+            return rank
+        self._warn_once(
+            f"rank:{rank}",
+            "kv_events_bad_rank",
+            data_parallel_rank=rank,
+            ranks=self.size,
+            hint="the batch names a data-parallel rank this server does not have; it was not applied",
+        )
+        self.lose("bad_rank", data_parallel_rank=rank, ranks=self.size)
+        return None
+
     def _apply(self, batch: EventBatch) -> None:
         self.stats.batches += 1
-        rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else self.rank
+        rank = self._rank_of(batch)
+        if rank is None:
+            self.stats.skipped_events += len(batch.events)
+            return
         not_indexed: Counter[str] = Counter()
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -268,11 +327,12 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             elif isinstance(event, BlockRemoved):
                 keys = [rank_key(h, rank) for h in event.block_hashes]
                 self._opaque.difference_update(keys)
-                if event.medium not in _GPU or (event.group_idx is not None and event.group_idx != self._group):
+                where = self._where_to(rank, event.medium)
+                if where is None or (event.group_idx is not None and event.group_idx != self._group):
                     self.stats.skipped_events += 1
-                    self.stats.ignored_events += 1
+                    self.stats.ignored_events += where is not None or tier_of(event.medium) is not None
                     continue
-                self.stats.blocks_removed += self.sink.blocks_removed(self.backend, keys)
+                self.stats.blocks_removed += self.sink.blocks_removed(self.backend, keys, **where)
             elif isinstance(event, AllBlocksCleared):
                 self.engine_cleared("all_blocks_cleared")
             elif isinstance(event, UnknownEvent):
@@ -288,6 +348,14 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             self.lose("cache_kind_not_indexed", kinds=dict(not_indexed))
 
     def _stored(self, event: BlockStored, rank: int, not_indexed: Counter[str]) -> None:
+        where = self._where_to(rank, event.medium)
+        if where is None:
+            self.stats.skipped_events += 1
+            self.stats.ignored_events += tier_of(event.medium) is not None
+            return
+        if "medium" in where and not event.token_ids and event.block_hashes:
+            self._offloaded(event, rank, where)
+            return
         what = self._classify(event, pick=True)
         if what != "track":
             self.stats.skipped_events += 1
@@ -362,6 +430,7 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
                 engine_hashes=keys[:count],
                 lora=event.lora_name,
                 cache_salt=salt,
+                **where,
             )
         except ValueError as exc:
             self.stats.rejected_events += 1
@@ -372,3 +441,21 @@ class VllmEventFeed(KvEventFeed[EventBatch]):
             self.stats.orphan_events += 1
             self.lose("unknown_parent", parent=event.parent_block_hash)
         self.stats.blocks_stored += len(stored)
+
+    def _offloaded(self, event: BlockStored, rank: int, where: dict[str, Any]) -> None:
+        """Blocks copied to a slower tier, named by engine hash only (no token ids): the sink moves the known ones."""
+        if event.group_idx is not None and self._has_group and event.group_idx != self._group:
+            self.stats.skipped_events += 1
+            self.stats.ignored_events += 1
+            return
+        keys = [rank_key(h, rank) for h in event.block_hashes]
+        try:
+            stored = self.sink.blocks_stored(self.backend, (), block_size=event.block_size, engine_hashes=keys, **where)
+        except ValueError as exc:
+            self.stats.rejected_events += 1
+            self._warn_once("rejected", "kv_event_rejected", error=str(exc))
+            self.lose("rejected_store", error=str(exc))
+            return
+        self.stats.blocks_stored += len(stored)
+        if len(stored) < len(keys):
+            self.lose("unknown_offloaded_block", blocks=len(keys) - len(stored))

@@ -15,8 +15,11 @@ field                              metric                                      o
 ``started_at``                     ``process_start_time_seconds``
 =================================  ==========================================  ==============================
 
-A data-parallel server reports one sample per engine (label ``engine``); counts and blocks
-are summed over engines, KV usage is their mean. The oldest servers have no ``engine`` label:
+A data-parallel server reports one sample per engine (label ``engine``, the data-parallel
+rank); counts and blocks are summed over engines, KV usage is their mean, and each engine's
+running, waiting and KV usage are also kept per rank (`kvroute.backend.RankLoad`, in the load's
+``ranks``; the load's ``data_parallel_size`` is the number of engines when more than one reports).
+The oldest servers have no ``engine`` label:
 every sample of a name is one engine then. ``_created`` series are ignored.
 
 Only the lines of these families go through the parser (a whole vLLM exposition is ~600
@@ -31,7 +34,7 @@ import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.adapters import EngineMetrics, prometheus_subset
-from kvroute.backend import EngineLoad
+from kvroute.backend import EngineLoad, RankLoad
 
 __all__ = ["VllmMetrics", "parse_prometheus"]
 
@@ -42,6 +45,9 @@ _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _INFO = "vllm:cache_config_info"
 _START = "process_start_time_seconds"
+
+#: Samples kept per rank too, and the `RankLoad` field each fills.
+_PER_RANK = {_RUNNING[0]: "running", _WAITING[0]: "waiting", **dict.fromkeys(_USAGE, "kv_usage")}
 
 #: Sample names we keep: counters may be exposed with or without ``_total``.
 _WANTED = frozenset(
@@ -90,6 +96,7 @@ def _int_label(value: str | None) -> int | None:
 def parse_prometheus(text: str) -> VllmMetrics:
     """Parse a vLLM ``/metrics`` body; ``ValueError`` when it is not Prometheus text or not vLLM's."""
     samples: dict[str, list[float]] = {}
+    per_rank: dict[int, dict[str, float]] = {}
     infos: list[dict[str, str]] = []
     try:
         families = list(text_string_to_metric_families(prometheus_subset(text, _WANTED)))
@@ -103,6 +110,9 @@ def parse_prometheus(text: str) -> VllmMetrics:
                 infos.append(dict(sample.labels))
             elif sample.name in _WANTED:
                 samples.setdefault(sample.name, []).append(float(sample.value))
+                rank = _int_label(sample.labels.get("engine"))
+                if rank is not None and 0 <= rank < 1 << 16 and sample.name in _PER_RANK:
+                    per_rank.setdefault(rank, {})[_PER_RANK[sample.name]] = float(sample.value)
     running = _values(samples, _RUNNING)
     waiting = _values(samples, _WAITING)
     usage = _values(samples, _USAGE)
@@ -129,4 +139,16 @@ def parse_prometheus(text: str) -> VllmMetrics:
         prefix_caching=all(caching) if caching else None,
         started_at=min(start) if start else None,
         engines=max(len(running or ()), len(usage or ()), len(infos)),
+        ranks=tuple(_rank_load(rank, values) for rank, values in sorted(per_rank.items())),
+        data_parallel_size=len(per_rank) if len(per_rank) > 1 else None,
+    )
+
+
+def _rank_load(rank: int, values: dict[str, float]) -> RankLoad:
+    running, waiting = values.get("running"), values.get("waiting")
+    return RankLoad(
+        rank,
+        running=round(running) if running is not None else None,
+        waiting=round(waiting) if waiting is not None else None,
+        kv_usage=values.get("kv_usage"),
     )

@@ -18,7 +18,12 @@ means for the index (`KvEventFeed._apply`). The base holds the rest:
   has not learned the engine's block size yet), items are held in order (`KvEventFeed.offer`) and
   applied by `KvEventFeed.resume` once the sizes agree. Past ``max_held`` the oldest are dropped: a
   loss, ``held_<unit>_dropped``.
-* **Ranks.** `rank_key` keeps the engine hashes of data-parallel ranks apart in the sink.
+* **Ranks.** `rank_key` keeps the engine hashes of data-parallel ranks apart in the sink. A sink
+  whose methods take a ``rank`` keyword (`accepts`; the tokenizer-prefix index does) is given the
+  rank too, and keeps each rank's blocks apart (one cache per rank, as the engine has).
+* **Tiers.** Engines that offload KV blocks to slower memory report where a block is (vLLM's
+  ``medium``). `tier_of` reads an engine's medium as a tier, `GPU`, `CPU` or `DISK` (``None``
+  for one it does not know); a sink whose methods take a ``medium`` keyword is given the tier.
 
 An adapter's event task keeps itself alive with `kvroute.loops.KeepAlive` (re-exported by `kvroute.adapters`).
 """
@@ -26,6 +31,7 @@ An adapter's event task keeps itself alive with `kvroute.loops.KeepAlive` (re-ex
 from __future__ import annotations
 
 import abc
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +42,19 @@ import attrs
 from kvroute.adapters.protocol import KvEventSink, set_backend_exact
 from kvroute.logs import get_logger
 
-__all__ = ["RANKS", "ExactFlag", "FeedStats", "KvEventFeed", "rank_key"]
+__all__ = [
+    "CPU",
+    "DISK",
+    "GPU",
+    "RANKS",
+    "TIERS",
+    "ExactFlag",
+    "FeedStats",
+    "KvEventFeed",
+    "accepts",
+    "rank_key",
+    "tier_of",
+]
 
 log = get_logger(__name__)
 
@@ -44,6 +62,42 @@ log = get_logger(__name__)
 RANKS = 1 << 16
 
 ItemT = TypeVar("ItemT")
+
+#: KV cache tiers, fastest first: the accelerator's memory, host memory, local disk (or remote storage).
+GPU = "GPU"
+CPU = "CPU"
+DISK = "DISK"
+TIERS = (GPU, CPU, DISK)
+#: Engines' names for where a block is (lower case), as vLLM's ``medium`` and offloading connectors spell them.
+_MEDIA = {
+    "gpu": GPU,
+    "cuda": GPU,
+    "cpu": CPU,
+    "host": CPU,
+    "cpu_pinned": CPU,
+    "localcpubackend": CPU,
+    "disk": DISK,
+    "localdiskbackend": DISK,
+    "ssd": DISK,
+    "nvme": DISK,
+    "gds": DISK,
+}
+
+
+def tier_of(medium: str | None) -> str | None:
+    """The tier of an engine's ``medium`` (case-insensitive; absent means `GPU`), ``None`` for a medium not known."""
+    if medium is None:
+        return GPU
+    return _MEDIA.get(medium.strip().lower()) if isinstance(medium, str) else None
+
+
+def accepts(method: object, keyword: str) -> bool:
+    """Whether ``method`` takes the keyword argument ``keyword`` (named, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(method).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def rank_key(engine_hash: int, rank: int) -> int:
@@ -222,8 +276,11 @@ class KvEventFeed(abc.ABC, Generic[ItemT]):
 
     def engine_cleared(self, reason: str) -> None:
         """The engine dropped every cached block (``reason``: how we know): so does the sink, and the feed is
-        complete."""
-        self.sink.all_cleared(self.backend)
+        complete. A feed of one rank clears that rank's blocks only, in a sink that keeps ranks apart."""
+        if self.rank is not None and accepts(self.sink.all_cleared, "rank"):
+            self.sink.all_cleared(self.backend, rank=self.rank)  # type: ignore[call-arg]
+        else:
+            self.sink.all_cleared(self.backend)
         self.stats.cleared += 1
         self._complete(reason)
 

@@ -20,7 +20,7 @@ from typing import Any, Self
 import attrs
 
 from kvroute.adapters.protocol import HttpGetter
-from kvroute.backend import Backend, EngineLoad
+from kvroute.backend import Backend, EngineLoad, RankLoad
 
 __all__ = ["EngineMetrics", "OpenAIAdapter", "check_path", "parse_model_list", "prometheus_subset"]
 
@@ -118,6 +118,9 @@ class EngineMetrics:
     #: The KV cache's size in blocks (an engine's subclass fills it from its own report, e.g. vLLM's
     #: ``num_gpu_blocks``).
     kv_blocks: int | None = None
+    #: Data-parallel ranks the engine reports, and each rank's load (engines that report per rank).
+    data_parallel_size: int | None = None
+    ranks: tuple[RankLoad, ...] = ()
 
     def to_load(self, observed_at: float | None = None) -> EngineLoad:
         """The core's `EngineLoad`, stamped ``observed_at`` (a ``time.monotonic()`` reading, default now).

@@ -50,9 +50,13 @@ class Chooser:
         hot: int,
         block_size: int,
         detail: dict[str, Any],
+        credit: Sequence[float] | None = None,
     ) -> kvroute.Decision:
         """The decision for a request whose candidates hold ``matched`` leading blocks (``best`` at most), ``hot``
         of them hot.
+
+        ``credit``: each candidate's match past the hot head in blocks, blocks on a slower tier
+        counted at their tier's credit (``None``: every matched block counts one).
 
         Reason ``cold`` or ``prefix`` when the first of the order had room, else `choose`'s
         (``spilled``, ``least_loaded``). Adds ``matched_tokens`` (the chosen candidate's) and,
@@ -73,6 +77,10 @@ class Chooser:
                 max(0, m - hot) * bs - cost * loads.load(s) / s.backend.weight
                 for m, s in zip(matched, candidates, strict=True)
             ]
+            if credit is not None:
+                scores = [
+                    c * bs - cost * loads.load(s) / s.backend.weight for c, s in zip(credit, candidates, strict=True)
+                ]
             order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
         choice = choose((candidates[j] for j in order), loads)
         chosen = next(j for j in order if candidates[j] is choice.state)

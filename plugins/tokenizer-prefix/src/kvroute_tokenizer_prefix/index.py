@@ -14,6 +14,19 @@ the set of backends holding it (a bit mask) for fast matching. Two ways feed it:
   decisions in `RecentDecisions` instead, so that sibling requests co-locate before the
   engine reports their blocks.
 
+Data-parallel ranks: a backend with ranks holds one cache per rank. Each rank is a *slot* of the
+index (`BlockIndex.slot`: rank 0 is the backend's own name, rank R > 0 ``"<backend>#dp<R>"``),
+with its own bit, LRU and engine hashes; exactness, removal and capacity stay the backend's.
+Without data parallelism every backend is one slot, its own name: nothing changes.
+
+Tiers: a block may also be held on a slower tier than the GPU (``CPU``, ``DISK``: an engine's
+KV offloading, `kvroute.adapters.kv_events.tier_of`). Such blocks are kept per slot and tier in
+their own LRU (bounded like the GPU's) and masks (`BlockIndex.tier_holders`, and `BlockIndex.tiered`
+for any slower tier); `holders` stays the GPU's. A block the engine moves from GPU to CPU
+(removed on GPU, stored on CPU under the same engine hash, with or without its token ids) moves
+tier: engine hashes removed from the GPU are remembered a while (`GHOSTS`) for a store that
+names them only by hash.
+
 Memory: about 190 bytes per (backend, block) entry on 64-bit CPython (measured in
 ``benchmarks/bench_tokenizer_prefix.py``), so the default capacity of 32,768 blocks per backend
 costs about 6 MB per backend. Every method is thread-safe (one lock).
@@ -27,12 +40,18 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
+from kvroute.adapters.kv_events import GPU
 from kvroute.logs import get_logger
 from kvroute_tokenizer_prefix.blocks import block_hashes, root_hash
 
-__all__ = ["DEFAULT_CAPACITY_BLOCKS", "BlockIndex", "RecentDecisions"]
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "GHOSTS", "GPU", "BlockIndex", "RecentDecisions"]
 
 log = get_logger(__name__)
+
+#: Engine hashes removed from the GPU remembered per slot, for a slower tier's store naming blocks by hash only.
+GHOSTS = 4096
+#: Between a backend's name and a rank in a slot name.
+_RANK_SEP = "#dp"
 
 #: Blocks remembered per backend unless ``capacity_blocks`` or `BlockIndex.set_capacity` says otherwise.
 DEFAULT_CAPACITY_BLOCKS = 32_768
@@ -63,6 +82,17 @@ class BlockIndex:
         #: Events whose parent block was unknown (lost or evicted): their blocks were skipped.
         self.orphan_events = 0
         self.evictions = 0
+        #: slot name -> its backend, for the ranks above 0 (`slot`); backend -> its slots above rank 0.
+        self._owner: dict[str, str] = {}
+        self._slots: dict[str, set[str]] = {}
+        #: tier -> hash -> bit mask of the slots holding it on that (slower) tier.
+        self.tier_holders: dict[str, dict[int, int]] = {}
+        #: hash -> bit mask of the slots holding it on any slower tier.
+        self.tiered: dict[int, int] = {}
+        self._tier_lru: dict[tuple[str, str], OrderedDict[int, int | None]] = {}
+        self._ghosts: dict[str, OrderedDict[int, int]] = {}
+        #: Tier stores naming a block by engine hash alone that no earlier event named: skipped.
+        self.unresolved_tier_blocks = 0
 
     # -- backends ------------------------------------------------------------------------
 
@@ -89,18 +119,41 @@ class BlockIndex:
                 return name
         return None
 
+    def slot(self, backend: str, rank: int | None = None) -> str:
+        """The index's name for data-parallel ``rank`` of ``backend`` (the backend's own for ``None`` and 0)."""
+        if not rank:
+            return backend
+        name = f"{backend}{_RANK_SEP}{rank}"
+        if name not in self._owner:
+            with self.lock:
+                self._owner[name] = backend
+                self._slots.setdefault(backend, set()).add(name)
+        return name
+
+    def owner(self, slot: str) -> str:
+        """The backend a slot belongs to (a backend's own name is its rank-0 slot)."""
+        return self._owner.get(slot, slot)
+
+    def slots_of(self, backend: str) -> list[str]:
+        """Every slot the index knows for ``backend``: its own name, then its ranks above 0 seen so far."""
+        return [backend, *sorted(self._slots.get(backend, ()))]
+
     def remove_backend(self, backend: str) -> None:
-        """Forget a backend and everything it held; its bit is reused later."""
+        """Forget a backend (every rank) and everything it held; its bits are reused later."""
         with self.lock:
-            self._drop_all(backend)
-            bit = self._bits.pop(backend, None)
-            self._lru.pop(backend, None)
-            self._engine.pop(backend, None)
+            for slot in self.slots_of(backend):
+                self._drop_all(slot)
+                bit = self._bits.pop(slot, None)
+                self._lru.pop(slot, None)
+                self._engine.pop(slot, None)
+                self._ghosts.pop(slot, None)
+                self._owner.pop(slot, None)
+                if bit is not None:
+                    self._free.append(bit)
+            self._slots.pop(backend, None)
             self._capacity.pop(backend, None)
             self._exact.discard(backend)
             self._reasons.pop(backend, None)
-            if bit is not None:
-                self._free.append(bit)
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         """Blocks remembered for ``backend`` (e.g. the engine's ``num_gpu_blocks``); evicts beyond it."""
@@ -108,13 +161,14 @@ class BlockIndex:
             raise ValueError(f"'blocks' must be >= 1 (got {blocks}).")
         with self.lock:
             self._capacity[backend] = blocks
-            lru = self._lru.get(backend)
-            if lru is not None:
-                self._evict(backend, lru, self.bit(backend))
+            for slot in self.slots_of(backend):
+                lru = self._lru.get(slot)
+                if lru is not None:
+                    self._evict(slot, lru, self.bit(slot))
 
     def capacity(self, backend: str) -> int:
-        """Blocks remembered for ``backend``."""
-        return self._capacity.get(backend, self.capacity_blocks)
+        """Blocks remembered for ``backend`` (or a slot of it: each rank and tier remembers as many)."""
+        return self._capacity.get(self._owner.get(backend, backend), self.capacity_blocks)
 
     def set_exact(self, backend: str, exact: bool = True, *, reason: str | None = None) -> None:
         """Mark a backend as fed by KV events; switching to exact forgets its approximate records.
@@ -124,7 +178,8 @@ class BlockIndex:
         """
         with self.lock:
             if exact and backend not in self._exact:
-                self._drop_all(backend)
+                for slot in self.slots_of(backend):
+                    self._drop_all(slot)
                 self._exact.add(backend)
             elif not exact:
                 self._exact.discard(backend)
@@ -135,8 +190,8 @@ class BlockIndex:
         return self._reasons.get(backend)
 
     def is_exact(self, backend: str) -> bool:
-        """Whether ``backend``'s blocks come from KV events."""
-        return backend in self._exact
+        """Whether ``backend``'s (or the slot's backend's) blocks come from KV events."""
+        return self._owner.get(backend, backend) in self._exact
 
     @property
     def exact_backends(self) -> frozenset[str] | set[str]:
@@ -189,16 +244,36 @@ class BlockIndex:
             lru = self._lru[backend] = OrderedDict()
         return lru
 
-    def _evict(self, backend: str, lru: OrderedDict[int, int | None], bit: int) -> None:
-        cap = self._capacity.get(backend, self.capacity_blocks)
-        holders = self.holders
+    def _evict(self, backend: str, lru: OrderedDict[int, int | None], bit: int, tier: str = GPU) -> None:
+        cap = self.capacity(backend)
+        holders = self.holders if tier == GPU else self.tier_holders[tier]
         engine = self._engine.get(backend)
         while len(lru) > cap:
             h, engine_hash = lru.popitem(last=False)
             self._unhold(holders, h, bit)
-            if engine is not None and engine_hash is not None:
+            if tier != GPU:
+                self._retier(h)
+            if engine is not None and engine_hash is not None and not self._held_anywhere(backend, h):
                 engine.pop(engine_hash, None)
             self.evictions += 1
+
+    def _held_anywhere(self, slot: str, h: int) -> bool:
+        """Whether ``slot`` holds ``h`` on some tier (GPU or slower)."""
+        lru = self._lru.get(slot)
+        if lru is not None and h in lru:
+            return True
+        bit = self._bits.get(slot)
+        return bit is not None and bool(self.tiered.get(h, 0) & bit)
+
+    def _retier(self, h: int) -> None:
+        """Recompute ``tiered[h]`` from the tiers' masks."""
+        mask = 0
+        for masks in self.tier_holders.values():
+            mask |= masks.get(h, 0)
+        if mask:
+            self.tiered[h] = mask
+        else:
+            self.tiered.pop(h, None)
 
     @staticmethod
     def _unhold(holders: dict[int, int], h: int, bit: int) -> None:
@@ -209,14 +284,23 @@ class BlockIndex:
             holders.pop(h, None)
 
     def _drop_all(self, backend: str) -> None:
-        lru = self._lru.get(backend)
         bit = self._bits.get(backend)
-        if lru is None or bit is None:
+        if bit is None:
             return
-        for h in lru:
-            self._unhold(self.holders, h, bit)
-        lru.clear()
+        for (slot, tier), tier_lru in list(self._tier_lru.items()):
+            if slot == backend:
+                masks = self.tier_holders[tier]
+                for h in tier_lru:
+                    self._unhold(masks, h, bit)
+                    self._retier(h)
+                del self._tier_lru[slot, tier]
+        lru = self._lru.get(backend)
+        if lru is not None:
+            for h in lru:
+                self._unhold(self.holders, h, bit)
+            lru.clear()
         self._engine.pop(backend, None)
+        self._ghosts.pop(backend, None)
 
     def record(self, backend: str, hashes: Sequence[int]) -> None:
         """Approximate update: ``backend`` was sent a prompt with these blocks (first block most recent).
@@ -251,6 +335,8 @@ class BlockIndex:
         lora: str | None = None,
         cache_salt: str | None = None,
         parent: int | None = None,
+        rank: int | None = None,
+        medium: str | None = None,
     ) -> list[int]:
         """Exact update from a "blocks stored" event; returns the router hashes stored.
 
@@ -260,18 +346,31 @@ class BlockIndex:
         and ``cache_salt``. ``engine_hashes``, one per full block, lets later
         ``blocks_removed`` events name the blocks. A parent that is unknown (its event was lost
         or it was evicted here) makes the event unusable: it is counted in ``orphan_events``.
+
+        ``rank``: the engine's data-parallel rank (its slot, `slot`). ``medium``: the tier the
+        blocks are on (``None`` or ``"GPU"``: the GPU; ``"CPU"``, ``"DISK"``...: a slower tier). A
+        slower tier's store with no token ids names blocks by ``engine_hashes`` alone: each is
+        the block an earlier event of this slot named so (on any tier); unknown ones are skipped
+        (``unresolved_tier_blocks``).
         """
         if block_size != self.block_size:
             raise ValueError(
                 f"KV event for backend {backend!r} has block_size {block_size}, but the index hashes "
                 f"blocks of {self.block_size} tokens; set the strategy's 'block_size' to the engine's."
             )
+        tier = medium or GPU
+        slot = self.slot(backend, rank)
         with self.lock:
+            engine_map = self._engine.get(slot, {})
+            if tier != GPU and not token_ids and engine_hashes:
+                return self._tier_by_hash(slot, tier, engine_hashes)
             if parent is None and parent_engine_hash is not None:
-                parent = self._engine.get(backend, {}).get(parent_engine_hash)
+                parent = engine_map.get(parent_engine_hash)
+                if parent is None:
+                    parent = self._ghosts.get(slot, {}).get(parent_engine_hash)
                 if parent is None:
                     self.orphan_events += 1
-                    log.debug("kv_event_orphan", backend=backend, parent=parent_engine_hash)
+                    log.debug("kv_event_orphan", backend=slot, parent=parent_engine_hash)
                     return []
             hashes = block_hashes(
                 token_ids, block_size, parent=parent if parent is not None else root_hash(lora, cache_salt)
@@ -281,10 +380,14 @@ class BlockIndex:
                     f"KV event for backend {backend!r} names {len(engine_hashes)} block hashes for "
                     f"{len(hashes)} full blocks of {block_size} tokens ({len(token_ids)} token ids)."
                 )
-            bit = self.bit(backend)
-            lru = self._lru_of(backend)
-            holders = self.holders
-            engine = self._engine.setdefault(backend, {}) if engine_hashes is not None else None
+            bit = self.bit(slot)
+            if tier == GPU:
+                lru = self._lru_of(slot)
+                holders = self.holders
+            else:
+                lru = self._tier_lru.setdefault((slot, tier), OrderedDict())
+                holders = self.tier_holders.setdefault(tier, {})
+            engine = self._engine.setdefault(slot, {}) if engine_hashes is not None else None
             for i, h in enumerate(hashes):
                 engine_hash = engine_hashes[i] if engine_hashes is not None else None
                 if h in lru:
@@ -294,37 +397,119 @@ class BlockIndex:
                 else:
                     lru[h] = engine_hash
                     holders[h] = holders.get(h, 0) | bit
+                    if tier != GPU:
+                        self.tiered[h] = self.tiered.get(h, 0) | bit
                 if engine is not None and engine_hash is not None:
                     engine[engine_hash] = h
-            self._evict(backend, lru, bit)
+            self._evict(slot, lru, bit, tier)
             return hashes
 
-    def blocks_removed(self, backend: str, engine_hashes: Iterable[int] = (), *, hashes: Iterable[int] = ()) -> int:
-        """Exact update from a "blocks removed" event (engine hashes, or router ``hashes``); returns blocks removed."""
+    def _tier_by_hash(self, slot: str, tier: str, engine_hashes: Sequence[int]) -> list[int]:
+        """A slower tier's store naming blocks by engine hash only (an offload): each known block moves in."""
+        engine = self._engine.setdefault(slot, {})
+        ghosts = self._ghosts.get(slot, {})
+        bit = self.bit(slot)
+        lru = self._tier_lru.setdefault((slot, tier), OrderedDict())
+        holders = self.tier_holders.setdefault(tier, {})
+        stored = []
+        for engine_hash in engine_hashes:
+            h = engine.get(engine_hash)
+            if h is None:
+                h = ghosts.get(engine_hash)
+            if h is None:
+                self.unresolved_tier_blocks += 1
+                continue
+            engine[engine_hash] = h
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = engine_hash
+                holders[h] = holders.get(h, 0) | bit
+                self.tiered[h] = self.tiered.get(h, 0) | bit
+            stored.append(h)
+        self._evict(slot, lru, bit, tier)
+        return stored
+
+    def blocks_removed(
+        self,
+        backend: str,
+        engine_hashes: Iterable[int] = (),
+        *,
+        hashes: Iterable[int] = (),
+        rank: int | None = None,
+        medium: str | None = None,
+    ) -> int:
+        """Exact update from a "blocks removed" event (engine hashes, or router ``hashes``); returns blocks removed.
+
+        ``rank`` and ``medium`` as in `blocks_stored`: the blocks leave that slot's tier only.
+        """
         removed = 0
+        tier = medium or GPU
+        slot = self.slot(backend, rank)
         with self.lock:
-            lru = self._lru.get(backend)
-            bit = self._bits.get(backend)
+            lru = self._lru.get(slot) if tier == GPU else self._tier_lru.get((slot, tier))
+            bit = self._bits.get(slot)
             if lru is None or bit is None:
                 return 0
-            engine = self._engine.get(backend, {})
-            targets = [engine.pop(e, None) for e in engine_hashes]
+            engine = self._engine.get(slot, {})
+            holders = self.holders if tier == GPU else self.tier_holders[tier]
+            ghosts = self._ghosts.setdefault(slot, OrderedDict()) if tier == GPU else None
+            engine_hashes_list = list(engine_hashes)
+            targets = []
+            for e in engine_hashes_list:
+                h = engine.get(e)
+                targets.append(h)
+                if h is not None and ghosts is not None:
+                    ghosts[e] = h
+                    ghosts.move_to_end(e)
+            if ghosts is not None:
+                while len(ghosts) > GHOSTS:
+                    ghosts.popitem(last=False)
             for h in [*targets, *hashes]:
                 if h is not None and h in lru:
-                    del lru[h]
-                    self._unhold(self.holders, h, bit)
+                    lru.pop(h)
+                    self._unhold(holders, h, bit)
+                    if tier != GPU:
+                        self._retier(h)
                     removed += 1
+            for e, h in zip(engine_hashes_list, targets, strict=True):
+                if h is not None and not self._held_anywhere(slot, h):
+                    engine.pop(e, None)
         return removed
 
-    def all_cleared(self, backend: str) -> None:
-        """Exact update from an "all blocks cleared" event (or an engine restart)."""
+    def all_cleared(self, backend: str, rank: int | None = None) -> None:
+        """Exact update from an "all blocks cleared" event (or an engine restart): every rank, or ``rank``'s."""
         with self.lock:
-            self._drop_all(backend)
+            for slot in self.slots_of(backend) if rank is None else [self.slot(backend, rank)]:
+                self._drop_all(slot)
+
+    def tier_of_block(self, slot: str, h: int) -> str | None:
+        """The fastest tier ``slot`` holds block ``h`` on (`GPU` first), ``None`` when it holds it nowhere."""
+        bit = self._bits.get(slot)
+        if bit is None:
+            return None
+        if self.holders.get(h, 0) & bit:
+            return GPU
+        if self.tiered.get(h, 0) & bit:
+            for tier, masks in self.tier_holders.items():
+                if masks.get(h, 0) & bit:
+                    return tier
+        return None
+
+    def tier_blocks(self, backend: str) -> dict[str, int]:
+        """Blocks ``backend`` (all its ranks) holds per tier, the GPU's included."""
+        out: dict[str, int] = {}
+        for slot in self.slots_of(backend):
+            out[GPU] = out.get(GPU, 0) + self.blocks(slot)
+            for (name, tier), lru in self._tier_lru.items():
+                if name == slot:
+                    out[tier] = out.get(tier, 0) + len(lru)
+        return out
 
     def clear(self) -> None:
         """Forget every block of every backend."""
         with self.lock:
-            for backend in list(self._lru):
+            for backend in {*self._lru, *(slot for slot, _ in self._tier_lru)}:
                 self._drop_all(backend)
 
     def reset(self, block_size: int) -> None:
@@ -342,15 +527,30 @@ class RecentDecisions:
     A backend fed by KV events only learns about a prompt's blocks once the engine has
     prefilled it; sibling requests sent in between (a burst, ``n`` samples, a fan-out) would
     scatter. This record makes them match the backend their first sibling went to.
+
+    A request that finished (`finish`) is kept ``grace_s`` seconds more, unless the engine's
+    events already cover its blocks: an engine publishes its events at the end of a step, and a
+    short request's answer can reach the router before they do, so a sibling sent right after it
+    would otherwise find nothing. Memory is bounded by ``max_entries`` (oldest dropped first).
     """
 
     def __init__(
-        self, ttl_s: float = 30.0, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic
+        self,
+        ttl_s: float = 30.0,
+        max_entries: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+        grace_s: float = 0.0,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.grace_s = grace_s
         self._clock = clock
         self._entries: OrderedDict[str, tuple[float, int, Sequence[int]]] = OrderedDict()
+        #: Finished requests kept for ``grace_s``: (until, request id, the entry kept).
+        self._finished: deque[tuple[float, str, tuple[float, int, Sequence[int]]]] = deque()
+        #: Finished requests kept for the grace, and those dropped at once because the engine had reported them.
+        self.kept_after_finish = 0
+        self.covered_at_finish = 0
         self._counts: dict[tuple[int, int], int] = {}
         #: hash -> bit mask of backends a recent decision sent it to.
         self.holders: dict[int, int] = {}
@@ -409,9 +609,27 @@ class RecentDecisions:
             else:
                 holders.pop(h, None)
 
+    def finish(self, request_id: str, covered: Callable[[int, Sequence[int]], bool] | None = None) -> None:
+        """The request ended: forget it now if ``covered(bit, hashes)`` (the engine reported them) or without a
+        grace, else in ``grace_s`` seconds."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return
+        if self.grace_s <= 0 or (covered is not None and covered(entry[1], entry[2])):
+            self.covered_at_finish += self.grace_s > 0
+            self.discard(request_id)
+            return
+        self.kept_after_finish += 1
+        self._finished.append((self._clock() + self.grace_s, request_id, entry))
+
     def expire(self) -> None:
-        """Drop entries older than ``ttl_s``."""
+        """Drop entries older than ``ttl_s``, and finished ones past their grace."""
         now = self._clock()
+        finished = self._finished
+        while finished and finished[0][0] <= now:
+            _, request_id, entry = finished.popleft()
+            if self._entries.get(request_id) is entry:
+                self.discard(request_id)
         while self._entries:
             request_id, (expires, _, _) = next(iter(self._entries.items()))
             if expires > now:

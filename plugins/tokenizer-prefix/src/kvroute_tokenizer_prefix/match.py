@@ -92,11 +92,13 @@ def match_walk(
 ) -> None:
     """Set ``matched[j]`` to the leading blocks candidate ``bits[j]`` holds, looking every block up.
 
-    For candidates in exact mode (KV events may remove any block) and recent decisions: the
+    For candidates in exact mode (KV events may remove any block), recent decisions and blocks on
+    slower tiers (`BlockIndex.tiered`, held on any tier counts): the
     running intersection of holders, block by block, tells where each candidate stops.
     """
     get = index.holders.get
     held = recent.holders
+    tiered = index.tiered
     pending = tails.by_frontier
     hashes = blocks.hashes
     alive = 0
@@ -112,6 +114,8 @@ def match_walk(
         masks = map(get, part, repeat(0))
         if held:
             masks = map(or_, masks, map(held.get, part, repeat(0)))
+        if tiered:
+            masks = map(or_, masks, map(tiered.get, part, repeat(0)))
         running = list(accumulate(masks, and_, initial=alive))
         # running[k]: the candidates holding hashes[:i + k]; it only ever loses candidates.
         k = 0

@@ -54,6 +54,7 @@ import xxhash
 from kvroute_bounded_load import BoundedLoad
 
 import kvroute
+from kvroute.adapters.kv_events import CPU, DISK, GPU
 from kvroute.errors import InvalidRequest
 from kvroute.logs import get_logger
 from kvroute.options import (
@@ -64,6 +65,7 @@ from kvroute.options import (
     optional_int_option,
     str_option,
 )
+from kvroute.ranks import choose_rank, rank_for, rank_order
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
 from kvroute_tokenizer_prefix.choice import Chooser
 from kvroute_tokenizer_prefix.heat import HotPrefixes
@@ -95,7 +97,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
     ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``hot_window``, ``load_factor``,
-    ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``piece_bytes``,
+    ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``recent_grace``,
+    ``cpu_credit``, ``disk_credit``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
 
     Decisions: ``prefix`` (the best-scoring candidate with matched blocks had room), ``cold``
@@ -118,6 +121,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     min_capacity: int = int_option(16, min=0, max=1024)
     engine_load: bool = bool_option(False)
     recent_ttl: float = float_option(30.0, min=0.0, max=86400.0)
+    recent_grace: float = float_option(5.0, min=0.0, max=3600.0)
+    cpu_credit: float = float_option(0.75, min=0.0, max=1.0)
+    disk_credit: float = float_option(0.25, min=0.0, max=1.0)
     piece_bytes: int = int_option(2048, min=1, max=1 << 20)
     fine_bytes: int = int_option(128, min=1, max=1 << 20)
     cache_tokens: int = int_option(1 << 19, min=0, max=1 << 32)
@@ -136,6 +142,11 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     _pending: OrderedDict[str, tuple[PromptBlocks, int]] = attrs.field(init=False, factory=OrderedDict)
     _heat: HotPrefixes | None = attrs.field(init=False, default=None)
     _totals: Counter[str] = attrs.field(factory=Counter, init=False)
+    #: Tokens of the chosen backend's match, by the tier its blocks were on; decisions naming a rank, by rank.
+    tier_hits: Counter[str] = attrs.field(factory=Counter, init=False)
+    rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
+    _credit: dict[str, float] = attrs.field(init=False, factory=dict)
+    _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
     _tails: PendingTails = attrs.field(init=False)
@@ -153,7 +164,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 cache_tokens=self.cache_tokens,
             )
         self._index = BlockIndex(self.block_size or DEFAULT_BLOCK_SIZE, self.capacity_blocks)
-        self._recent = RecentDecisions(self.recent_ttl)
+        self._recent = RecentDecisions(self.recent_ttl, grace_s=self.recent_grace)
+        self._credit = {CPU: self.cpu_credit, DISK: self.disk_credit}
         self._memo = PieceMemo(max_blocks=self.memo_blocks)
         self._tails = PendingTails(self._index)
         if self.hot_window:
@@ -199,6 +211,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             "index_blocks": len(self._index),
             "hot_blocks": self._heat.hot if self._heat is not None else 0,
             "recent_requests": len(self._recent),
+            "recent_kept_after_finish": self._recent.kept_after_finish,
+            "tier_hit_tokens": dict(self.tier_hits),
+            "tier_blocks": self._tier_blocks(),
+            "rank_decisions": {str(rank): n for rank, n in sorted(self.rank_decisions.items())},
             "pending_tails": len(self._tails),
             "pending_tail_bytes": self._tails.bytes,
             "tails_extended": self._tails.extended,
@@ -208,6 +224,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             "prefetched_pieces": self._prefetcher.pieces if self._prefetcher is not None else 0,
             "prefetch_dropped": self._prefetcher.dropped if self._prefetcher is not None else 0,
         }
+
+    def _tier_blocks(self) -> dict[str, int]:
+        """Blocks the index holds per slower tier (the GPU's are ``index_blocks``)."""
+        return {tier: len(masks) for tier, masks in self._index.tier_holders.items() if masks}
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until the prefetch thread has nothing left to do (benchmarks, tests); False on timeout."""
@@ -229,9 +249,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._placer.on_fleet_change(event, members)
         if event.kind == "removed" and event.backend is not None:
             with self._index.lock:
-                bit = self._index.bit(event.backend.id)
-                self._recent.drop_bit(bit)
-                self._tails.clear(bit)
+                for slot in self._index.slots_of(event.backend.id):  # the backend's own, and its ranks'
+                    bit = self._index.bit(slot)
+                    self._recent.drop_bit(bit)
+                    self._tails.clear(bit)
                 self._index.remove_backend(event.backend.id)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
@@ -251,10 +272,10 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
-            backend = decision.backend.id
+            backend = index.slot(decision.backend.id, self._rank_sent(decision))
             hashes = blocks.hashes
             if self._heat is not None:
-                self._heat.observe(hashes[:shared], len(self._placer.placement.states))
+                self._heat.observe(hashes[:shared], self._caches())
             exact = index.is_exact(backend)
             if exact:
                 self._recent.add(request.request_id, index.bit(backend), tuple(hashes))
@@ -277,13 +298,32 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     self._prefetcher = Prefetcher(index.lock)
                 self._prefetcher.submit(blocks)
 
+    def _rank_sent(self, decision: kvroute.Decision) -> int | None:
+        """The rank the request reaches: the decision's, or for a decision this strategy did not make (a session's
+        binding) the one the host derives from its key (`kvroute.ranks.rank_for`)."""
+        if decision.data_parallel_rank is not None:
+            return decision.data_parallel_rank
+        placement = self._placer.placement
+        if self._caches() == len(placement.states):
+            return None  # no data-parallel backend in the fleet
+        for state in placement.states:
+            if state.backend.id == decision.backend.id:
+                return rank_for(decision, state)
+        return None
+
     def on_request_finish(
         self, request: kvroute.RouteRequest, decision: kvroute.Decision, outcome: kvroute.Outcome
     ) -> None:
         if len(self._recent) or self._tails.has_requests:
             with self._index.lock:
-                self._recent.discard(request.request_id)
+                self._recent.finish(request.request_id, self._covered)
                 self._tails.finish(request.request_id)
+
+    def _covered(self, bit: int, hashes: Sequence[int]) -> bool:
+        """Whether the index (the engine's events) holds the last of ``hashes`` for the slot of ``bit``."""
+        return not hashes or bool(
+            (self._index.holders.get(hashes[-1], 0) | self._index.tiered.get(hashes[-1], 0)) & bit
+        )
 
     # -- deciding ------------------------------------------------------------------------
 
@@ -295,18 +335,32 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         if reported and reported != self._index.block_size:
             log.info("block_size_changed", old=self._index.block_size, new=reported, backend=candidates[0].id)
             self._index.reset(reported)
-            self._recent = RecentDecisions(self.recent_ttl)
+            self._recent = RecentDecisions(self.recent_ttl, grace_s=self.recent_grace)
             self._pending.clear()
             self._memo.clear()
             self._tails.clear()
             if self._heat is not None:
                 self._heat.clear()
 
+    def _caches(self) -> int:
+        """Separate KV caches in the fleet: one per backend, one per rank of a data-parallel one (hot-head share).
+
+        Counted again when the membership changes and every 256 calls (engines report their ranks in their load).
+        """
+        placement = self._placer.placement
+        memo = self._caches_memo
+        if memo[0] is placement and memo[2] < 256:
+            self._caches_memo = (placement, memo[1], memo[2] + 1)
+            return memo[1]
+        count = sum(state.data_parallel_size for state in placement.states)
+        self._caches_memo = (placement, count, 0)
+        return count
+
     def _hot_depth(self, blocks: PromptBlocks) -> int:
         """Leading blocks of the prompt that are hot (0 with ``hot_window`` 0 or a one-backend fleet)."""
         if self._heat is None:
             return 0
-        return self._heat.depth(blocks, len(self._placer.placement.states))
+        return self._heat.depth(blocks, self._caches())
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, hot: int) -> int:
         """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head."""
@@ -317,53 +371,157 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             return blocks.hashes[min(hot + self.key_blocks, len(blocks.hashes)) - 1]
         return blocks.tail_key()
 
-    def _match(self, blocks: PromptBlocks, candidates: Sequence[kvroute.BackendState]) -> list[int]:
-        """Leading blocks held by each candidate (index or recent decisions), hashing only as far as needed.
+    def _slots(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], list[int | None], list[str]]:
+        """The index slots to match: each candidate's, or each of its ranks' (owner index, rank, slot name)."""
+        for state in candidates:
+            load = state.load
+            if state.backend.data_parallel_size != 1 or (load is not None and load.data_parallel_size is not None):
+                break
+        else:  # no data parallelism (the usual case): one slot per candidate, its own name
+            n = len(candidates)
+            return list(range(n)), [None] * n, [state.backend.id for state in candidates]
+        owners: list[int] = []
+        ranks: list[int | None] = []
+        names: list[str] = []
+        slot = self._index.slot
+        for j, state in enumerate(candidates):
+            size = state.data_parallel_size
+            if size == 1:
+                owners.append(j)
+                ranks.append(None)
+                names.append(state.id)
+                continue
+            for rank in range(size):
+                owners.append(j)
+                ranks.append(rank)
+                names.append(slot(state.id, rank))
+        return owners, ranks, names
 
-        Where a candidate stops matching, a pending tail of that candidate ending right there
-        is extended first. Backends the index learns about from the router's own records are
+    def _match(self, blocks: PromptBlocks, names: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Leading blocks held by each slot (index or recent decisions), hashing only as far as needed; and the bits.
+
+        Where a slot stops matching, a pending tail of that slot ending right there is
+        extended first. Slots the index learns about from the router's own records are
         prefix-closed (see `BlockIndex.record`: holding a block means holding every block
         before it), so their match lengths are found by bisection; with an exact-mode
-        candidate (KV events may remove any block) every block is looked up.
+        candidate (KV events may remove any block) or blocks on slower tiers, every block is looked up.
         """
         index = self._index
-        bits = [index.bit(s.id) for s in candidates]
-        matched = [0] * len(candidates)
+        bits = [index.bit(name) for name in names]
+        matched = [0] * len(names)
         exact = index.exact_backends
-        if exact and any(s.id in exact for s in candidates):
+        if index.tiered or (exact and any(index.is_exact(name) for name in names)):
             match_walk(blocks, bits, matched, index, self._tails, self._recent)
         else:
             match_bisect(blocks, bits, matched, index, self._tails, self._recent)
-        return matched
+        return matched, bits
+
+    def _credited(self, hashes: Sequence[int], bit: int, start: int, end: int) -> tuple[float, Counter[str]]:
+        """Blocks ``start .. end - 1`` of the slot of ``bit`` weighed by their tier's credit, and counted per tier."""
+        gpu = self._index.holders.get
+        recent = self._recent.holders.get
+        tiers = self._index.tier_holders
+        credit = 0.0
+        counts: Counter[str] = Counter()
+        for h in hashes[start:end]:
+            if (gpu(h, 0) | recent(h, 0)) & bit:
+                credit += 1.0
+                counts[GPU] += 1
+                continue
+            best, where = 0.0, None
+            for tier, masks in tiers.items():
+                if masks.get(h, 0) & bit:
+                    value = self._credit.get(tier, 0.0)
+                    if where is None or value > best:
+                        best, where = value, tier
+            credit += best
+            counts[where or GPU] += 1
+        return credit, counts
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         with self._index.lock:
             self._sync_block_size(candidates)
+            if len(self._recent):
+                self._recent.expire()
+            owners, ranks, names = self._slots(candidates)
             try:
                 blocks = self.prompt_blocks(request)
                 blocks.ensure(self.key_blocks)
                 hot = self._hot_depth(blocks)
                 key = self._key(request, blocks, hot)
-                matched = self._match(blocks, candidates)
+                slot_matched, bits = self._match(blocks, names)
             except InvalidRequest as exc:
                 log.info("tokenize_failed", request_id=request.request_id, error=str(exc))
                 decision = self._placer.pick(request, candidates)
                 self.reasons["untokenizable"] += 1
                 return attrs.evolve(decision, reason="untokenizable", detail={**decision.detail, "error": str(exc)})
             # What the request shares with the traffic seen: its longest match and one block more.
-            self._pending[request.request_id] = (blocks, max(matched) + 1)
+            self._pending[request.request_id] = (blocks, max(slot_matched) + 1)
             self._pending.move_to_end(request.request_id)
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
+            # Each slot's score in blocks past the hot head (slower tiers at their credit).
+            hashes = blocks.hashes
+            tiered = bool(self._index.tiered)
+            slot_scores = [
+                (self._credited(hashes, bit, hot, m)[0] if tiered else float(m - hot)) if m > hot else 0.0
+                for m, bit in zip(slot_matched, bits, strict=True)
+            ]
+        if len(owners) == len(candidates):
+            matched, scores = slot_matched, slot_scores
+        else:
+            matched = [0] * len(candidates)
+            scores = [0.0] * len(candidates)
+            for j, m, score in zip(owners, slot_matched, slot_scores, strict=True):
+                matched[j] = max(matched[j], m)
+                scores[j] = max(scores[j], score)
         bs = blocks.block_size
         best = max(matched)
         detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens, "hot_tokens": hot * bs}
         self._totals["prompt_tokens"] += blocks.tokens
         self._totals["available"] += best * bs
-        decision = self._chooser.decide(key, request.model, candidates, matched, best, hot, bs, detail)
+        decision = self._chooser.decide(
+            key, request.model, candidates, matched, best, hot, bs, detail, scores if tiered else None
+        )
+        if len(owners) == len(candidates):
+            slot = next(j for j, state in enumerate(candidates) if state.backend is decision.backend)
+        else:
+            chosen = next(j for j, state in enumerate(candidates) if state.backend is decision.backend)
+            slot = next(i for i, j in enumerate(owners) if j == chosen)
+            if ranks[slot] is not None:
+                slot = self._choose_rank(candidates[chosen], key, owners, ranks, slot_scores, chosen)
+                rank = ranks[slot]
+                decision = attrs.evolve(decision, data_parallel_rank=rank)
+                detail["matched_tokens"] = slot_matched[slot] * bs
+                self.rank_decisions[rank or 0] += 1
+        if slot_matched[slot] and tiered:
+            with self._index.lock:
+                _, counts = self._credited(hashes, bits[slot], 0, slot_matched[slot])
+            for tier, n in counts.items():
+                self.tier_hits[tier] += n * bs
+            if set(counts) - {GPU}:
+                detail["tier_tokens"] = {tier: n * bs for tier, n in sorted(counts.items())}
+        elif slot_matched[slot]:
+            self.tier_hits[GPU] += slot_matched[slot] * bs
         self.reasons[decision.reason] += 1
         self._totals["chosen"] += detail["matched_tokens"]
         return decision
+
+    @staticmethod
+    def _choose_rank(
+        state: kvroute.BackendState,
+        key: int,
+        owners: Sequence[int],
+        ranks: Sequence[int | None],
+        scores: Sequence[float],
+        chosen: int,
+    ) -> int:
+        """The slot of ``state``'s rank that gets the request: best score first, ties in the key's rank order,
+        under the ranks' reported loads (`kvroute.ranks.choose_rank`)."""
+        slots = {ranks[i]: i for i, j in enumerate(owners) if j == chosen}
+        position = {rank: p for p, rank in enumerate(rank_order(key, len(slots)))}
+        order = sorted((r for r in slots if r is not None), key=lambda rank: (-scores[slots[rank]], position[rank]))
+        return slots[choose_rank(state, order)]
 
 
 @kvroute.hookimpl

@@ -46,6 +46,8 @@ log = structlog.get_logger(__name__)
 
 #: Timeout of one HTTP call made by an adapter's event feed or the parity check (seconds).
 EVENTS_HTTP_TIMEOUT = 10.0
+#: The adapter option (any kind) declaring a backend's data-parallel ranks; the set reads it, the adapter never sees it.
+RANKS_OPTION = "data_parallel_size"
 #: How long an adapter's ``aclose`` may take before the proxy stops waiting for it (seconds).
 CLOSE_TIMEOUT = 5.0
 
@@ -151,13 +153,14 @@ class BackendSet:
     # -- changing ---------------------------------------------------------------------
 
     def _register(self, config: BackendConfig) -> tuple[Backend, _Member]:
-        backend = config.to_backend()
+        options = dict(config.adapter_options)
+        backend = _with_ranks(config.to_backend(), options.pop(RANKS_OPTION, None))
         registration = self.plugins.backend_kinds.get(config.kind)
         if registration is None:
             known = ", ".join(sorted(self.plugins.backend_kinds)) or "none"
             raise ConfigError(f"backend {config.id!r}: unknown kind {config.kind!r} (installed kinds: {known}).")
         try:
-            adapter = registration.factory(backend, **dict(config.adapter_options))
+            adapter = registration.factory(backend, **options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"backend {config.id!r}: adapter for kind {config.kind!r} rejected its options: {exc}"
@@ -329,6 +332,18 @@ class BackendSet:
             await startup_check(strategy, targets)
         except Exception as exc:
             log.error("tokenizer_parity_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _with_ranks(backend: Backend, size: object) -> Backend:
+    """``backend`` with the data-parallel size its ``adapter_options`` declare (any kind; `RANKS_OPTION`)."""
+    if size is None:
+        return backend
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 16:
+        raise ConfigError(
+            f"backend {backend.id!r}: adapter option {RANKS_OPTION!r} must be an integer from 1 to 65536 "
+            f"(got {size!r})."
+        )
+    return attrs.evolve(backend, data_parallel_size=size)
 
 
 async def _close(backend_id: str, adapter: Closes) -> None:

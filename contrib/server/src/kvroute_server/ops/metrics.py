@@ -154,6 +154,18 @@ class ProxyMetrics:
             ["backend"],
             registry=r,
         )
+        self.rank_requests = Counter(
+            "kvroute_rank_requests",
+            "Attempts sent with X-data-parallel-rank, by backend and data-parallel rank.",
+            ["backend", "rank"],
+            registry=r,
+        )
+        self.dropped_headers = Counter(
+            "kvroute_dropped_request_headers",
+            "Client request headers the proxy owns and dropped (a client-sent X-data-parallel-rank), by header.",
+            ["header"],
+            registry=r,
+        )
         self.rejected = Counter(
             "kvroute_rejected_requests",
             "Requests answered by the proxy itself with an error, by status.",

@@ -67,6 +67,7 @@ class DecisionRecord:
             "reason": d.reason,
             "spilled": d.spilled,
             "spill_reason": str(d.spill_reason) if d.spill_reason is not None else None,
+            "data_parallel_rank": d.data_parallel_rank,
             "explain": d.explain(),
             "decision_us": round(d.duration_s * 1e6, 1),
             "outcome": self.outcome,
@@ -163,6 +164,46 @@ def _engine(state: Any, now: float) -> dict[str, Any] | None:
     }
 
 
+def _ranks(state: Any, now: float, sent: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Per data-parallel rank (none for a one-rank backend): attempts the proxy sent to it, and the engine's load."""
+    size = state.data_parallel_size
+    if size <= 1:
+        return []
+    load = state.fresh_load(now)
+    reported = {r.rank: r for r in load.ranks} if load is not None else {}
+    rows = []
+    for rank in range(size):
+        engine = reported.get(rank)
+        rows.append(
+            {
+                "rank": rank,
+                "requests": _number(sent.get(str(rank), 0.0)),
+                "running": engine.running if engine is not None else None,
+                "waiting": engine.waiting if engine is not None else None,
+                "kv_usage": engine.kv_usage if engine is not None else None,
+            }
+        )
+    return rows
+
+
+def _tiers(strategy: object) -> dict[str, Any] | None:
+    """Prefix hits by KV cache tier (tokens of the chosen backends' matches) and blocks held per slower tier, when
+    the strategy counts them (tokenizer-prefix does); else ``None``."""
+    stats = getattr(strategy, "stats", None)
+    if not callable(stats):
+        return None
+    try:
+        found = stats()
+    except Exception:
+        return None
+    if not isinstance(found, Mapping) or "tier_hit_tokens" not in found:
+        return None
+    return {
+        "hit_tokens": _jsonable(found.get("tier_hit_tokens", {})),
+        "blocks": _jsonable(found.get("tier_blocks", {})),
+    }
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -216,6 +257,7 @@ class StatusView:
         cached = samples.per_backend("kvroute_prompt_tokens_cached_total")
         in_flight = samples.per_backend("kvroute_in_flight")
         ejections = samples.sum_by("kvroute_ejections_total", "backend", "cause")
+        rank_requests = samples.sum_by("kvroute_rank_requests_total", "backend", "rank")
         owned: dict[str, str] = {}
         for source in self.discovery.status:
             owned.update(dict.fromkeys(self.discovery.owned(source), source))
@@ -252,6 +294,8 @@ class StatusView:
                     "ejections": {cause: _number(v) for (b, cause), v in sorted(ejections.items()) if b == bid and v},
                     # Ejected as an outlier: cause, back-off level, seconds until its probe request (else None).
                     "outlier": self.backends.health.outliers.describe(bid),
+                    "data_parallel_size": state.data_parallel_size,
+                    "ranks": _ranks(state, now, {r: v for (b, r), v in rank_requests.items() if b == bid}),
                 }
             )
         spills = samples.sum_by("kvroute_spills_total", "reason", where={"strategy": strategy})
@@ -273,6 +317,11 @@ class StatusView:
             "backends": rows,
             "fleet": self._fleet(rows),
             "decisions": {"size": self.decisions.size, "recent": self.decisions.recent()},
+            "tiers": _tiers(self.router.strategy),
+            "dropped_headers": {
+                k[0]: _number(v)
+                for k, v in sorted(samples.sum_by("kvroute_dropped_request_headers_total", "header").items())
+            },
             "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
             "sessions": self._sessions(samples) if self.config.sessions.enabled else None,
         }
@@ -425,10 +474,13 @@ class StatusRoutes:
         """Record a finished request's last decision (requests refused before routing have none)."""
         if ex.decision is None:
             return
+        decision = ex.decision
+        if ex.rank is not None and decision.data_parallel_rank is None:  # the rank the proxy chose for it
+            decision = attrs.evolve(decision, data_parallel_rank=ex.rank)
         self.decisions.record(
             ex.request_id,
             ex.model,
-            ex.decision,
+            decision,
             outcome=ex.outcome,
             status=ex.status,
             attempts=ex.attempts,

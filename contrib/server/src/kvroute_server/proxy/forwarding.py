@@ -22,6 +22,7 @@ import time
 import structlog
 
 from kvroute.errors import NoBackendAvailable
+from kvroute.ranks import rank_for
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute_server.config import ServerConfig
@@ -237,12 +238,20 @@ class Forwarder:
         config = self.backends.config(backend_id)
         query = scope["query_string"]
         target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        ex.rank = rank = rank_for(lease.decision, lease.state)
+        forged: list[str] = []
         headers = filter_request_headers(
             scope["headers"],
             forward_authorization=self.config.forward_authorization,
             api_key=config.api_key if config is not None else None,
             request_id=ex.request_id,
+            rank=rank,
+            forged=forged,
         )
+        if forged and ex.attempts == 1:
+            self.metrics.child(self.metrics.dropped_headers, forged[0]).inc()
+        if rank is not None:
+            self.metrics.child(self.metrics.rank_requests, backend_id, str(rank)).inc()
         timeouts = self.config.timeouts
         seconds = self._deadline(request, ex, backend_id, failed)
         sent_at = time.perf_counter()

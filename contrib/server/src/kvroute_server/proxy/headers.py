@@ -2,6 +2,11 @@
 
 Run once per proxied request on the way up (`filter_request_headers`) and once on the way
 down (`filter_response_headers`), so both are written for speed as well as correctness.
+
+Headers the proxy owns on the way up (`PROXY_OWNED`): ``X-data-parallel-rank`` tells a
+data-parallel engine which of its ranks serves the request. The proxy sets it from the routing
+decision (`kvroute.ranks.rank_for`); a client's own is always dropped (and reported to the
+caller, which counts it), so that no client can steer a request onto another rank's cache.
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-__all__ = ["HOP_BY_HOP", "filter_request_headers", "filter_response_headers"]
+from kvroute.ranks import RANK_HEADER
+
+__all__ = ["HOP_BY_HOP", "PROXY_OWNED", "filter_request_headers", "filter_response_headers"]
 
 #: RFC 9110 section 7.6.1 connection-specific headers, never forwarded in either direction.
 HOP_BY_HOP = frozenset(
@@ -25,8 +32,10 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+#: Set by the proxy alone on the way up: a client's value is dropped and reported (see the module docstring).
+PROXY_OWNED = frozenset({RANK_HEADER})
 # Recomputed or owned by the proxy on the way up.
-_DROP_UP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
+_DROP_UP = HOP_BY_HOP | PROXY_OWNED | {"host", "content-length", "accept-encoding", "expect"}
 # Recomputed by the ASGI server on the way down.
 _DROP_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
 # The same, as the bytes names of a backend's answer are compared with.
@@ -61,8 +70,13 @@ def filter_request_headers(
     forward_authorization: bool,
     api_key: str | None,
     request_id: str,
+    rank: int | None = None,
+    forged: list[str] | None = None,
 ) -> dict[str, str]:
     """Headers to send upstream: hop-by-hop dropped, Authorization forwarded or replaced, request id set.
+
+    Headers in `PROXY_OWNED` are dropped whatever their value, their names appended to ``forged``
+    (when given) for the caller to count; ``rank`` (when not ``None``) is sent as ``x-data-parallel-rank``.
 
     Names listed in a Connection header are removed after the pass, only when there are such
     names beyond the usual ``keep-alive``/``close``: the last value of each other name is
@@ -76,6 +90,8 @@ def filter_request_headers(
         if name in _DROP_UP:
             if name == "connection":
                 named |= _named_by_connection(raw_value)
+            elif forged is not None and name in PROXY_OWNED:
+                forged.append(name)
             continue
         if name == "authorization" and drop_authorization:
             continue
@@ -85,6 +101,8 @@ def filter_request_headers(
     if api_key is not None:
         out["authorization"] = f"Bearer {api_key}"
     out["x-request-id"] = request_id
+    if rank is not None:
+        out[RANK_HEADER] = str(rank)
     return out
 
 

@@ -75,6 +75,8 @@ class Exchange:
     complete: bool = False
     client_gone: bool = False
     error: str | None = None
+    #: The data-parallel rank sent upstream (``X-data-parallel-rank``) on the last attempt, if any.
+    rank: int | None = None
     #: The last attempt's decision, for the status page's decision log (kvroute_server.ops.status).
     decision: Decision | None = None
     #: Every strategy's verdict on this request when shadows are on (kvroute_server.ops.shadow), else None.
