@@ -15,6 +15,14 @@ How much text goes into the key is the caller's choice: a fixed ``prefix_length`
 of how long the shared part of the prompts is. A cut key is the same function of fewer
 characters, so the layout (and the version tag) is unchanged.
 
+`conversation_key` is the key of one chat conversation: its preamble's key (the group key of
+`message_cuts`) is the seed of xxh3 over the first ``user`` message, itself capped at
+``prefix_length`` characters *from the end of the preamble*. So a preamble longer than
+``prefix_length`` (tool definitions and instructions shared by every session of an agent) never
+makes every conversation's key the same, and every turn of a conversation, repeating its
+preamble and first user message, has the key of its first turn. Without a preamble the seed is
+the text keys' seed and the key equals ``prefix_key`` over the first user message (its group key).
+
 Keys are computed with `kvroute.hashing` (xxh3), never Python's salted ``hash()``, so every
 process and every router replica computes the same key for the same request.
 """
@@ -34,6 +42,7 @@ __all__ = [
     "MAX_PREFIX_LENGTH",
     "MIN_PREFIX_LENGTH",
     "Cuts",
+    "conversation_key",
     "message_cuts",
     "prefix_key",
 ]
@@ -69,6 +78,37 @@ def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH
         return _xxh3(affinity.encode("utf-8", "surrogatepass"), seed)
     seed = _scope(request.model, request.lora, request.cache_salt, "text")
     return _xxh3(request.text[:prefix_length].encode("utf-8", "surrogatepass"), seed)
+
+
+def conversation_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> int | None:
+    """The 64-bit key of the chat conversation ``request`` belongs to; None when it has none.
+
+    A chat with a ``user`` message has one: xxh3 of the rendering of its first ``user`` message
+    (at most ``prefix_length`` characters of it), seeded with the key of its preamble (the tool
+    definitions and messages before that message, ``prefix_key`` of at most ``prefix_length``
+    characters) or, with no preamble, with the seed of ``prefix_key``'s text keys (so the key is
+    then ``prefix_key`` of the first user message). Every turn of a conversation repeats those
+    messages, so every turn has this key. None for a request with an affinity key (the caller
+    chose its key), a plain completion (no message boundaries) and a chat without a user message.
+    Two conversations under one preamble share a key only if their first user messages agree on
+    their first ``prefix_length`` characters.
+    """
+    if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
+        raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
+    if request.affinity_key is not None:
+        return None
+    boundaries = _chat_boundaries(request)
+    if boundaries is None:
+        return None
+    preamble, first_turn = boundaries
+    if first_turn <= preamble:  # no user message: nothing tells this conversation from another
+        return None
+    if preamble:
+        seed = prefix_key(request, min(preamble, prefix_length))
+    else:
+        seed = _scope(request.model, request.lora, request.cache_salt, "text")
+    end = preamble + min(first_turn - preamble, prefix_length)
+    return _xxh3(request.text[preamble:end].encode("utf-8", "surrogatepass"), seed)
 
 
 @attrs.frozen
