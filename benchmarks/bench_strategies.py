@@ -1,6 +1,6 @@
 """Benchmark strategy pick latency, membership-change cost and hash placements (not a test).
 
-Usage: python benchmarks/bench_strategies.py [--quick] [--only pick,change,placement,fleet7] [--json FILE]
+Usage: python benchmarks/bench_strategies.py [--quick] [--only pick,change,placement,fleet7,sessions] [--json FILE]
 
 Sections (numbers go to docs/performance.md, "Strategy pick latency"):
 
@@ -20,6 +20,8 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   the same measured over 100,000 random keys (whose own sampling deviation is shown); keys
   moved by adding and by removing a backend, and how many of them moved between *other*
   backends; lookup time; build time.
+* ``sessions`` (only when named): ``Router.acquire`` + ``release`` for bounded-load over 64 backends with
+  sessions off, on without session ids (conversations bound), and on with a session id per request.
 * ``fleet7``: consistent-hash over 7 instances (SageMaker's published setup): spread of shares
   over 140,000 prompts, keys moved on 7 -> 8 and 7 -> 6, and how the orphans spread.
 """
@@ -44,7 +46,7 @@ import xxhash
 from kvroute_consistent_hash import Rendezvous
 
 import kvroute
-from kvroute import Backend, BackendState, Fleet, PluginManager, Router, RouteRequest
+from kvroute import Backend, BackendState, Fleet, PluginManager, Router, RouteRequest, Sessions
 from kvroute.testing import Movement, assign, sample_requests
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -334,6 +336,50 @@ def bench_fleet7(quick: bool) -> dict[str, Any]:
     }
 
 
+# -- sessions ---------------------------------------------------------------------------
+
+
+def _agent_turn(session: int, turns: int, preamble: str) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": preamble}]
+    for t in range(turns):
+        if t:
+            messages.append({"role": "assistant", "content": f"done step {t}"})
+        messages.append({"role": "user", "content": f"session {session}: step {t} of the task"})
+    return {"model": "m", "messages": messages}
+
+
+def bench_sessions(quick: bool) -> list[dict[str, Any]]:
+    """``Router.acquire`` + ``release`` with bounded-load over 64 backends: sessions off, on, and per kind of request.
+
+    Chat requests under one 12,000-character preamble, 2-6 turns, 2,000 conversations cycled (so most
+    requests find a binding); ``session id`` rows send ``x-session-id``.
+    """
+    preamble = base_text(3)[:12_000]
+    n = 3_000 if quick else 30_000
+    bodies = [_agent_turn(i % 2000, 2 + i % 5, preamble) for i in range(4000)]
+    rows = []
+    for label, sessions, with_id in (
+        ("sessions off", False, False),
+        ("sessions on, no session id (conversations)", True, False),
+        ("sessions on, session id", True, True),
+    ):
+        fleet = fleet_of(64)
+        router = Router.create(fleet, "bounded-load", {}, sessions=Sessions() if sessions else None)
+        requests = [
+            RouteRequest.from_openai(b, headers={"x-session-id": f"s{i % 2000}"} if with_id else {})
+            for i, b in enumerate(bodies)
+        ]
+        samples = []
+        for i in range(n):
+            request = requests[i % len(requests)]
+            t0 = time.perf_counter_ns()
+            lease = router.acquire(request)
+            router.release(lease)
+            samples.append(time.perf_counter_ns() - t0)
+        rows.append({"router": label, **summary(samples[n // 10 :])})
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(none)"
@@ -369,6 +415,9 @@ def main() -> None:
     if "fleet7" in sections:
         results["fleet7"] = bench_fleet7(args.quick)
         print("## consistent-hash over 7 instances\n" + table([results["fleet7"]]) + "\n", flush=True)
+    if "sessions" in sections:
+        results["sessions"] = bench_sessions(args.quick)
+        print("## acquire + release with sessions (bounded-load, 64 backends)\n" + table(results["sessions"]) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

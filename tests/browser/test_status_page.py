@@ -121,6 +121,22 @@ class TestStatusPageInBrowser:
         assert shown[:5] == list(reversed(ids))
         assert page.errors == []
 
+    def test_sessions_card(self, chromium: Any, fleet: Proxy) -> None:
+        """Requests naming sessions show in the Sessions card with the bindings /status.json counts."""
+        page = open_page(chromium, fleet)
+        for i in range(3):
+            body = chat_body(PREFIXES[2] + str(i))
+            code, _, _ = http("POST", fleet.url + "/v1/chat/completions", body, headers={"x-session-id": f"s{i}"})
+            assert code == 200
+        quiesce(fleet)
+        next_refresh(page)
+        bound = status_json(fleet)["sessions"]["bound"]
+        assert bound["session"] >= 3
+        assert page.is_visible("#sessions-card")
+        shown = page.inner_text("#total-sessions")
+        assert shown == f"{bound['session']} + {bound.get('conversation', 0)}"
+        assert page.errors == []
+
     def test_drained_backend_shows_draining(self, chromium: Any, fleet: Proxy) -> None:
         """A backend drained through the admin API while traffic flows turns to 'draining' on the open page."""
         page = open_page(chromium, fleet)

@@ -23,6 +23,7 @@ import anyio
 import httpx
 import pytest
 
+from kvroute import Backend, Fleet, Router, RouteRequest, Sessions
 from tests.replicas.processes import (
     ENGINES,
     Process,
@@ -160,6 +161,36 @@ class TestAgreement:
                 before = home(request_body)
                 expected = before if before != "e1" else home(request_body, exclude={"e1"})
                 assert got_a == got_b == expected
+
+
+class TestSessions:
+    @pytest.mark.anyio
+    async def test_a_session_stays_on_one_engine_across_replicas(
+        self, client: httpx.AsyncClient, engines: list[Process], tmp_path: Path
+    ) -> None:
+        """Turns of one session alternate between replicas yet reach one engine, the one its id hashes to."""
+        async with replicas(client, engines, tmp_path, "bounded-load", {}) as (a, b):
+            local = Router.create(
+                Fleet([Backend(f"e{i}") for i in range(ENGINES)]), "bounded-load", {}, sessions=Sessions()
+            )
+            chosen: dict[str, set[str]] = defaultdict(set)
+            expected: dict[str, str] = {}
+            for turn in range(4):
+                for s in range(24):
+                    session = f"agent-{s}"
+                    request_body = body(0, f"{session} turn {turn}")  # one shared preamble for every session
+                    if turn == 0:
+                        request = RouteRequest.from_openai(request_body, headers={"x-session-id": session})
+                        expected[session] = local.decide(request)[0].backend.id
+                    response = await client.post(
+                        (a, b)[(s + turn) % 2].url + "/v1/chat/completions",
+                        json=request_body,
+                        headers={"x-session-id": session},
+                    )
+                    assert response.status_code == 200, response.text
+                    chosen[session].add(response.headers["x-kvroute-backend"])
+            assert all(chosen[s] == {expected[s]} for s in expected), (chosen, expected)
+            assert len(set(expected.values())) == ENGINES  # 24 sessions over 3 engines use every one
 
 
 class TestLoadBounds:

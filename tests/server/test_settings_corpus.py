@@ -18,13 +18,33 @@ import structlog
 from click.testing import CliRunner
 
 from kvroute.cli import main
+from kvroute.session_ids import DEFAULT_SESSION_SOURCES
 
 CORPUS = Path(__file__).parent / "fixtures" / "settings_corpus"
 CASES: list[dict[str, Any]] = json.loads((CORPUS / "corpus.json").read_text(encoding="utf-8"))
 #: Settings added since the corpus was recorded, with their defaults: the only keys ``--check`` may add.
-ADDED: dict[str, Any] = {"http": "kvroute"}
+ADDED: dict[str, Any] = {
+    "http": "kvroute",
+    "sessions": {
+        "enabled": True,
+        "sources": [str(source) for source in DEFAULT_SESSION_SOURCES],
+        "ttl": 300.0,
+        "max_sessions": 100000,
+        "conversations": True,
+    },
+}
 #: Options added since the help was recorded.
-ADDED_OPTIONS: dict[str, set[str]] = {"serve": {"--http"}, "simulate": set()}
+ADDED_OPTIONS: dict[str, set[str]] = {
+    "serve": {
+        "--http",
+        "--sessions",
+        "--session-sources",
+        "--session-ttl",
+        "--max-sessions",
+        "--session-conversations",
+    },
+    "simulate": set(),
+}
 
 
 def _without_logs(text: str) -> list[str]:

@@ -23,6 +23,7 @@ from kvroute.hashing import hash64, hash_parts
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
+from kvroute.sessions import Sessions
 from kvroute.shadow import ShadowSet, Verdict
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
@@ -54,6 +55,7 @@ __all__ = [
     "Reuse",
     "RouteRequest",
     "Router",
+    "Sessions",
     "ShadowSet",
     "SpillReason",
     "Status",

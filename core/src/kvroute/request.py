@@ -38,6 +38,7 @@ import attrs
 
 from kvroute.errors import InvalidRequest
 from kvroute.hashing import hash64, hash_parts
+from kvroute.session_ids import DEFAULT_SESSION_SOURCES, IgnoredReason, SessionSource, read_session_id
 
 __all__ = [
     "AFFINITY_HEADER",
@@ -56,6 +57,8 @@ LORA_HEADER = "x-kvroute-lora"
 REQUEST_ID_HEADER = "x-request-id"
 
 Endpoint = Literal["chat", "completions"]
+
+_NO_SESSION = read_session_id({}, {}, ())
 
 _MAX_CACHE_SALT = 128
 #: Token ids are unsigned 64-bit integers (engines and block hashes store them so).
@@ -306,6 +309,12 @@ class RouteRequest:
     cache_salt: str | None = None
     affinity_key: str | None = None
     max_tokens: int | None = None
+    #: The session this request belongs to, read from the first usable source
+    #: (`kvroute.session_ids`): requests of one session stay on one backend when the router
+    #: keeps sessions (`kvroute.sessions`).
+    session_id: str | None = None
+    #: Why a session id that was present was not used (``too_long``, ``not_utf8``, ``wrong_type``, ``empty``).
+    session_ignored: IgnoredReason | None = attrs.field(default=None, eq=False)
     #: The body's fields that shape the engine's prompt tokens (``tools``, ``documents``,
     #: ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
     #: ``add_special_tokens``), for strategies that tokenize like the engine; ``None`` if absent.
@@ -326,6 +335,7 @@ class RouteRequest:
         cache_salt: str | None = None,
         affinity_key: str | None = None,
         max_tokens: int | None = None,
+        session_id: str | None = None,
     ) -> RouteRequest:
         """Build a request from already-rendered routing text."""
         return cls(
@@ -338,6 +348,7 @@ class RouteRequest:
             cache_salt=cache_salt,
             affinity_key=affinity_key,
             max_tokens=max_tokens,
+            session_id=session_id,
         )
 
     @classmethod
@@ -348,11 +359,14 @@ class RouteRequest:
         endpoint: Endpoint = "chat",
         headers: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        session_sources: Sequence[SessionSource] = DEFAULT_SESSION_SOURCES,
     ) -> RouteRequest:
         """Parse an OpenAI-compatible ``/v1/chat/completions`` or ``/v1/completions`` body.
 
-        ``headers`` (lower-case names) may carry the affinity key, a LoRA adapter and the
-        request id. Raises :class:`InvalidRequest` naming the field that is wrong.
+        ``headers`` (lower-case names) may carry the affinity key, a LoRA adapter, the
+        request id and a session id. The session id is read from ``session_sources`` in order
+        (`kvroute.session_ids`; ``()`` reads none); an unusable one is skipped, never an error.
+        Raises :class:`InvalidRequest` naming the field that is wrong.
         """
         if not isinstance(body, Mapping):
             raise InvalidRequest(f"The request body must be a JSON object (got {_type_name(body)}).")
@@ -422,6 +436,7 @@ class RouteRequest:
             got = repr(endpoint) if isinstance(endpoint, str) else _type_name(endpoint)
             raise InvalidRequest(f"endpoint must be 'chat' or 'completions' (got {got}).")
 
+        session = read_session_id(body, headers, session_sources) if session_sources else _NO_SESSION
         return cls(
             request_id=request_id or headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex,
             model=model,
@@ -434,6 +449,8 @@ class RouteRequest:
             cache_salt=cache_salt,
             affinity_key=headers.get(AFFINITY_HEADER) or None,
             max_tokens=max_tokens,
+            session_id=session.session_id,
+            session_ignored=session.ignored,
             prompt_options={k: body[k] for k in _PROMPT_OPTIONS if body.get(k) is not None} or None,
             message_offsets=offsets,
         )

@@ -37,6 +37,7 @@ from kvroute.fleet import Fleet, FleetEvent
 from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
+from kvroute.sessions import Sessions
 from kvroute.strategy import Decision, Outcome, Pick, Status, Strategy
 
 __all__ = ["Lease", "Router", "status_for"]
@@ -146,9 +147,12 @@ class Router:
         *,
         strategy_name: str | None = None,
         plugins: PluginManager | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         self.fleet = fleet
         self.strategy = strategy
+        #: Session and conversation bindings (`kvroute.sessions`); ``None``: every request is picked afresh.
+        self.sessions = sessions
         self.strategy_name = strategy_name or getattr(strategy, "name", None) or type(strategy).__name__
         self.plugins = plugins
         self._call_routed = bool(plugins and plugins.has_implementations("kvroute_request_routed"))
@@ -169,10 +173,17 @@ class Router:
         options: Mapping[str, Any] | None = None,
         *,
         plugins: PluginManager | None = None,
+        sessions: Sessions | None = None,
     ) -> Router:
         """Build a router whose strategy is the plugin registered as ``strategy``."""
         plugins = plugins or PluginManager()
-        return cls(fleet, plugins.create_strategy(strategy, options), strategy_name=strategy, plugins=plugins)
+        return cls(
+            fleet,
+            plugins.create_strategy(strategy, options),
+            strategy_name=strategy,
+            plugins=plugins,
+            sessions=sessions,
+        )
 
     def close(self) -> None:
         """Stop listening to the fleet."""
@@ -242,7 +253,10 @@ class Router:
         if not candidates:
             raise self._no_backend(request, exclude)
         t0 = time.perf_counter()
-        pick = self.strategy.pick(request, candidates)
+        if self.sessions is None:
+            pick = self.strategy.pick(request, candidates)
+        else:
+            pick = self.sessions.pick(self.strategy, request, candidates)
         elapsed = time.perf_counter() - t0
         return self._normalize(pick, candidates, elapsed)
 
@@ -272,6 +286,8 @@ class Router:
                         f"strategy {self.strategy_name!r} failed in on_request_start for backend "
                         f"{decision.backend.id!r}: {type(exc).__name__}: {exc}; the request was not routed."
                     ) from exc
+            if self.sessions is not None:
+                self.sessions.request_started(request, decision)
         if self._call_routed:
             assert self.plugins is not None
             try:

@@ -12,7 +12,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute_server.config import BackendConfig, HealthConfig, ServerConfig, TimeoutConfig, load_toml
+    from kvroute_server.config import (
+        BackendConfig,
+        HealthConfig,
+        ServerConfig,
+        SessionConfig,
+        TimeoutConfig,
+        load_toml,
+    )
     from kvroute_server.http.runner import ServerThread, run_server
     from kvroute_server.proxy.app import ProxyApp
     from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
@@ -23,6 +30,7 @@ _EXPORTS = {
     "BackendConfig": "kvroute_server.config",
     "HealthConfig": "kvroute_server.config",
     "ServerConfig": "kvroute_server.config",
+    "SessionConfig": "kvroute_server.config",
     "TimeoutConfig": "kvroute_server.config",
     "load_toml": "kvroute_server.config",
     "ServerThread": "kvroute_server.http.runner",
@@ -37,6 +45,7 @@ __all__ = [
     "ProxyApp",
     "ServerConfig",
     "ServerThread",
+    "SessionConfig",
     "TimeoutConfig",
     "import_sagemaker",
     "load_sagemaker",

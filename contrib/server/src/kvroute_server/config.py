@@ -27,6 +27,7 @@ from attrs import validators as v
 
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError
+from kvroute.session_ids import DEFAULT_SESSION_SOURCES, parse_sources
 from kvroute.settings import Setting, setting
 from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_values
 
@@ -39,6 +40,7 @@ __all__ = [
     "ServerConfig",
     "Setting",
     "TimeoutConfig",
+    "SessionConfig",
     "WarmJoinConfig",
     "apply_settings",
     "config_from_mapping",
@@ -378,6 +380,50 @@ class WarmJoinConfig:
         return self.slow_start > 0 or self.prefill > 0
 
 
+def _session_sources(value: Any) -> tuple[str, ...]:
+    """Session id sources from a comma-separated string (the flag) or a list (TOML), checked and de-duplicated."""
+    if not isinstance(value, str | list | tuple):
+        raise ConfigError(f"session id sources must be a list or a comma-separated string (got {value!r}).")
+    return tuple(str(source) for source in parse_sources(value))
+
+
+@attrs.frozen
+class SessionConfig:
+    """Session affinity (docs/serve.md, "Sessions"): requests of one session, or one conversation, stay on one backend.
+
+    A session id is read from the first usable of ``sources`` (`kvroute.session_ids`); a session
+    with no binding is placed by its id's hash, so every proxy replica agrees; bindings idle for
+    ``ttl`` seconds expire, and at most ``max_sessions`` are kept. With ``conversations``, chat
+    requests without a session id are bound by their conversation (strategies that tell
+    conversations apart: the consistent-hash family).
+    """
+
+    enabled: bool = setting(True, flag="--sessions", help="Keep sessions and conversations on one backend")
+    sources: tuple[str, ...] = setting(
+        tuple(str(s) for s in DEFAULT_SESSION_SOURCES),
+        converter=_session_sources,
+        flag="--session-sources",
+        metavar="SOURCES",
+        show_default=False,
+        help="Where session ids are read, in order: comma-separated 'header:NAME' or 'body:PATH' "
+        "[default: the eight in docs/serve.md]",
+    )
+    ttl: float = setting(
+        300.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--session-ttl",
+        metavar="SECONDS",
+        help="Seconds a session's binding outlives its last request",
+    )
+    max_sessions: int = setting(
+        100_000, _positive_int, flag="--max-sessions", help="Bindings kept at most (least recently used go first)"
+    )
+    conversations: bool = setting(
+        True, flag="--session-conversations", help="Bind conversations that carry no session id"
+    )
+
+
 _STATUS_MODES = ("on", "admin", "off")
 #: Most decisions the status page may keep (each is a few hundred bytes of JSON when shown).
 MAX_STATUS_DECISIONS = 10_000
@@ -483,6 +529,8 @@ class ServerConfig:
     cache_view: Mapping[str, Any] = setting(factory=dict, section="routing", help="The fleet cache view's settings")
     #: Warm join of backends added while serving (``[warm_join]``, ``--slow-start``, ``--prefill``).
     warm_join: WarmJoinConfig = attrs.field(factory=WarmJoinConfig)
+    #: Session affinity (``[sessions]``, ``--sessions``, ``--session-*``).
+    sessions: SessionConfig = attrs.field(factory=SessionConfig)
     #: The server protocol of each client connection: kvroute's own (`kvroute_server.http.protocol`) or uvicorn's.
     http: str = setting(
         "kvroute",
@@ -705,7 +753,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
-    for name in ("discovery_policy", "warm_join"):
+    for name in ("discovery_policy", "warm_join", "sessions"):
         values.update(_read_table(data, name))
     values[("backends",)] = config.backends + backends
     values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
@@ -732,6 +780,7 @@ for _cls in (
     HealthConfig,
     DiscoveryPolicy,
     WarmJoinConfig,
+    SessionConfig,
     BackendConfig,
     DiscoveryConfig,
     ServerConfig,

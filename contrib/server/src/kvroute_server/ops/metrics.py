@@ -27,7 +27,9 @@ from prometheus_client.registry import Collector
 
 from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet, FleetEvent
+from kvroute.sessions import Sessions
 from kvroute.shadow import Verdict
+from kvroute.strategy import Decision
 
 __all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "RequestOutcome", "ShadowMetrics", "render_merged"]
 
@@ -179,6 +181,36 @@ class ProxyMetrics:
             ["source", "change"],
             registry=r,
         )
+        # Sessions (docs/serve.md#sessions): bindings held per worker, summed over live workers.
+        self.session_routes = Counter(
+            "kvroute_session_routes",
+            "Requests of a session or conversation, by kind and result (new binding, stayed, moved).",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.session_moves = Counter(
+            "kvroute_session_moves", "Session bindings moved to another backend, by reason.", ["reason"], registry=r
+        )
+        self.sessions_bound = Gauge(
+            "kvroute_sessions",
+            "Session and conversation bindings held, by kind.",
+            ["kind"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.sessions_dropped = Counter(
+            "kvroute_sessions_dropped",
+            "Bindings dropped: expired after the TTL, or evicted beyond max_sessions.",
+            ["cause"],
+            registry=r,
+        )
+        self.session_ids_ignored = Counter(
+            "kvroute_session_ids_ignored",
+            "Session ids a request carried but that were not used, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self._sessions_seen = (0, 0)  # (expired, evicted) already counted
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
         # `request_done`'s bound methods, made on first use (a series exists once it has a value).
@@ -271,6 +303,32 @@ class ProxyMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def session_routed(self, decision: Decision, sessions: Sessions) -> None:
+        """Count a decision of a router that keeps sessions, and bring the bindings' gauges up to date."""
+        detail = decision.detail
+        kind = detail.get("bound")
+        if kind is not None:
+            self.child(self.session_routes, str(kind), "stayed").inc()
+        else:
+            kind = detail.get("binds")
+            if kind is None:
+                return  # not a request of a session or conversation
+            moved_from = detail.get("moved_from")
+            if moved_from is None:
+                self.child(self.session_routes, str(kind), "new").inc()
+            elif moved_from == decision.backend.id:
+                self.child(self.session_routes, str(kind), "stayed").inc()
+            else:
+                self.child(self.session_routes, str(kind), "moved").inc()
+                self.child(self.session_moves, str(detail.get("move_reason"))).inc()
+        for name in ("session", "conversation"):
+            self.child(self.sessions_bound, name).set(sessions.bound(name))
+        expired, evicted = self._sessions_seen
+        if sessions.expired != expired or sessions.evicted != evicted:
+            self.child(self.sessions_dropped, "expired").inc(sessions.expired - expired)
+            self.child(self.sessions_dropped, "evicted").inc(sessions.evicted - evicted)
+            self._sessions_seen = (sessions.expired, sessions.evicted)
 
     def observe_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)

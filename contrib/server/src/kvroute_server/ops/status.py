@@ -272,6 +272,24 @@ class StatusView:
             "fleet": self._fleet(rows),
             "decisions": {"size": self.decisions.size, "recent": self.decisions.recent()},
             "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
+            "sessions": self._sessions(samples) if self.config.sessions.enabled else None,
+        }
+
+    def _sessions(self, samples: _Samples) -> dict[str, Any]:
+        """Bindings held (summed over live workers), requests by kind and result, moves, drops, ignored ids."""
+
+        def by(name: str, label: str) -> dict[str, int | float]:
+            return {k[0]: _number(v) for k, v in sorted(samples.sum_by(name, label).items()) if k[0]}
+
+        routes = samples.sum_by("kvroute_session_routes_total", "kind", "result")
+        return {
+            "ttl_s": self.config.sessions.ttl,
+            "max_sessions": self.config.sessions.max_sessions,
+            "bound": by("kvroute_sessions", "kind"),
+            "requests": {f"{kind}/{result}": _number(v) for (kind, result), v in sorted(routes.items())},
+            "moved": by("kvroute_session_moves_total", "reason"),
+            "dropped": by("kvroute_sessions_dropped_total", "cause"),
+            "ignored_ids": by("kvroute_session_ids_ignored_total", "reason"),
         }
 
     def _shadow(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -36,6 +36,8 @@ from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Endpoint, RouteRequest
 from kvroute.router import Router
+from kvroute.session_ids import SessionSource, parse_sources
+from kvroute.sessions import Sessions
 from kvroute.strategy import HasPromptTokenizer
 from kvroute_server.config import ServerConfig
 from kvroute_server.fleet.backends import BackendSet
@@ -98,7 +100,11 @@ def _invalid(exc: InvalidRequest | RecursionError) -> InvalidBody:
 
 
 def _parse(
-    raw: bytes, endpoint: Endpoint | None, headers: dict[str, str], request_id: str
+    raw: bytes,
+    endpoint: Endpoint | None,
+    headers: dict[str, str],
+    request_id: str,
+    sources: Sequence[SessionSource],
 ) -> tuple[object, RouteRequest | None]:
     """The body's JSON and, on the generation routes, its `RouteRequest`; any fault is an `InvalidBody`.
 
@@ -108,7 +114,9 @@ def _parse(
     if endpoint is None:
         return body, None
     try:
-        return body, RouteRequest.from_openai(body, endpoint=endpoint, headers=headers, request_id=request_id)
+        return body, RouteRequest.from_openai(
+            body, endpoint=endpoint, headers=headers, request_id=request_id, session_sources=sources
+        )
     except (InvalidRequest, RecursionError) as exc:
         raise _invalid(exc) from None
 
@@ -191,7 +199,24 @@ class ProxyApp:
             config.discovery, config.discovery_policy, self.backends, self.metrics, self.plugins
         )
         self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
-        self.router = Router.create(self.fleet, config.strategy, config.options, plugins=self.plugins)
+        # Sessions (docs/serve.md, "Sessions"): the sources the request parser reads, and the router's bindings.
+        sessions = config.sessions
+        self._session_sources = parse_sources(sessions.sources) if sessions.enabled else ()
+        self._route_headers = dict(_ROUTE_HEADERS)
+        for source in self._session_sources:
+            if source.kind == "header":
+                self._route_headers[source.name.encode("latin-1")] = source.name
+        self.router = Router.create(
+            self.fleet,
+            config.strategy,
+            config.options,
+            plugins=self.plugins,
+            sessions=Sessions(
+                ttl_s=sessions.ttl, max_sessions=sessions.max_sessions, conversations=sessions.conversations
+            )
+            if sessions.enabled
+            else None,
+        )
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
@@ -276,12 +301,12 @@ class ProxyApp:
     ) -> RouteRequest:
         """`_parse` on the event loop, or in a worker thread for a large body; raises `InvalidBody`."""
         if len(raw) <= _THREAD_PARSE_BYTES:
-            body, request = _parse(raw, endpoint, headers, request_id)
+            body, request = _parse(raw, endpoint, headers, request_id, self._session_sources)
         else:
             if self._parse_limiter is None:
                 self._parse_limiter = anyio.CapacityLimiter(_THREAD_PARSES)
             body, request = await anyio.to_thread.run_sync(
-                _parse, raw, endpoint, headers, request_id, limiter=self._parse_limiter
+                _parse, raw, endpoint, headers, request_id, self._session_sources, limiter=self._parse_limiter
             )
         if request is not None:
             return request
@@ -325,8 +350,11 @@ class ProxyApp:
     def _route_request(
         self, body: object, endpoint: Endpoint | None, headers: dict[str, str], request_id: str
     ) -> RouteRequest:
+        sources = self._session_sources
         if endpoint is not None:
-            return RouteRequest.from_openai(body, endpoint=endpoint, headers=headers, request_id=request_id)
+            return RouteRequest.from_openai(
+                body, endpoint=endpoint, headers=headers, request_id=request_id, session_sources=sources
+            )
         # Pass-through routes: route like the equivalent generation request when the body
         # has messages / a prompt / an input, else on the model alone.
         if not isinstance(body, dict):
@@ -336,12 +364,16 @@ class ProxyApp:
             models = self.backends.all_models()
             shaped["model"] = models[0] if models else "default"
         if isinstance(shaped.get("messages"), list) and shaped["messages"]:
-            return RouteRequest.from_openai(shaped, endpoint="chat", headers=headers, request_id=request_id)
+            return RouteRequest.from_openai(
+                shaped, endpoint="chat", headers=headers, request_id=request_id, session_sources=sources
+            )
         prompt = shaped.get("prompt", shaped.get("input"))
         if prompt:
             shaped["prompt"] = prompt
             try:
-                return RouteRequest.from_openai(shaped, endpoint="completions", headers=headers, request_id=request_id)
+                return RouteRequest.from_openai(
+                    shaped, endpoint="completions", headers=headers, request_id=request_id, session_sources=sources
+                )
             except InvalidRequest:
                 pass
         return RouteRequest.from_text("", model=shaped["model"], request_id=request_id)
@@ -360,8 +392,8 @@ class ProxyApp:
                     return
             elif name == _REQUEST_ID:
                 request_id = value.decode("latin-1")[:200] or None
-            elif name in _ROUTE_HEADERS:
-                route_headers[_ROUTE_HEADERS[name]] = value.decode("latin-1")
+            elif name in self._route_headers:
+                route_headers[self._route_headers[name]] = value.decode("latin-1")
         ex = Exchange(request_id or os.urandom(16).hex(), started)
         scope[_SCOPE_REQUEST_ID] = ex.request_id
         if self._shared_metrics:
@@ -416,6 +448,8 @@ class ProxyApp:
             return
         ex.model = request.model
         ex.stream = request.stream
+        if request.session_ignored is not None:
+            self.metrics.child(self.metrics.session_ids_ignored, request.session_ignored).inc()
         await self.forwarder.forward(request, raw, scope, receive, send, ex, id_header)
 
     def _finish(self, ex: Exchange) -> None:

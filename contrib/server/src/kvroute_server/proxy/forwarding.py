@@ -198,6 +198,8 @@ class Forwarder:
                     if decision.spilled:
                         cause = decision.spill_reason or decision.reason
                         self.metrics.child(self.metrics.spills, self.router.strategy_name, str(cause)).inc()
+                    if self.router.sessions is not None:
+                        self.metrics.session_routed(decision, self.router.sessions)
                     if self._shared_metrics:
                         gauge = self.metrics.in_flight_child(decision.backend.id)
                         gauge.inc()
