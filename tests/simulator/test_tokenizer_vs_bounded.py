@@ -88,7 +88,20 @@ def run(name: str, tmp: Path) -> tuple[Comparison, float]:
     return comparison, hot_head_allowance(arrivals, config, comparison.prompt_tokens)
 
 
-CASES = [*(name for name in WORKLOADS if name != "trace"), *TRACES]
+#: Known gaps, with what was measured (remove the mark when the strategy closes it: the xfail is strict).
+KNOWN_GAPS = {
+    "agentic": "issue 23: tokenizer-prefix reaches 0.77 against bounded-load's 0.93 on agent sessions (one idle)",
+}
+CASES = [
+    *(
+        pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True))
+        if name in KNOWN_GAPS
+        else name
+        for name in WORKLOADS
+        if name != "trace"
+    ),
+    *TRACES,
+]
 
 
 @pytest.fixture(scope="module")
