@@ -80,6 +80,8 @@ class ConsistentHash(kvroute.BaseStrategy):
     #: The last request `_group` computed, with its result: ``on_request_start`` asks again for the
     #: request ``pick`` has just keyed (2.7 µs saved per request).
     _last_group: tuple[object, Cuts, int] | None = attrs.field(default=None, init=False, repr=False, eq=False)
+    #: The last request `conversation_key` keyed, with its key: a session wrapper asks before ``pick`` does.
+    _last_conversation: tuple[object, int | None] | None = attrs.field(default=None, init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.prefix is None:  # SageMaker's PrefixLength, given alone, keeps its meaning
@@ -125,7 +127,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         cuts, group = self._group(request)
         if not self._hot_groups.is_hot(group):
             return group
-        conversation = conversation_key(request, self._length)
+        conversation = self._conversation(request)
         if conversation is not None:
             return conversation
         # A plain completion (or a chat without a user message): its longer head, if it has one.
@@ -142,7 +144,15 @@ class ConsistentHash(kvroute.BaseStrategy):
         """
         if self.prefix == "fixed":
             return None
-        return conversation_key(request, self._length)
+        return self._conversation(request)
+
+    def _conversation(self, request: kvroute.RouteRequest) -> int | None:
+        last = self._last_conversation
+        if last is not None and last[0] is request:
+            return last[1]
+        key = conversation_key(request, self._length)
+        self._last_conversation = (request, key)
+        return key
 
     def _group(self, request: kvroute.RouteRequest) -> tuple[Cuts, int]:
         """The request's message cuts and its group key."""
