@@ -16,7 +16,7 @@ turns per 7 instances). Results in docs/performance.md ("Agent traffic in the si
 Run: ``python benchmarks/bench_agent_traffic.py`` (seed 0; about 25 minutes on 2 cores, most of
 it the 64-instance rows); ``--instances 4,16`` or ``--workloads agentic`` for fewer rows,
 ``--strategies bounded-load`` for one strategy, ``-W KEY=VALUE`` for a workload option
-(``-W session_ids=true``).
+(``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-W", "--workload-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--sessions", action="store_true", help="the router keeps sessions (kvroute.sessions)")
     args = parser.parse_args(argv)
     configure_logging("warning")
     extra = {k: _value(v) for k, _, v in (item.partition("=") for item in args.workload_option)}
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             arrivals = list(make_workload(workload, **options).arrivals())
             started = time.perf_counter()
-            config = SimulationConfig(instances=instances, seed=args.seed)
+            config = SimulationConfig(instances=instances, seed=args.seed, sessions=args.sessions)
             comparison = compare(arrivals, strategies, config, workload=workload)
             bound = comparison.upper_bound_hit_rate
             for result in comparison.results:

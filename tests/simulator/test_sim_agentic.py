@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from kvroute_simulator.driver import Comparison, SimulationConfig, compare
+from kvroute_simulator.driver import Comparison, SimulationConfig, compare, simulate
 from kvroute_simulator.workloads import make_workload
 
 INSTANCES = 7
@@ -44,3 +44,30 @@ class TestAgenticBoundedLoad:
         assert result.hit_rate >= 0.9 * comparison.upper_bound_hit_rate, (
             f"hit rate {result.hit_rate:.3f} against a bound of {comparison.upper_bound_hit_rate:.3f}"
         )
+
+
+class TestSimulatedSessions:
+    @staticmethod
+    def session_decisions(think_time: float) -> tuple[int, int]:
+        """Requests sent to their session's bound backend, and all requests, of a multi-turn run with sessions."""
+        workload = make_workload(
+            "multi-turn",
+            requests=300,
+            rate=0.01,
+            system_tokens=50,
+            think_time=think_time,
+            session_ids=True,
+            mean_turns=6,
+        )
+        result = simulate(list(workload.arrivals()), "random", config=SimulationConfig(instances=4, sessions=True))
+        return result.decisions.get("session", 0), result.completed
+
+    def test_sessions_keep_turns_on_their_backend(self) -> None:
+        """With --sessions every later turn of a conversation goes to its bound backend, even under random."""
+        bound, completed = self.session_decisions(think_time=2.0)
+        assert completed == 300 and bound >= 200
+
+    def test_bindings_expire_in_simulated_time(self) -> None:
+        """Sessions run on the simulated clock: with turns ~20 minutes apart (TTL 300 s), bindings have expired."""
+        bound, completed = self.session_decisions(think_time=1200.0)
+        assert completed == 300 and bound < 60
