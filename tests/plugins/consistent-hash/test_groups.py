@@ -9,38 +9,19 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvroute_consistent_hash.groups import EARLY_EVIDENCE, MIN_EVIDENCE, HotGroups
+from kvroute_consistent_hash.groups import MIN_EVIDENCE, HotGroups
 
 
 class TestHotGroups:
     def test_a_group_over_one_backends_share_turns_hot(self) -> None:
-        """A group with more than 1/members (and under 2/members) of the window turns hot once it has MIN_EVIDENCE
-        requests."""
+        """A group with more than 1/members of the window turns hot once it has MIN_EVIDENCE requests."""
         groups = HotGroups(window=100)
-        others = iter(range(1000, 2000))
-        for _ in range(MIN_EVIDENCE - 1):
+        for i in range(MIN_EVIDENCE - 1):
             groups.observe(1, members=7)
-            for _ in range(4):
-                groups.observe(next(others), members=7)
+            groups.observe(1000 + i, members=7)
         assert not groups.is_hot(1)
         groups.observe(1, members=7)
         assert groups.is_hot(1) and groups.hot == {1}
-
-    def test_strong_evidence_turns_a_group_hot_early(self) -> None:
-        """A group with over twice one backend's share turns hot at its EARLY_EVIDENCE-th conversation: a cold start
-        parks 4 conversations of a single application on its home, not 16."""
-        groups = HotGroups(window=100)
-        for _ in range(EARLY_EVIDENCE - 1):
-            groups.observe(1, members=7)
-        assert not groups.is_hot(1)
-        groups.observe(1, members=7)
-        assert groups.is_hot(1)
-        mixed = HotGroups(window=100)
-        for i in range(EARLY_EVIDENCE):  # 4 of 16: 1/4 of the window, under 2/7
-            for j in range(3):
-                mixed.observe(1000 + 3 * i + j, members=7)
-            mixed.observe(1, members=7)
-        assert not mixed.is_hot(1)
 
     def test_uniform_groups_never_turn_hot(self) -> None:
         """24 groups drawn uniformly over a fleet of 7 stay cold through 5,000 requests."""
@@ -89,14 +70,7 @@ class HotGroupsModel(RuleBasedStateMachine):
         count, seen = self.recent.count(group), len(self.recent)
         if group in self.hot and (not count or count / seen < 1 / (2 * members)):
             self.hot.discard(group)
-        elif (
-            group not in self.hot
-            and members > 1
-            and (
-                (count >= MIN_EVIDENCE and count / seen > 1 / members)
-                or (count >= EARLY_EVIDENCE and count / seen > 2 / members)
-            )
-        ):
+        elif group not in self.hot and members > 1 and count >= MIN_EVIDENCE and count / seen > 1 / members:
             self.hot.add(group)
 
     @rule(group=st.integers(0, 2), members=st.integers(1, 4))

@@ -12,12 +12,7 @@ The strategy counts conversations (first turns), not requests: a few long conver
 early on would otherwise make their group look hot, and each switch moves conversations off
 their cache. A hot group stays hot until its share falls under half of the threshold
 (hysteresis), so a group near it does not move its conversations back and forth; and nothing
-is judged on fewer than `MIN_EVIDENCE` conversations of the group, unless the evidence is
-strong: a group that opened more than *twice* one backend's share is hot from its
-`EARLY_EVIDENCE`-th conversation. So on a cold start one application's shared system prompt (or
-an agent's preamble) parks 4 conversations on its home, not 16; with many small groups, 4
-conversations of one group among fewer than ``2 * members`` are rare, and a group called hot by
-chance turns cold again as the window fills. Every router replica learns
+is judged on fewer than `MIN_EVIDENCE` conversations of the group. Every router replica learns
 from the requests it routes, so replicas behind one load balancer reach the same verdicts
 except briefly near the threshold.
 """
@@ -28,12 +23,10 @@ from collections import Counter, deque
 
 import attrs
 
-__all__ = ["EARLY_EVIDENCE", "MIN_EVIDENCE", "HotGroups"]
+__all__ = ["MIN_EVIDENCE", "HotGroups"]
 
 #: Conversations of one group seen in the window before it can be called hot.
 MIN_EVIDENCE = 16
-#: Conversations of one group before it can be called hot on strong evidence (over twice one backend's share).
-EARLY_EVIDENCE = 4
 
 
 @attrs.define
@@ -77,8 +70,5 @@ class HotGroups:
         if group in self._hot:
             if not count or count * 2 * members < seen:
                 self._hot.discard(group)
-        elif members > 1 and (
-            (count >= MIN_EVIDENCE and count * members > seen)
-            or (count >= EARLY_EVIDENCE and count * members > 2 * seen)
-        ):
+        elif members > 1 and count >= MIN_EVIDENCE and count * members > seen:
             self._hot.add(group)
