@@ -21,6 +21,11 @@ time, earliest first (at equal times: scale events, then arrivals, then engine s
 
 Before each routing decision every backend's `EngineLoad` is refreshed from its engine
 (running, waiting, KV usage, prefix-cache counters, block size), as an adapter would.
+
+With ``EngineConfig.data_parallel_size`` > 1 each instance is a
+:class:`~kvroute_simulator.engine.DataParallelEngine`: a decision that names a rank
+(``Decision.data_parallel_rank``, when the core has it) is submitted to that rank, any other
+to the rank the instance's own balancer picks.
 :func:`compare` runs several strategies over the same arrivals.
 
 A run's settings (:class:`SimulationConfig`, scale events) live in
@@ -31,6 +36,7 @@ A run's settings (:class:`SimulationConfig`, scale events) live in
 from __future__ import annotations
 
 import heapq
+import importlib
 import inspect
 import math
 import time
@@ -50,7 +56,7 @@ from kvroute.sessions import Sessions
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
-from kvroute_simulator.engine import Engine
+from kvroute_simulator.engine import DataParallelEngine, Engine, engine_ranks, make_engine
 from kvroute_simulator.engine_config import EngineConfig
 from kvroute_simulator.results import Comparison, InstanceResult, JoinResult, StrategyResult, quantile
 from kvroute_simulator.sequences import EngineRequest, EngineSequence
@@ -72,6 +78,12 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+#: What the core in use knows of data-parallel ranks (fields added with rank routing; absent before).
+_BACKEND_FIELDS = frozenset(attrs.fields_dict(Backend))
+_RankLoad: Any = getattr(importlib.import_module("kvroute.backend"), "RankLoad", None)
+if _RankLoad is not None and "ranks" not in attrs.fields_dict(EngineLoad):
+    _RankLoad = None
+
 #: The rejection reason of a request that arrived while the fleet had no member.
 NO_BACKEND = "no instance in the fleet"
 
@@ -88,7 +100,7 @@ def _takes_seed(factory: Callable[..., Any]) -> bool:
 @attrs.define
 class _Instance:
     backend: Backend
-    engine: Engine
+    engine: Engine | DataParallelEngine
     added_at: float
     removed_at: float | None = None
     requests: int = 0
@@ -166,8 +178,12 @@ class _Run:
     def _add(self, now: float) -> _Instance:
         backend_id = f"i{self.next_index}"
         self.next_index += 1
-        backend = Backend(id=backend_id, url=f"sim://{backend_id}", kind="simulated")
-        engine = Engine(self.config.engine, self.config.cost, name=backend_id)
+        size = self.config.engine.data_parallel_size
+        ranks: dict[str, Any] = (
+            {"data_parallel_size": size} if size > 1 and "data_parallel_size" in _BACKEND_FIELDS else {}
+        )
+        backend = Backend(id=backend_id, url=f"sim://{backend_id}", kind="simulated", **ranks)
+        engine = make_engine(self.config.engine, self.config.cost, name=backend_id)
         instance = self.instances[backend_id] = _Instance(backend, engine, now)
         self.order.append(backend_id)
         self.fleet.add(backend)
@@ -200,6 +216,16 @@ class _Run:
         for state in self.fleet:
             engine = self.instances[state.id].engine
             stats = engine.stats
+            per_rank: dict[str, Any] = {}
+            if isinstance(engine, DataParallelEngine) and _RankLoad is not None:
+                # What vLLM's metrics report per ``engine`` label (a core with per-rank load reads it).
+                per_rank = {
+                    "data_parallel_size": engine.size,
+                    "ranks": tuple(
+                        _RankLoad(rank=e.rank, running=e.num_running, waiting=e.num_waiting, kv_usage=e.kv_usage)
+                        for e in engine.ranks
+                    ),
+                }
             state.load = EngineLoad(
                 running=engine.num_running,
                 waiting=engine.num_waiting,
@@ -207,7 +233,8 @@ class _Run:
                 prefix_cache_queries=float(stats.prompt_tokens),
                 prefix_cache_hits=float(stats.hit_tokens),
                 block_size=block_size,
-                kv_blocks=engine.config.capacity_blocks,
+                kv_blocks=engine.config.capacity_blocks * len(engine_ranks(engine)),
+                **per_rank,
             )
 
     # -- events ----------------------------------------------------------------------------
@@ -237,7 +264,11 @@ class _Run:
             self._reject(refused.reason, arrival, now)
             return
         instance.requests += 1
-        seq = instance.engine.submit(engine_request, now)
+        rank = getattr(decision, "data_parallel_rank", None)
+        if rank is not None and isinstance(instance.engine, DataParallelEngine) and 0 <= rank < instance.engine.size:
+            seq = instance.engine.submit(engine_request, now, rank)
+        else:
+            seq = instance.engine.submit(engine_request, now)
         join, moved = self.warm.window(request, now)
         self.flights[id(seq)] = _Flight(arrival, lease, instance, seq, join, moved)
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import attrs
 
-from kvroute.validators import flag, non_negative_number, positive_integer, positive_share
+from kvroute.validators import (
+    INTEGER,
+    expect,
+    flag,
+    non_negative_number,
+    positive_integer,
+    positive_number,
+    positive_share,
+)
 from kvroute_simulator.sequences import EngineRequest
 
 __all__ = [
@@ -26,6 +34,8 @@ __all__ = [
 ]
 
 GB = 10**9
+
+_non_negative_integer = expect("an integer >= 0", *INTEGER, attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -85,6 +95,11 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=256, validator=positive_integer)
     max_model_len: int = attrs.field(default=131_072, validator=positive_integer)
     enable_prefix_caching: bool = attrs.field(default=True, validator=flag)
+    #: Blocks of the CPU tier that takes the blocks the GPU pool evicts (0: no CPU tier), see `HostTier`.
+    cpu_capacity_blocks: int = attrs.field(default=0, validator=_non_negative_integer)
+    #: Data-parallel ranks of the instance (vLLM's ``--data-parallel-size``): full engine copies, each with
+    #: ``capacity_blocks`` of its own (see `DataParallelEngine`).
+    data_parallel_size: int = attrs.field(default=1, validator=positive_integer)
 
     @property
     def capacity_tokens(self) -> int:
@@ -151,6 +166,10 @@ class CostModel:
     decode_base_ms: float = attrs.field(default=15.0, validator=non_negative_number)
     decode_per_seq_ms: float = attrs.field(default=0.040, validator=non_negative_number)
     kv_read_ms_per_token: float = attrs.field(default=2.0e-5, validator=non_negative_number)
+    #: Llama-3.1-70B in bf16: 80 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 327,680 B.
+    kv_bytes_per_token: int = attrs.field(default=327_680, validator=positive_integer)
+    #: 8 GPUs x ~25 GB/s of effective PCIe host-to-device bandwidth each (tensor parallel: each loads its shard).
+    cpu_reload_gb_per_s: float = attrs.field(default=200.0, validator=positive_number)
 
     def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Return the cost of one prefill chunk, without the step base."""
@@ -160,6 +179,10 @@ class CostModel:
     def decode_ms(self, context_tokens: int) -> float:
         """Return the cost of decoding one token for one sequence, without the step base."""
         return self.decode_per_seq_ms + self.kv_read_ms_per_token * context_tokens
+
+    def reload_ms(self, tokens: int) -> float:
+        """Return the time to copy ``tokens`` tokens of KV from the CPU tier back to the GPUs."""
+        return tokens * self.kv_bytes_per_token / (self.cpu_reload_gb_per_s * 1e6)
 
     def cold_prefill_ms(self, tokens: int) -> float:
         """Return the duration of a prefill-only step computing one cold prompt of ``tokens``."""

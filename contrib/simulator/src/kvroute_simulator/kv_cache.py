@@ -7,13 +7,17 @@ one queue in eviction order: never-used blocks first, then blocks in the order t
 freed (:meth:`BlockPool.release` frees a sequence's blocks last-to-first, so its tail goes
 first). Allocation takes the queue's head and drops its hash: LRU eviction of unreferenced
 blocks only.
+
+:class:`HostTier` is the optional CPU tier behind the pool: the hashes of blocks the pool
+evicted, kept in LRU order up to its capacity, and given back (moved to the GPU) on a hit.
+The two tiers are exclusive: a block is findable in at most one of them.
 """
 
 from __future__ import annotations
 
 import collections
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "HostTier"]
 
 
 class BlockPool:
@@ -103,16 +107,18 @@ class BlockPool:
             hits.append(b)
         return hits
 
-    def store(self, hashes: list[int], blocks: list[int], start: int, upto: int, stored: list[int]) -> None:
-        """Make blocks ``start:upto`` findable by their hashes (first writer wins); append new hashes to ``stored``."""
+    def store(self, hashes: list[int], blocks: list[int], start: int, upto: int) -> list[int]:
+        """Make blocks ``start:upto`` findable by their hashes (first writer wins); return the new ones' indexes."""
         cached, block_hash = self._cached, self._block_hash
+        stored: list[int] = []
         for i in range(start, upto):
             h = hashes[i]
             if h not in cached:
                 b = blocks[i]
                 cached[h] = b
                 block_hash[b] = h
-                stored.append(h)
+                stored.append(i)
+        return stored
 
     def audit(self, refs: collections.Counter[int]) -> list[str]:
         """Return the broken invariants of the pool, given how many running references each block has."""
@@ -132,3 +138,63 @@ class BlockPool:
             if self._block_hash[b] != h:
                 problems.append(f"hash {h}: maps to block {b}, which holds {self._block_hash[b]}")
         return problems
+
+
+class HostTier:
+    """The CPU tier of one engine: hashes of blocks the GPU pool evicted, least recently used first.
+
+    ``offload`` takes the pool's evicted blocks and pushes the least recently used ones out past
+    ``capacity``; ``match`` counts how many leading hashes of a lookup it holds and ``take`` moves
+    them out (to the GPU, where the scheduler stores them again); ``discard`` drops hashes the GPU
+    computed anew, so a block is never in both tiers.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a CPU tier needs a capacity of at least one block (got {capacity!r}).")
+        self.capacity = capacity
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def offload(self, hashes: list[int]) -> tuple[list[int], list[int]]:
+        """Keep the evicted ``hashes`` (most recent last); return ``(stored, dropped)``: new hashes, pushed-out ones."""
+        lru, cap = self._lru, self.capacity
+        stored: list[int] = []
+        for h in hashes[-cap:]:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                stored.append(h)
+        dropped: list[int] = []
+        while len(lru) > cap:
+            dropped.append(lru.popitem(last=False)[0])
+        return stored, dropped
+
+    def match(self, hashes: list[int]) -> int:
+        """Return how many leading ``hashes`` this tier holds."""
+        lru = self._lru
+        n = 0
+        for h in hashes:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def take(self, hashes: list[int]) -> None:
+        """Remove ``hashes`` (all held: a hit being copied back to the GPU)."""
+        for h in hashes:
+            del self._lru[h]
+
+    def discard(self, hashes: list[int]) -> list[int]:
+        """Remove those of ``hashes`` this tier holds; return them."""
+        lru = self._lru
+        gone = [h for h in hashes if h in lru]
+        for h in gone:
+            del lru[h]
+        return gone

@@ -8,24 +8,43 @@ admitted with the longest run of its leading blocks found in the cache (at most
 sampled, as vLLM does). When blocks run out, the most recently admitted sequence is
 preempted (its blocks are freed and it is recomputed later). A decode-only step that would
 repeat unchanged becomes one :class:`Batch` of many steps with closed-form durations.
+
+With a CPU tier (:class:`~kvroute_simulator.kv_cache.HostTier`), blocks the GPU pool evicts
+move there; a lookup continues past the GPU hit into the CPU tier, and the blocks found there
+are copied back (the step that admits the sequence lasts ``CostModel.reload_ms`` longer) and
+stored on the GPU again when the step ends.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 
 from kvroute_simulator.engine_config import CostModel, EngineConfig
-from kvroute_simulator.kv_cache import BlockPool
+from kvroute_simulator.kv_cache import BlockPool, HostTier
 from kvroute_simulator.sequences import EngineSequence
 
-__all__ = ["Batch", "EngineStats", "Scheduler", "StepResult"]
+__all__ = ["GPU", "HOST", "Batch", "EngineStats", "KvEvents", "Scheduler", "StepResult"]
 
-#: Receives the hashes of blocks that became findable, or stopped being findable, at a time.
-_KvEvents = Callable[[list[int], float], None]
+#: The tiers' names, as vLLM's KV events give them in ``medium``.
+GPU = "GPU"
+HOST = "CPU"
+
+
+class KvEvents(Protocol):
+    """Receives what happens to the blocks of one engine's tiers, at a time."""
+
+    def stored(self, runs: list[tuple[EngineSequence, list[int]]], now: float) -> None:
+        """Blocks became findable on the GPU: per sequence, the indexes of its newly stored blocks."""
+
+    def removed(self, hashes: list[int], medium: str, now: float) -> None:
+        """Blocks stopped being findable on the tier ``medium`` (GPU or CPU)."""
+
+    def offloaded(self, hashes: list[int], now: float) -> None:
+        """Blocks the GPU evicted became findable on the CPU tier."""
 
 
 @attrs.frozen
@@ -60,14 +79,25 @@ class EngineStats:
     output_tokens: int = 0
     preemptions: int = 0
     evicted_blocks: int = 0
+    #: Prompt tokens found on the CPU tier (part of ``hit_tokens``), and the seconds spent copying them back.
+    cpu_hit_tokens: int = 0
+    reload_time: float = 0.0
+    #: Blocks the GPU evicted into the CPU tier, and blocks the CPU tier evicted for good.
+    offloaded_blocks: int = 0
+    cpu_evicted_blocks: int = 0
     aborted: int = 0
     steps: int = 0
     busy_time: float = 0.0
 
     @property
     def hit_rate(self) -> float:
-        """Prefix cache hits over queries, in tokens (0 before any admission)."""
+        """Prefix cache hits over queries, in tokens, both tiers (0 before any admission)."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_hit_tokens(self) -> int:
+        """Prompt tokens found on the GPU."""
+        return self.hit_tokens - self.cpu_hit_tokens
 
 
 @attrs.define
@@ -109,8 +139,8 @@ class Scheduler:
     """The waiting queue and the running batch of one engine, and the steps that advance them.
 
     ``schedule`` plans the next step over the block pool; ``complete`` applies a planned step
-    once its time has come. Counters go to ``stats``; ``on_stored`` and ``on_removed`` receive
-    the hashes of blocks that became findable and of evicted ones, with the time.
+    once its time has come. Counters go to ``stats``; ``events`` hears of blocks stored,
+    removed and offloaded on each tier. ``host`` is the CPU tier, if any.
     """
 
     def __init__(
@@ -122,8 +152,8 @@ class Scheduler:
         *,
         name: str,
         coalesce_decodes: bool,
-        on_stored: _KvEvents,
-        on_removed: _KvEvents,
+        events: KvEvents,
+        host: HostTier | None = None,
     ) -> None:
         self.config = config
         self.cost = cost
@@ -131,8 +161,8 @@ class Scheduler:
         self.stats = stats
         self.name = name
         self.coalesce_decodes = coalesce_decodes
-        self._on_stored = on_stored
-        self._on_removed = on_removed
+        self.events = events
+        self.host = host
         self._bs = config.block_size
         self.waiting: collections.deque[EngineSequence] = collections.deque()
         self.running: list[EngineSequence] = []
@@ -143,7 +173,15 @@ class Scheduler:
         removed = self.pool.allocate(count, into)
         if removed:
             self.stats.evicted_blocks += len(removed)
-            self._on_removed(removed, now)
+            self.events.removed(removed, GPU, now)
+            if self.host is not None:
+                stored, dropped = self.host.offload(removed)
+                if dropped:
+                    self.stats.cpu_evicted_blocks += len(dropped)
+                    self.events.removed(dropped, HOST, now)
+                if stored:
+                    self.stats.offloaded_blocks += len(stored)
+                    self.events.offloaded(stored, now)
 
     def _preempt(self, seq: EngineSequence) -> None:
         self.pool.release(seq.blocks)
@@ -161,13 +199,27 @@ class Scheduler:
         limit = self.config.lookup_limit(len(seq.hashes), seq.num_tokens)
         return self.pool.lookup(seq.hashes[:limit])
 
-    def _register(self, seq: EngineSequence, stored: list[int]) -> None:
+    def _host_hits(self, seq: EngineSequence, gpu_hits: int) -> int:
+        """Return how many blocks after the GPU hit the CPU tier holds (within the lookup limit)."""
+        if self.host is None or not seq.hashes:
+            return 0
+        limit = self.config.lookup_limit(len(seq.hashes), seq.num_tokens)
+        return self.host.match(seq.hashes[gpu_hits:limit])
+
+    def _register(self, seq: EngineSequence, stored: list[tuple[EngineSequence, list[int]]], now: float) -> None:
         """Make the newly completed full blocks of ``seq`` findable by hash (first writer wins)."""
         upto = self.config.stored_blocks(len(seq.hashes), seq.num_computed)
         if upto <= seq.registered:
             return
-        self.pool.store(seq.hashes, seq.blocks, seq.registered, upto, stored)
+        new = self.pool.store(seq.hashes, seq.blocks, seq.registered, upto)
         seq.registered = upto
+        if new:
+            stored.append((seq, new))
+            if self.host is not None and len(self.host):
+                # Computed again on the GPU: the CPU copy goes, so that the tiers stay exclusive.
+                gone = self.host.discard([seq.hashes[i] for i in new])
+                if gone:
+                    self.events.removed(gone, HOST, now)
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -232,29 +284,38 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self._lookup(seq)
             n_hits = len(hits)
-            computed = n_hits * bs
+            n_host = self._host_hits(seq, n_hits)
+            computed = (n_hits + n_host) * bs
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // bs) - n_hits
             touched = pool.unreferenced(hits)
             if need + touched > pool.num_free:
                 break  # vLLM does not preempt running sequences for a waiting one
             self.waiting.popleft()
+            if n_host:
+                assert self.host is not None
+                reloaded = seq.hashes[n_hits : n_hits + n_host]
+                self.host.take(reloaded)  # before allocating: what the GPU evicts now may go to the CPU tier
+                self.events.removed(reloaded, HOST, now)
             pool.touch(hits)
             seq.blocks = hits
             self._allocate(need, seq.blocks, now)
             seq.num_computed = computed
             seq.registered = n_hits
+            reload_ms = cost.reload_ms(n_host * bs) if n_host else 0.0
             if seq.cached_tokens is None:
                 seq.cached_tokens = computed
                 self.stats.admitted += 1
                 self.stats.prompt_tokens += seq.prompt_len
                 self.stats.hit_tokens += computed
+                self.stats.cpu_hit_tokens += n_host * bs
+            self.stats.reload_time += reload_ms / 1000.0
             self.running.append(seq)
             taken.add(id(seq))
             scheduled.append((seq, n))
             budget -= n
             prefill_tokens += n
-            step_ms += cost.prefill_ms(n, computed)
+            step_ms += cost.prefill_ms(n, computed) + reload_ms
 
         if not scheduled:
             if self.running:
@@ -314,7 +375,7 @@ class Scheduler:
         bs = self._bs
         first: list[EngineSequence] = []
         done: list[EngineSequence] = []
-        stored: list[int] = []
+        stored: list[tuple[EngineSequence, list[int]]] = []
         sampled = 0
         if steps > 1:
             # A decode-only run: every running sequence computed (and sampled) ``steps`` tokens.
@@ -326,7 +387,7 @@ class Scheduler:
                 seq.num_tokens += steps
                 seq.generated += steps
                 sampled += steps
-                self._register(seq, stored)
+                self._register(seq, stored, end)
                 if seq.generated >= seq.request.output_len:
                     seq.finish_time = end
                     done.append(seq)
@@ -340,7 +401,7 @@ class Scheduler:
                     if seq.generated == 1:
                         seq.first_token_time = end
                         first.append(seq)
-                self._register(seq, stored)
+                self._register(seq, stored, end)
                 if seq.generated >= seq.request.output_len:
                     seq.finish_time = end
                     done.append(seq)
@@ -355,7 +416,7 @@ class Scheduler:
                 self.pool.release(seq.blocks)
             stats.finished += len(done)
         if stored:
-            self._on_stored(stored, end)
+            self.events.stored(stored, end)
         return StepResult(
             batch.start,
             end,

@@ -91,8 +91,8 @@ class SimulationConfig:
 
     @property
     def fleet_blocks(self) -> int:
-        """KV blocks of the instances present at the start, together."""
-        return self.instances * self.engine.capacity_blocks
+        """KV blocks of the instances present at the start, together (every data-parallel rank's)."""
+        return self.instances * self.engine.data_parallel_size * self.engine.capacity_blocks
 
     def sized_for(self, requests: Sequence[EngineRequest], working_set: float) -> SimulationConfig:
         """Return this fleet with each engine's ``capacity_blocks`` set so the working set is ``working_set`` of it.
@@ -109,7 +109,7 @@ class SimulationConfig:
         blocks = reused_blocks(requests, self.engine)
         if blocks == 0:
             raise ConfigError("'working_set' needs a workload whose requests share prefixes (got none reused).")
-        capacity = math.ceil(blocks / (working_set * self.instances))
+        capacity = math.ceil(blocks / (working_set * self.instances * self.engine.data_parallel_size))
         size = self.engine.block_size
         largest = max(-(-(len(r.prompt) + r.output_len) // size) for r in requests)
         if capacity < largest:

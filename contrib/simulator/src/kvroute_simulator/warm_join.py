@@ -27,7 +27,7 @@ from kvroute.fleet import Fleet
 from kvroute.request import RouteRequest
 from kvroute.router import Router
 from kvroute.warmup import HotPrefix, HotPrefixes, warm_plan
-from kvroute_simulator.engine import Engine
+from kvroute_simulator.engine import DataParallelEngine, Engine
 from kvroute_simulator.results import JoinResult, quantile
 from kvroute_simulator.sequences import EngineRequest, EngineSequence
 from kvroute_simulator.simulation_config import SimulationConfig
@@ -44,7 +44,7 @@ class Join:
     """One instance's join: its pre-fill in progress, its home oracle, the TTFTs of its window's requests."""
 
     backend_id: str
-    engine: Engine
+    engine: Engine | DataParallelEngine
     time: float
     oracle: Router
     pending: list[HotPrefix] = attrs.field(factory=list)
@@ -105,7 +105,7 @@ class WarmJoins:
         if self.hot is not None:
             self.hot.observe(request)
 
-    def join(self, backend_id: str, engine: Engine, now: float) -> None:
+    def join(self, backend_id: str, engine: Engine | DataParallelEngine, now: float) -> None:
         """Start measuring a join; pre-fill the instance (drained meanwhile) and/or start its slow start."""
         oracle = self.oracle(Fleet([attrs.evolve(s.backend, weight=1.0) for s in self.fleet]))
         join = Join(backend_id, engine, now, oracle)

@@ -3,8 +3,12 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming with
 ``[DONE]`` and ``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's Prometheus names), ``POST /tokenize``, ``POST /detokenize``,
-``GET /version``, ``GET /load``, and the test controls ``GET|POST /emulator/faults`` and
-``GET /emulator/stats``. See docs/emulator.md.
+``GET /version``, ``GET /load``, ``GET /kv_event_sources``, and the test controls
+``GET|POST /emulator/faults`` and ``GET /emulator/stats``. See docs/emulator.md.
+
+With ``data_parallel_size`` > 1 the engine is a `DataParallelEngine`: a generation request goes
+to the rank its ``X-data-parallel-rank`` header names (as vLLM reads it: a value that is not an
+integer is ignored, one out of range is answered 400), or to the rank vLLM's balancer picks.
 
 This module holds the ASGI entry point and the HTTP handlers; request parsing is in
 :mod:`~kvroute_simulator.emulator.parsing`, the generation requests' bookkeeping (engine
@@ -37,6 +41,7 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_simulator.emulator.config import EmulatorConfig, EmulatorStats, Faults
 from kvroute_simulator.emulator.generation import GenerationHandler
+from kvroute_simulator.emulator.kv_events import KvEventPublisher
 from kvroute_simulator.emulator.metrics import CONTENT_TYPE, EmulatedMetrics
 from kvroute_simulator.emulator.parsing import (
     BadRequest,
@@ -47,6 +52,7 @@ from kvroute_simulator.emulator.parsing import (
     tokenize_text,
 )
 from kvroute_simulator.emulator.realtime import RealTimeEngine
+from kvroute_simulator.engine import DataParallelEngine, EngineStats, engine_ranks
 from kvroute_simulator.tokens import vocabulary
 
 __all__ = ["EmulatorApp", "EmulatorConfig", "Faults", "tokenize_chat", "tokenize_text"]
@@ -62,8 +68,18 @@ class EmulatorApp:
         self.faults = faults or Faults()
         self.stats = EmulatorStats()
         self.vocab = vocabulary()
-        self.engine = self.config.engine()
-        self.metrics = EmulatedMetrics(self.config.model, self.engine, engine_index=self.config.engine_index)
+        events = self.config.kv_events
+        self.publisher = (
+            KvEventPublisher(events, self.config.block_size, self.config.data_parallel_size, self.config.host)
+            if events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+            else None
+        )
+        self.engine = self.config.engine(listener=self.publisher)
+        self.ranks = engine_ranks(self.engine)
+        if self.publisher is not None:
+            self.publisher.attach(self.ranks)
+        self.stats.rank_requests = [0] * len(self.ranks)
+        self.metrics = EmulatedMetrics(self.config.model, self.ranks)
         self.runner: RealTimeEngine | None = None
         self._generation = GenerationHandler(self.config, self.faults, self.stats, self.vocab, self.metrics)
         self._created = int(time.time())
@@ -81,6 +97,7 @@ class EmulatorApp:
             ("POST", "/detokenize", self._detokenize),
             ("GET", "/version", self._version),
             ("GET", "/load", self._load),
+            ("GET", "/kv_event_sources", self._kv_event_sources),
             ("GET", "/emulator/faults", self._get_faults),
             ("POST", "/emulator/faults", self._set_faults),
             ("GET", "/emulator/stats", self._get_stats),
@@ -89,8 +106,13 @@ class EmulatorApp:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[EmulatorApp]:
-        """Run the engine's clock for the duration of the block."""
-        self.runner = RealTimeEngine(self.engine, self.config.time_scale)
+        """Run the engine's clock (and the KV event publisher) for the duration of the block."""
+        publisher = self.publisher
+        if publisher is not None:
+            await publisher.start()
+        self.runner = RealTimeEngine(
+            self.engine, self.config.time_scale, after_step=None if publisher is None else publisher.flush
+        )
         task = asyncio.create_task(self.runner.run())
         try:
             yield self
@@ -99,6 +121,8 @@ class EmulatorApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             self.runner = None
+            if publisher is not None:
+                publisher.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -125,16 +149,33 @@ class EmulatorApp:
 
     # -- generation -------------------------------------------------------------------
 
+    def _rank(self, scope: Scope) -> int | None:
+        """The data-parallel rank ``X-data-parallel-rank`` names, as vLLM reads it (not an integer: none)."""
+        raw = next((v for k, v in scope["headers"] if k == b"x-data-parallel-rank"), None)
+        if raw is None:
+            return None
+        try:
+            rank = int(raw.decode("latin-1"))
+        except ValueError:
+            return None
+        if not 0 <= rank < len(self.ranks):
+            # vLLM's input processor refuses it with this message (HTTP 400).
+            raise BadRequest(f"data_parallel_rank {rank} is out of range [0, {len(self.ranks)}).")
+        return rank
+
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_json(scope, receive)
         check_model(body, self.config.model)
         prompt = tokenize_chat(body.get("messages"), self.vocab)
-        await self._generation.generate(self.runner, receive, send, body, prompt, chat=True)
+        rank = self._rank(scope)
+        await self._generation.generate(self.runner, receive, send, body, prompt, chat=True, rank=rank)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_json(scope, receive)
         check_model(body, self.config.model)
-        await self._generation.generate(self.runner, receive, send, body, prompt_tokens(body, self.vocab), chat=False)
+        prompt = prompt_tokens(body, self.vocab)
+        rank = self._rank(scope)
+        await self._generation.generate(self.runner, receive, send, body, prompt, chat=False, rank=rank)
 
     # -- other routes -----------------------------------------------------------------
 
@@ -193,6 +234,11 @@ class EmulatorApp:
     async def _load(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"server_load": self.engine.in_flight})
 
+    async def _kv_event_sources(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # vLLM mounts the route unconditionally and answers {"sources": [...]}, sorted by rank.
+        sources = [] if self.publisher is None else self.publisher.sources()
+        await send_json(send, 200, {"sources": sources})
+
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, attrs.asdict(self.faults))
 
@@ -208,19 +254,49 @@ class EmulatorApp:
         await send_json(send, 200, attrs.asdict(self.faults))
 
     async def _get_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
-        engine = self.engine.stats
+        engine = self.engine
+        dp = engine if isinstance(engine, DataParallelEngine) else None
+        ranks = []
+        for e in self.ranks:
+            stats = e.stats
+            ranks.append(
+                {
+                    "rank": e.rank,
+                    "requests": self.stats.rank_requests[e.rank],
+                    "routed": dp.routed[e.rank] if dp is not None else 0,
+                    "balanced": dp.balanced[e.rank] if dp is not None else 0,
+                    "running": e.num_running,
+                    "waiting": e.num_waiting,
+                    **_counters(stats),
+                    "cached_blocks": e.cached_blocks,
+                    "cpu_cached_blocks": e.cpu_cached_blocks,
+                }
+            )
         await send_json(
             send,
             200,
             {
                 **attrs.asdict(self.stats),
-                "engine": {
-                    "prompt_tokens": engine.prompt_tokens,
-                    "hit_tokens": engine.hit_tokens,
-                    "finished": engine.finished,
-                    "aborted": engine.aborted,
-                },
-                "running": self.engine.num_running,
-                "waiting": self.engine.num_waiting,
+                "engine": _counters(engine.stats),
+                "running": engine.num_running,
+                "waiting": engine.num_waiting,
+                "ranks": ranks,
+                "kv_events": None if self.publisher is None else self.publisher.stats(),
             },
         )
+
+
+def _counters(stats: EngineStats) -> dict[str, float]:
+    """An engine's counters as ``/emulator/stats`` shows them (hits per tier)."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "hit_tokens": stats.hit_tokens,
+        "gpu_hit_tokens": stats.gpu_hit_tokens,
+        "cpu_hit_tokens": stats.cpu_hit_tokens,
+        "reload_time": stats.reload_time,
+        "evicted_blocks": stats.evicted_blocks,
+        "offloaded_blocks": stats.offloaded_blocks,
+        "cpu_evicted_blocks": stats.cpu_evicted_blocks,
+        "finished": stats.finished,
+        "aborted": stats.aborted,
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvroute_simulator.emulator.app import EmulatorApp, EmulatorConfig, Faults
+from kvroute_simulator.emulator.kv_events import parse_kv_events_config
 
 __all__ = ["emulate"]
 
@@ -58,6 +59,42 @@ _D = EmulatorConfig()
 @click.option(
     "--die-after-events", type=int, default=1, show_default=True, help="SSE events sent before an injected drop."
 )
+@click.option(
+    "--data-parallel-size",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Data-parallel ranks behind this URL, each a full engine copy with its own KV cache and queue "
+    "(X-data-parallel-rank picks one; without it, the least loaded).",
+)
+@click.option(
+    "--num-cpu-blocks",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="CPU tier capacity in blocks per rank: blocks the GPU evicts move there (0: no CPU tier).",
+)
+@click.option(
+    "--kv-bytes-per-token",
+    type=click.IntRange(min=1),
+    default=_D.kv_bytes_per_token,
+    show_default=True,
+    help="KV cache bytes per token (reload cost of a CPU hit).",
+)
+@click.option(
+    "--cpu-reload-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=_D.cpu_reload_gbps,
+    show_default=True,
+    help="CPU-to-GPU bandwidth in GB/s that a CPU hit is copied back at.",
+)
+@click.option(
+    "--kv-events-config",
+    default=None,
+    metavar="JSON",
+    help='Publish KV events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", '
+    '"replay_endpoint": "tcp://*:0"}\' (a * host binds the --host address).',
+)
 @click.option("--log-level", default="warning", show_default=True)
 def emulate(
     host: str,
@@ -76,6 +113,11 @@ def emulate(
     fail_status: int,
     die_next: int,
     die_after_events: int,
+    data_parallel_size: int,
+    num_cpu_blocks: int,
+    kv_bytes_per_token: int,
+    cpu_reload_gbps: float,
+    kv_events_config: str | None,
     log_level: str,
 ) -> None:
     """Run an engine emulator: an HTTP server that answers like vLLM, without a GPU.
@@ -98,6 +140,12 @@ def emulate(
             time_scale=time_scale,
             default_max_tokens=default_max_tokens,
             prompt_tokens_details=not no_prompt_tokens_details,
+            data_parallel_size=data_parallel_size,
+            num_cpu_blocks=num_cpu_blocks,
+            kv_bytes_per_token=kv_bytes_per_token,
+            cpu_reload_gbps=cpu_reload_gbps,
+            kv_events=parse_kv_events_config(kv_events_config) if kv_events_config is not None else None,
+            host=host,
         )
         app = EmulatorApp(
             config,

@@ -6,7 +6,8 @@ from typing import Any
 
 import attrs
 
-from kvroute_simulator.engine import CostModel, Engine, EngineConfig
+from kvroute_simulator.emulator.kv_events import KvEventsConfig
+from kvroute_simulator.engine import CostModel, DataParallelEngine, Engine, EngineConfig, KvEventListener, make_engine
 
 __all__ = ["EmulatorConfig", "EmulatorStats", "Faults"]
 
@@ -25,10 +26,19 @@ class EmulatorConfig:
     time_scale: float = 1.0
     default_max_tokens: int = 16
     prompt_tokens_details: bool = True
-    engine_index: str = "0"
+    #: Data-parallel ranks behind the one URL (vLLM's ``--data-parallel-size``): each a full engine copy.
+    data_parallel_size: int = 1
+    #: CPU tier capacity in blocks per rank (0: none), and what a CPU hit costs to copy back.
+    num_cpu_blocks: int = 0
+    kv_bytes_per_token: int = CostModel().kv_bytes_per_token
+    cpu_reload_gbps: float = CostModel().cpu_reload_gb_per_s
+    #: vLLM's ``--kv-events-config`` (None: no KV events, as vLLM without it).
+    kv_events: KvEventsConfig | None = None
+    #: The address HTTP is served on: a wildcard KV events endpoint is bound there.
+    host: str = "127.0.0.1"
 
-    def engine(self) -> Engine:
-        """A fresh engine model with these settings (the cost model is the simulator's default)."""
+    def engine(self, listener: KvEventListener | None = None) -> Engine | DataParallelEngine:
+        """A fresh engine model with these settings (the simulator's cost model, with this KV size and bandwidth)."""
         sizes: dict[str, Any] = {}
         if self.num_gpu_blocks is not None:
             sizes["capacity_blocks"] = self.num_gpu_blocks
@@ -38,9 +48,12 @@ class EmulatorConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            cpu_capacity_blocks=self.num_cpu_blocks,
+            data_parallel_size=self.data_parallel_size,
             **sizes,
         )
-        return Engine(config, CostModel(), name=self.model, coalesce_decodes=False)
+        cost = CostModel(kv_bytes_per_token=self.kv_bytes_per_token, cpu_reload_gb_per_s=self.cpu_reload_gbps)
+        return make_engine(config, cost, name=self.model, listener=listener, coalesce_decodes=False)
 
 
 @attrs.define
@@ -76,3 +89,5 @@ class EmulatorStats:
     aborted: int = 0
     errors_injected: int = 0
     deaths_injected: int = 0
+    #: Generation requests each data-parallel rank took.
+    rank_requests: list[int] = attrs.field(factory=lambda: [0])

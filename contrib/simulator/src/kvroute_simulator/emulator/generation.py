@@ -57,8 +57,12 @@ class GenerationHandler:
         prompt: tuple[int, ...],
         *,
         chat: bool,
+        rank: int | None = None,
     ) -> None:
-        """Serve one request for ``prompt`` (``chat``: a chat completion) on ``runner``, as ``body`` asks."""
+        """Serve one request for ``prompt`` (``chat``: a chat completion) on ``runner``, as ``body`` asks.
+
+        ``rank``: the data-parallel rank the request names (None: the engine's balancer picks).
+        """
         assert runner is not None, "the emulator is not running (lifespan not started)"
         self.stats.requests += 1
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -90,7 +94,7 @@ class GenerationHandler:
             engine_request = EngineRequest(
                 request_id, TokenSeq.of(prompt), max_tokens, output_tokens=output, extra_key=extra_key
             )
-            stream = runner.submit(engine_request)
+            stream = runner.submit(engine_request, rank)
         except ValueError as exc:
             raise BadRequest(str(exc), "messages" if chat else "prompt") from None
 
@@ -105,6 +109,8 @@ class GenerationHandler:
                 gone = True
                 task.cancel()
 
+        metrics = self.metrics.rank(stream.rank)
+        self.stats.rank_requests[stream.rank] += 1
         watcher = asyncio.create_task(watch())
         try:
             if stream_flag:
@@ -125,12 +131,12 @@ class GenerationHandler:
                 self.stats.aborted += 1
             runner.detach(stream)
             if stream.first_token_at is not None:
-                self.metrics.ttft.observe(stream.first_token_at - stream.submitted_at)
+                metrics.ttft.observe(stream.first_token_at - stream.submitted_at)
             if stream.done:
-                self.metrics.e2e.observe(time.monotonic() - stream.submitted_at)
-                self.metrics.prompt_tokens.inc(len(prompt))
-                self.metrics.generation_tokens.inc(len(output))
-                self.metrics.finished("length")
+                metrics.e2e.observe(time.monotonic() - stream.submitted_at)
+                metrics.prompt_tokens.inc(len(prompt))
+                metrics.generation_tokens.inc(len(output))
+                metrics.finished("length")
 
     def _output_tokens(self, prompt: tuple[int, ...], count: int) -> tuple[int, ...]:
         key = hash64(array.array("q", prompt).tobytes())

@@ -6,6 +6,8 @@ which exposes ``..._total`` and ``..._created`` series exactly as a single-proce
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvroute_simulator.engine import Engine
@@ -64,41 +66,107 @@ _LATENCY_BUCKETS = (
 )
 
 
+class _RankMetrics:
+    """One data-parallel rank's series (label ``engine``): what the generation handler records per request."""
+
+    def __init__(self, families: EmulatedMetrics, engine: Engine, model: str) -> None:
+        values = (model, str(engine.rank))
+        self.engine = engine
+        self.running = families.running.labels(*values)
+        self.waiting = families.waiting.labels(*values)
+        self.kv_usage = families.kv_usage.labels(*values)
+        self.queries = families.queries.labels(*values)
+        self.hits = families.hits.labels(*values)
+        self.external = (
+            None
+            if families.external_queries is None or families.external_hits is None
+            else (families.external_queries.labels(*values), families.external_hits.labels(*values))
+        )
+        self.prompt_tokens = families.prompt_tokens.labels(*values)
+        self.generation_tokens = families.generation_tokens.labels(*values)
+        self.ttft = families.ttft.labels(*values)
+        self.e2e = families.e2e.labels(*values)
+        self._success = families.success
+        self._values = values
+        self._seen = (0, 0, 0, 0)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(*self._values, reason).inc()
+
+    def update(self) -> None:
+        engine = self.engine
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_usage)
+        stats = engine.stats
+        # vLLM's prefix cache counters are the GPU's; a CPU tier (an offloading connector) is "external".
+        gpu_hits = stats.hit_tokens - stats.cpu_hit_tokens
+        now = (stats.prompt_tokens, gpu_hits, stats.prompt_tokens - gpu_hits, stats.cpu_hit_tokens)
+        seen = self._seen
+        self.queries.inc(now[0] - seen[0])
+        self.hits.inc(now[1] - seen[1])
+        if self.external is not None:
+            self.external[0].inc(now[2] - seen[2])
+            self.external[1].inc(now[3] - seen[3])
+        self._seen = now
+
+
 class EmulatedMetrics:
     """The metric families a router reads from vLLM, fed by the emulator's engine model and rendered for ``/metrics``.
 
+    One set of series per data-parallel rank, labelled ``engine="<rank>"`` as vLLM labels them.
     Not to be confused with what kvroute-vllm parses these back into on the router side.
     """
 
-    def __init__(self, model: str, engine: Engine, *, engine_index: str = "0") -> None:
-        self.engine = engine
+    def __init__(self, model: str, ranks: Sequence[Engine]) -> None:
         self.registry = r = CollectorRegistry()
         labels = ["model_name", "engine"]
-        values = (model, engine_index)
         self.running = Gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r
-        ).labels(*values)
+        )
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r
-        ).labels(*values)
+        )
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r
-        ).labels(*values)
+        )
         self.queries = Counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
             labels,
             registry=r,
-        ).labels(*values)
+        )
         self.hits = Counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r
-        ).labels(*values)
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
-        ).labels(*values)
+        )
+        # Only with a CPU tier, as vLLM only has them with a KV connector.
+        offloads = any(engine.config.cpu_capacity_blocks for engine in ranks)
+        self.external_queries = (
+            None
+            if not offloads
+            else Counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+                "queried tokens.",
+                labels,
+                registry=r,
+            )
+        )
+        self.external_hits = (
+            None
+            if not offloads
+            else Counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+                "cached tokens.",
+                labels,
+                registry=r,
+            )
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
-        ).labels(*values)
+        )
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -111,40 +179,37 @@ class EmulatedMetrics:
             labels,
             buckets=_TTFT_BUCKETS,
             registry=r,
-        ).labels(*values)
+        )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(*values)
+        )
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             ["block_size", "enable_prefix_caching", "num_gpu_blocks", "prefix_caching_hash_algo", "engine"],
             registry=r,
         )
-        cfg = engine.config
-        info.labels(
-            str(cfg.block_size), str(cfg.enable_prefix_caching), str(cfg.capacity_blocks), "sha256", engine_index
-        ).set(1)
-        self._model = model
-        self._engine_index = engine_index
-        self._seen_queries = 0
-        self._seen_hits = 0
+        self.ranks = [_RankMetrics(self, engine, model) for engine in ranks]
+        for engine in ranks:
+            cfg = engine.config
+            info.labels(
+                str(cfg.block_size),
+                str(cfg.enable_prefix_caching),
+                str(cfg.capacity_blocks),
+                "sha256",
+                str(engine.rank),
+            ).set(1)
 
-    def finished(self, reason: str) -> None:
-        self.success.labels(self._model, self._engine_index, reason).inc()
+    def rank(self, rank: int) -> _RankMetrics:
+        """The series of data-parallel rank ``rank``."""
+        return self.ranks[rank]
 
     def render(self) -> bytes:
-        """The exposition text, with gauges read from the engine now."""
-        engine = self.engine
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_usage.set(engine.kv_usage)
-        stats = engine.stats
-        self.queries.inc(stats.prompt_tokens - self._seen_queries)
-        self.hits.inc(stats.hit_tokens - self._seen_hits)
-        self._seen_queries, self._seen_hits = stats.prompt_tokens, stats.hit_tokens
+        """The exposition text, with gauges and counters read from the engines now."""
+        for rank in self.ranks:
+            rank.update()
         return generate_latest(self.registry)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import attrs
 
-from kvroute_simulator.engine import Engine, EngineRequest, EngineSequence
+from kvroute_simulator.engine import DataParallelEngine, Engine, EngineRequest, EngineSequence
 
 __all__ = ["RealTimeEngine", "Stream"]
 
@@ -24,6 +25,8 @@ class Stream:
 
     seq: EngineSequence
     submitted_at: float
+    #: The data-parallel rank serving it.
+    rank: int = 0
     emitted: int = 0
     ready: int = 0
     done: bool = False
@@ -44,12 +47,22 @@ class Stream:
 
 
 class RealTimeEngine:
-    """Runs an `Engine` in real time on the current asyncio loop (start ``run()`` as a task)."""
+    """Runs an `Engine` (or a `DataParallelEngine`) in real time on the current asyncio loop (start ``run()``).
 
-    def __init__(self, engine: Engine, time_scale: float = 1.0) -> None:
+    ``after_step`` is called after every engine step (the KV event publisher flushes there).
+    """
+
+    def __init__(
+        self,
+        engine: Engine | DataParallelEngine,
+        time_scale: float = 1.0,
+        *,
+        after_step: Callable[[], None] | None = None,
+    ) -> None:
         if not time_scale > 0:
             raise ValueError(f"'time_scale' must be > 0 (got {time_scale!r}).")
         self.engine = engine
+        self.after_step = after_step
         self.time_scale = time_scale
         self._start = time.monotonic()
         self._streams: dict[int, Stream] = {}
@@ -59,12 +72,17 @@ class RealTimeEngine:
         """Current virtual time in seconds."""
         return (time.monotonic() - self._start) / self.time_scale
 
-    def submit(self, request: EngineRequest) -> Stream:
-        """Queue a request now; raises ``ValueError`` when the engine cannot hold it."""
+    def submit(self, request: EngineRequest, rank: int | None = None) -> Stream:
+        """Queue a request now on ``rank`` (None: the engine's balancer picks); ``ValueError`` when it cannot."""
         now = self.now()
         self._catch_up(now)
-        seq = self.engine.submit(request, now)
-        stream = Stream(seq, time.monotonic())
+        engine = self.engine
+        if isinstance(engine, DataParallelEngine):
+            rank, seq = engine.place(request, now, rank)
+        else:
+            seq = engine.submit(request, now, rank)
+            rank = 0
+        stream = Stream(seq, time.monotonic(), rank)
         self._streams[id(seq)] = stream
         self._wake.set()
         return stream
@@ -109,6 +127,8 @@ class RealTimeEngine:
             if t is None or t > now:
                 return
             result = engine.step(t)
+            if self.after_step is not None:
+                self.after_step()
             if result.first_tokens or result.decode_tokens or result.finished:
                 self._dispatch()
 
