@@ -209,16 +209,26 @@ class TestConversationKey:
             keys |= turn_keys
         assert len(keys) == 50
 
-    def test_the_first_user_message_is_capped_after_the_preamble(self) -> None:
-        """The first user message counts up to prefix_length characters of its own, whatever the preamble's length:
+    def test_the_first_user_message_counts_after_a_long_preamble(self) -> None:
+        """After a preamble longer than prefix_length the first user message still counts, 1,024 characters of it:
         messages that differ within them differ in key, beyond them they share it."""
         system = {"role": "system", "content": "s" * 9000}
         a = chat([system, {"role": "user", "content": "a" * 100 + "q" * 5000}])
         b = chat([system, {"role": "user", "content": "b" * 100 + "q" * 5000}])
-        c = chat([system, {"role": "user", "content": "a" * 100 + "q" * 4000 + "c" * 1000}])
+        c = chat([system, {"role": "user", "content": "a" * 100 + "q" * 1000 + "c" * 1000}])
         assert conversation_key(a) != conversation_key(b)
         assert conversation_key(a) == conversation_key(c)
-        assert conversation_key(a, 8192) != conversation_key(c, 8192)
+        assert conversation_key(a, 16384) != conversation_key(c, 16384)  # 7,384 characters left after the preamble
+
+    def test_after_a_short_preamble_the_text_is_cut_at_prefix_length(self) -> None:
+        """After a short preamble the key covers the text's first prefix_length characters, as the conversation cut
+        does: first messages that differ only past them share a key (a retrieved document's tail)."""
+        system = {"role": "system", "content": "s" * 2000}
+        a = chat([system, {"role": "user", "content": "d" * 2500 + "a" * 3000}])
+        b = chat([system, {"role": "user", "content": "d" * 2500 + "b" * 3000}])
+        assert message_cuts(a).conversation == 4096
+        assert a.text[:4096] == b.text[:4096] and conversation_key(a) == conversation_key(b)
+        assert conversation_key(a, 8192) != conversation_key(b, 8192)
 
     def test_the_preamble_is_part_of_the_key(self) -> None:
         """The same first user message under two preambles (or two models) gives two keys."""

@@ -16,8 +16,8 @@ from kvroute_simulator.workloads import make_workload
 
 INSTANCES = 7
 OPTIONS = {
-    "requests": 800,
-    "rate": 6.0,
+    "requests": 1200,
+    "rate": 8.0,
     "turns": (5, 8),
     "preamble_tokens": 2000,
     "tool_tokens": (200, 2000),

@@ -16,12 +16,14 @@ of how long the shared part of the prompts is. A cut key is the same function of
 characters, so the layout (and the version tag) is unchanged.
 
 `conversation_key` is the key of one chat conversation: its preamble's key (the group key of
-`message_cuts`) is the seed of xxh3 over the first ``user`` message, itself capped at
-``prefix_length`` characters *from the end of the preamble*. So a preamble longer than
-``prefix_length`` (tool definitions and instructions shared by every session of an agent) never
-makes every conversation's key the same, and every turn of a conversation, repeating its
-preamble and first user message, has the key of its first turn. Without a preamble the seed is
-the text keys' seed and the key equals ``prefix_key`` over the first user message (its group key).
+`message_cuts`) is the seed of xxh3 over the head of the first ``user`` message: what is left
+of ``prefix_length`` after the preamble, but never less than `MIN_PREFIX_LENGTH` characters. So
+a preamble longer than ``prefix_length`` (tool definitions and instructions shared by every
+session of an agent) never makes every conversation's key the same, a short preamble keeps the
+old conversation cut (the first ``prefix_length`` characters of the text), and every turn of a
+conversation, repeating its preamble and first user message, has the key of its first turn.
+Without a preamble the seed is the text keys' seed and the key equals ``prefix_key`` over the
+first user message (its group key).
 
 Keys are computed with `kvroute.hashing` (xxh3), never Python's salted ``hash()``, so every
 process and every router replica computes the same key for the same request.
@@ -83,15 +85,18 @@ def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH
 def conversation_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> int | None:
     """The 64-bit key of the chat conversation ``request`` belongs to; None when it has none.
 
-    A chat with a ``user`` message has one: xxh3 of the rendering of its first ``user`` message
-    (at most ``prefix_length`` characters of it), seeded with the key of its preamble (the tool
+    A chat with a ``user`` message has one: xxh3 of the head of the rendering of its first ``user``
+    message (``prefix_length`` less the preamble's length, at least `MIN_PREFIX_LENGTH` characters:
+    the text's first ``prefix_length`` characters when the preamble is short, as the conversation
+    cut of `message_cuts`; 1,024 characters of the message after a long one), seeded with the key
+    of its preamble (the tool
     definitions and messages before that message, ``prefix_key`` of at most ``prefix_length``
     characters) or, with no preamble, with the seed of ``prefix_key``'s text keys (so the key is
     then ``prefix_key`` of the first user message). Every turn of a conversation repeats those
     messages, so every turn has this key. None for a request with an affinity key (the caller
     chose its key), a plain completion (no message boundaries) and a chat without a user message.
     Two conversations under one preamble share a key only if their first user messages agree on
-    their first ``prefix_length`` characters.
+    that head.
     """
     if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
         raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
@@ -107,7 +112,8 @@ def conversation_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_
         seed = prefix_key(request, min(preamble, prefix_length))
     else:
         seed = _scope(request.model, request.lora, request.cache_salt, "text")
-    end = preamble + min(first_turn - preamble, prefix_length)
+    room = max(min(MIN_PREFIX_LENGTH, prefix_length), prefix_length - preamble)
+    end = preamble + min(first_turn - preamble, room)
     return _xxh3(request.text[preamble:end].encode("utf-8", "surrogatepass"), seed)
 
 
