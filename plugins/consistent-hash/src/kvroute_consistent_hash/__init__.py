@@ -5,9 +5,9 @@ prefix of the routing text, or the caller's affinity key). By default (``prefix=
 prefix ends at a message boundary: the system prompt; or, for a system prompt that opens more
 than one backend's share of the conversations (`kvroute_consistent_hash.groups`), the
 conversation's own key, `kvroute.keys.conversation_key` (the preamble's key and the first user
-message, which is never cut short by a long preamble); so affinity works whatever the shared
-prefix's length, and every turn of a conversation has the key of its first turn. ``prefix=fixed`` keys on the first
-``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
+message, at least 1,024 characters of it however long the preamble); so affinity works whatever
+the shared prefix's length, and every turn of a conversation has the key of its first turn.
+``prefix=fixed`` keys on the first ``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
 Placement is weighted rendezvous hashing over every member of the fleet (see
 `kvroute_consistent_hash.placement`); when the key's home cannot take requests (unhealthy,
 draining, or already failed for this request) the request goes to the next backend in the
@@ -59,8 +59,8 @@ class ConsistentHash(kvroute.BaseStrategy):
       ``prefix_length`` characters (SageMaker's ``PrefixLength``). Default: ``fixed`` when
       ``prefix_length`` is given, else ``messages``.
     * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key
-      (``fixed``), or the most a cut may keep (``messages``: of the preamble, and of the first
-      user message after it).
+      (``fixed``), or the most a cut may keep (``messages``: of the preamble; of the text
+      through the first user message, but at least 1,024 characters of that message).
     * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
       membership snapshot (0 disables the cache; it only saves time, never changes a pick).
 
