@@ -59,8 +59,8 @@ class ConsistentHash(kvroute.BaseStrategy):
       ``prefix_length`` characters (SageMaker's ``PrefixLength``). Default: ``fixed`` when
       ``prefix_length`` is given, else ``messages``.
     * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key
-      (``fixed``), or the most a cut may keep (``messages``: of the preamble; of the text
-      through the first user message, but at least 1,024 characters of that message).
+      (``fixed``), or the most a cut may keep (``messages``; after a longer preamble the
+      conversation key keeps 1,024 characters of the first user message).
     * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
       membership snapshot (0 disables the cache; it only saves time, never changes a pick).
 
