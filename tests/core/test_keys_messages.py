@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute import RouteRequest
-from kvroute.keys import MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
+from kvroute.keys import MIN_PREFIX_LENGTH, Cuts, conversation_key, message_cuts, prefix_key
 from kvroute.request import render_messages
 from tests.hypothesis_strategies import chat_tools, markup_text, prompt_text, tricky_conversations, tricky_message
 
@@ -183,3 +183,138 @@ class TestMessageCuts:
         rest = [({"role": "assistant", "content": a}, {"role": "user", "content": q}) for a, q in later]
         requests = [chat(messages) for messages in turns(preamble, first, rest)]
         assert len({message_cuts(r) for r in requests}) == 1
+
+
+#: What follows a first turn in an agent loop or a chat: any messages (answers, tool results, new questions).
+later_messages = st.lists(tricky_message, min_size=1, max_size=4)
+
+
+class TestConversationKey:
+    def test_a_long_preamble_does_not_hide_the_conversation(self) -> None:
+        """Under a 12,000-character preamble, conversations with different first user messages get different keys,
+        and each keeps its key over its turns (tool results and answers added)."""
+        preamble = [{"role": "system", "content": "tools and instructions " * 522}]
+        assert len(render_messages(preamble)) > 12_000
+        keys = set()
+        for i in range(50):
+            first = {"role": "user", "content": f"task {i}: fix the failing test"}
+            later = [
+                {"role": "assistant", "content": f"reading file {i}"},
+                {"role": "tool", "content": "x" * 3000},
+                {"role": "assistant", "content": "running the tests"},
+                {"role": "tool", "content": "y" * 6000},
+            ]
+            turn_keys = {conversation_key(chat([*preamble, first, *later[:n]])) for n in (0, 2, 4)}
+            assert len(turn_keys) == 1 and None not in turn_keys
+            keys |= turn_keys
+        assert len(keys) == 50
+
+    def test_the_first_user_message_counts_after_a_long_preamble(self) -> None:
+        """After a preamble longer than prefix_length the first user message still counts, 1,024 characters of it:
+        messages that differ within them differ in key, beyond them they share it."""
+        system = {"role": "system", "content": "s" * 9000}
+        a = chat([system, {"role": "user", "content": "a" * 100 + "q" * 5000}])
+        b = chat([system, {"role": "user", "content": "b" * 100 + "q" * 5000}])
+        c = chat([system, {"role": "user", "content": "a" * 100 + "q" * 1000 + "c" * 1000}])
+        assert conversation_key(a) != conversation_key(b)
+        assert conversation_key(a) == conversation_key(c)
+        assert conversation_key(a, 16384) != conversation_key(c, 16384)  # 7,384 characters left after the preamble
+
+    def test_after_a_short_preamble_the_text_is_cut_at_prefix_length(self) -> None:
+        """After a short preamble the key covers the text's first prefix_length characters, as the conversation cut
+        does: first messages that differ only past them share a key (a retrieved document's tail)."""
+        system = {"role": "system", "content": "s" * 2000}
+        a = chat([system, {"role": "user", "content": "d" * 2500 + "a" * 3000}])
+        b = chat([system, {"role": "user", "content": "d" * 2500 + "b" * 3000}])
+        assert message_cuts(a).conversation == 4096
+        assert a.text[:4096] == b.text[:4096] and conversation_key(a) == conversation_key(b)
+        assert conversation_key(a, 8192) != conversation_key(b, 8192)
+
+    def test_the_preamble_is_part_of_the_key(self) -> None:
+        """The same first user message under two preambles (or two models) gives two keys."""
+        question = {"role": "user", "content": "hello"}
+        one = chat([{"role": "system", "content": "one"}, question])
+        two = chat([{"role": "system", "content": "two"}, question])
+        other_model = RouteRequest.from_openai(
+            {"model": "n", "messages": [{"role": "system", "content": "one"}, question]}
+        )
+        assert len({conversation_key(one), conversation_key(two), conversation_key(other_model)}) == 3
+
+    def test_without_preamble_it_is_the_group_key(self) -> None:
+        """A chat that starts with its user message has the key of its group cut (its first message)."""
+        request = chat([{"role": "user", "content": "q" * 5000}, {"role": "assistant", "content": "a"}])
+        assert conversation_key(request) == prefix_key(request, message_cuts(request).group)
+
+    def test_short_first_turns_have_a_key(self) -> None:
+        """A two-character first message under a short system prompt is a conversation key, kept on the next turn."""
+        first = chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        second = chat(
+            [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello! " * 800},
+                {"role": "user", "content": "and then?"},
+            ]
+        )
+        assert conversation_key(first) == conversation_key(second) is not None
+
+    def test_none_without_a_conversation(self) -> None:
+        """No key for a plain completion, a chat without a user message, or a request with an affinity key."""
+        assert conversation_key(RouteRequest.from_text("p" * 9000)) is None
+        assert conversation_key(chat([{"role": "system", "content": "s"}])) is None
+        pinned = RouteRequest.from_openai(
+            {"model": "m", "messages": [{"role": "user", "content": "q"}]}, headers={"x-kvroute-affinity": "s-1"}
+        )
+        assert conversation_key(pinned) is None
+
+    @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4096"])
+    def test_bad_prefix_length(self, bad: object) -> None:
+        """A prefix length that is not a positive integer is a ValueError saying what was got."""
+        with pytest.raises(ValueError, match="'prefix_length' must be a positive integer"):
+            conversation_key(RouteRequest.from_text("x"), bad)  # type: ignore[arg-type]
+
+    def test_same_key_in_another_process(self) -> None:
+        """A process with another PYTHONHASHSEED computes the same conversation key."""
+        body = {
+            "model": "m",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [{"role": "system", "content": "s\u00e9" * 3000}, {"role": "user", "content": "q" * 300}],
+        }
+        code = (
+            "import json, sys; from kvroute import RouteRequest; from kvroute.keys import conversation_key; "
+            "print(conversation_key(RouteRequest.from_openai(json.loads(sys.argv[1]))))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(body)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": "4321"},
+        ).stdout
+        assert int(out) == conversation_key(RouteRequest.from_openai(body))
+
+    @settings(derandomize=True, max_examples=200)
+    @given(
+        preamble_messages,
+        long_text,
+        user_messages,
+        later_messages,
+        chat_tools,
+        st.sampled_from([1024, 4096, 65536]),
+    )
+    def test_every_turn_shares_the_first_turns_key(
+        self,
+        preamble: Messages,
+        shared: str,
+        first: dict[str, Any],
+        later: Messages,
+        tools: Any,
+        prefix_length: int,
+    ) -> None:
+        """Every later turn of a conversation (the first turn and any messages after it: answers, tool results,
+        questions) has the first turn's conversation key, with preambles short or past prefix_length."""
+        head = [*preamble, {"role": "system", "content": shared}] if shared else preamble
+        turns_ = [chat([*head, first, *later[:n]], tools) for n in range(len(later) + 1)]
+        key = conversation_key(turns_[0], prefix_length)
+        assert key is not None
+        assert all(conversation_key(t, prefix_length) == key for t in turns_[1:])

@@ -126,6 +126,7 @@ SMALL_WORKLOADS: dict[str, dict[str, Any]] = {
     "multi-turn": {"requests": 150, "rate": 2.0, "think_time": 3.0},
     "multi-turn-short": {"requests": 150, "rate": 2.0, "think_time": 3.0},
     "rag": {"documents": 40, "requests": 150, "rate": 10.0},
+    "agentic": {"preamble_tokens": 1000, "tool_tokens": (50, 400), "requests": 150, "rate": 1.0, "fanout_share": 0.3},
     "trace": {"path": SHARED_TRACE},
 }
 STRATEGIES = ["random", "consistent-hash", "bounded-load", "least-outstanding", "p2c", "tokenizer-prefix"]

@@ -17,6 +17,7 @@ from kvroute.request import render_messages
 from kvroute_simulator.tokens import vocabulary
 from kvroute_simulator.workloads import (
     WORKLOADS,
+    Agentic,
     Arrival,
     HotPrefix,
     LongPrefix,
@@ -55,6 +56,7 @@ SMALL = {
     "multi-turn": {"system_tokens": 50, "requests": 40, "rate": 2.0},
     "multi-turn-short": {"requests": 40},
     "rag": {"documents": 30, "doc_tokens": (20, 80), "requests": 40},
+    "agentic": {"preamble_tokens": 700, "tool_tokens": (20, 200), "requests": 40, "rate": 1.0, "fanout_share": 0.3},
 }
 
 
@@ -380,10 +382,96 @@ class TestTraceErrors:
             list(Trace(path=tmp_path / "nope.jsonl").arrivals())
 
 
+class TestSessionIds:
+    @pytest.mark.parametrize("name", ["multi-turn", "multi-turn-short", "agentic"])
+    def test_on_every_request_names_its_session(self, name: str) -> None:
+        """With session_ids on, the router reads each request's session id (metadata.session_id): the same for every
+        turn of a conversation, different between conversations; off (the default), none."""
+        options = SMALL[name]
+        on = list(make_workload(name, session_ids=True, **options).arrivals())
+        read = [RouteRequest.from_openai(a.body).session_id for a in on]
+        assert read == [a.session_id for a in on] and len(set(read)) > 1
+        off = make_workload(name, **options).arrivals()
+        assert all(RouteRequest.from_openai(a.body).session_id is None for a in off)
+
+    def test_the_option_does_not_change_the_stream(self) -> None:
+        """session_ids only adds the id: the same prompts, times and outputs."""
+        options = SMALL["agentic"]
+        on, off = (list(make_workload("agentic", session_ids=v, **options).arrivals()) for v in (True, False))
+        assert [(a.time, a.prompt.to_tuple(), a.output_len) for a in on] == [
+            (a.time, a.prompt.to_tuple(), a.output_len) for a in off
+        ]
+
+
+class TestAgentic:
+    @staticmethod
+    def arrivals(**options: Any) -> list[Arrival]:
+        return list(Agentic(**{"requests": 600, "rate": 0.5, **options}).arrivals())
+
+    def test_a_long_preamble_is_shared(self) -> None:
+        """Every session starts with one 10k-20k-token preamble (one shared token node), far longer than the default
+        prefix_length in characters."""
+        arrivals = self.arrivals()
+        roots = {id(a.prompt.nodes()[0]) for a in arrivals}
+        assert len(roots) == 1
+        preamble = arrivals[0].prompt.nodes()[0]
+        assert 10_000 <= len(preamble) - 2 <= 20_000
+        assert len(arrivals[0].body["messages"][0]["content"]) > 10 * DEFAULT_PREFIX_LENGTH
+
+    def test_turns_nest_with_tool_results(self) -> None:
+        """A turn is the previous turn, its answer and a tool result (0.5k-8k tokens), in tokens and routing text."""
+        arrivals = self.arrivals()
+        by_id = {a.request_id: a for a in arrivals}
+        follow_ups = [a for a in arrivals if a.follows and "-sub" not in a.request_id]
+        assert len(follow_ups) > 300
+        for a in follow_ups:
+            prev = by_id[a.follows]  # type: ignore[index]
+            assert prev.output_tokens is not None
+            answered = prev.prompt.to_tuple() + prev.output_tokens
+            tokens = a.prompt.to_tuple()
+            assert tokens[: len(answered)] == answered
+            assert 500 <= len(tokens) - len(answered) - 3 <= 8000
+            assert a.body["messages"][-1]["role"] == "tool"
+            assert render_messages(a.body["messages"]).startswith(render_messages(prev.body["messages"]))
+            assert a.time == pytest.approx(prev.time + a.think_time) and a.session_id == prev.session_id
+
+    def test_sessions_have_5_to_30_turns(self) -> None:
+        """Sessions that ran to their end have 5-30 turns, and their lengths vary."""
+        arrivals = self.arrivals(requests=3000)
+        turns = collections.Counter(a.session_id for a in arrivals if "-sub" not in a.request_id)
+        finished = list(turns.values())[: len(turns) // 2]  # the first half of the sessions all ended
+        assert min(finished) >= 5 and max(finished) <= 30 and len(set(finished)) > 10
+
+    def test_fan_outs_share_a_new_prefix_and_arrive_together(self) -> None:
+        """A fanned-out turn's sub-requests arrive with it and share its history and new tool result, then diverge."""
+        arrivals = self.arrivals()
+        subs = [a for a in arrivals if "-sub" in a.request_id]
+        assert len(subs) > 20
+        by_id = {a.request_id: a for a in arrivals}
+        for sub in subs:
+            main = by_id[sub.request_id.rpartition("-sub")[0]]
+            shared = main.prompt.to_tuple()[:-1]  # the turn's prompt without the generation marker
+            assert sub.time == main.time and sub.prompt.to_tuple()[: len(shared)] == shared
+            assert sub.body["messages"][-1]["role"] == "user" and sub.body["messages"][:-1] == main.body["messages"]
+
+    def test_the_context_limit_ends_a_session(self) -> None:
+        """No prompt and answer outgrow context_tokens: a session whose history would is cut short."""
+        arrivals = self.arrivals(context_tokens=40_000)
+        assert max(a.prompt_len + a.output_len for a in arrivals) <= 40_000
+        turns = collections.Counter(a.session_id for a in arrivals if "-sub" not in a.request_id)
+        assert min(turns.values()) >= 1 and max(turns.values()) < 30
+
+    def test_sessions_differ_in_their_first_user_message(self) -> None:
+        """Each session has its own task (its first user message)."""
+        tasks = {a.body["messages"][1]["content"] for a in self.arrivals()}
+        assert len(tasks) == len({a.session_id for a in self.arrivals()})
+
+
 class TestMakeWorkload:
     def test_every_name_is_registered(self) -> None:
-        """The seven workloads are available by name."""
+        """The eight workloads are available by name."""
         assert sorted(WORKLOADS) == [
+            "agentic",
             "hot-prefix",
             "long-prefix",
             "multi-turn",

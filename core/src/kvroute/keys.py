@@ -15,6 +15,17 @@ How much text goes into the key is the caller's choice: a fixed ``prefix_length`
 of how long the shared part of the prompts is. A cut key is the same function of fewer
 characters, so the layout (and the version tag) is unchanged.
 
+`conversation_key` is the key of one chat conversation. When ``prefix_length`` leaves at least
+`MIN_PREFIX_LENGTH` characters after the preamble (a system prompt of a few thousand characters,
+or none), it is the ``prefix_key`` of the conversation cut of `message_cuts` (the text through
+the first ``user`` message, at most ``prefix_length`` characters), as before. After a longer
+preamble (tool definitions and instructions shared by every session of an agent) that cut would
+be the preamble alone, the same for every conversation: the key is then xxh3 of the first
+`MIN_PREFIX_LENGTH` characters of the first user message, seeded with the preamble's key (the
+group key), a new kind of key that no ``prefix_key`` layout produces (so the version tag is
+unchanged). Every turn of a conversation repeats its preamble and first user message, so every
+turn has the key of its first turn.
+
 Keys are computed with `kvroute.hashing` (xxh3), never Python's salted ``hash()``, so every
 process and every router replica computes the same key for the same request.
 """
@@ -34,6 +45,7 @@ __all__ = [
     "MAX_PREFIX_LENGTH",
     "MIN_PREFIX_LENGTH",
     "Cuts",
+    "conversation_key",
     "message_cuts",
     "prefix_key",
 ]
@@ -69,6 +81,39 @@ def prefix_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH
         return _xxh3(affinity.encode("utf-8", "surrogatepass"), seed)
     seed = _scope(request.model, request.lora, request.cache_salt, "text")
     return _xxh3(request.text[:prefix_length].encode("utf-8", "surrogatepass"), seed)
+
+
+def conversation_key(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENGTH) -> int | None:
+    """The 64-bit key of the chat conversation ``request`` belongs to; None when it has none.
+
+    A chat with a ``user`` message has one. When ``prefix_length`` leaves `MIN_PREFIX_LENGTH`
+    characters or more after its preamble (the tool definitions and messages before that message),
+    or it has none, the key is ``prefix_key`` of its conversation cut (`message_cuts`: the text
+    through the first user message, at most ``prefix_length`` characters). After a longer preamble,
+    whose conversation cut would be the preamble alone, the key is xxh3 of the first
+    `MIN_PREFIX_LENGTH` characters of the rendering of the first user message, seeded with the
+    preamble's key (``prefix_key`` of at most ``prefix_length`` characters: the group key). Every
+    turn of a conversation repeats those messages, so every turn has this key. None for a request
+    with an affinity key (the caller chose its key), a plain completion (no message boundaries) and
+    a chat without a user message. Two conversations under one preamble share a key only if their
+    first user messages agree on what the key covers.
+    """
+    if not isinstance(prefix_length, int) or isinstance(prefix_length, bool) or prefix_length < 1:
+        raise ValueError(f"'prefix_length' must be a positive integer (got {prefix_length!r}).")
+    if request.affinity_key is not None:
+        return None
+    boundaries = _chat_boundaries(request)
+    if boundaries is None:
+        return None
+    preamble, first_turn = boundaries
+    if first_turn <= preamble:  # no user message: nothing tells this conversation from another
+        return None
+    head = min(MIN_PREFIX_LENGTH, prefix_length)
+    if prefix_length - preamble >= head:  # the conversation cut keeps at least `head` of the message
+        return prefix_key(request, max(1, min(first_turn, prefix_length, len(request.text))))
+    seed = prefix_key(request, min(preamble, prefix_length))
+    end = preamble + min(first_turn - preamble, head)
+    return _xxh3(request.text[preamble:end].encode("utf-8", "surrogatepass"), seed)
 
 
 @attrs.frozen

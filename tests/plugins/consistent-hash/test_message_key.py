@@ -185,6 +185,91 @@ class TestHotSystemPrompt:
         assert [a.decide(q)[0].backend.id for q in requests] == [b.decide(q)[0].backend.id for q in requests]
 
 
+def agent_session(preamble: str, task: str, rng: random.Random, turns: int = 4) -> list[RouteRequest]:
+    """The requests of one agent session: the preamble, the task, then per turn an answer and a tool result."""
+    messages: list[dict[str, object]] = [{"role": "system", "content": preamble}, {"role": "user", "content": task}]
+    requests = [chat(messages)]
+    for _ in range(turns - 1):
+        messages = [
+            *messages,
+            {"role": "assistant", "content": words(rng, 200)},
+            {"role": "tool", "content": words(rng, 3000)},
+        ]
+        requests.append(chat(messages))
+    return requests
+
+
+class TestLongPreamble:
+    def test_conversations_spread_and_keep_their_backend(self) -> None:
+        """Under one 12,000-character tools + instructions preamble (longer than prefix_length), once the preamble is
+        hot each session has its own key, the same on every turn, and sessions spread over the fleet."""
+        r = router()
+        rng = random.Random(12)
+        preamble = words(rng, 12_000)
+        sessions = [agent_session(preamble, f"task {i}: " + words(rng, 300), rng) for i in range(80)]
+        for turns in sessions[:MIN_EVIDENCE]:  # the learning period: the group's home takes them
+            with r.route(turns[0]):
+                pass
+        assert isinstance(r.strategy, ConsistentHash) and len(r.strategy.hot_groups.hot) == 1
+        keys: set[int] = set()
+        backends: Counter[str] = Counter()
+        for turns in sessions[MIN_EVIDENCE:]:
+            decisions = []
+            for request in turns:
+                with r.route(request) as lease:
+                    decisions.append(lease.decision)
+            assert len({(d.key, d.backend.id) for d in decisions}) == 1
+            keys.add(decisions[0].key)  # type: ignore[arg-type]
+            backends[decisions[0].backend.id] += 1
+        assert len(keys) == len(sessions) - MIN_EVIDENCE
+        assert len(backends) == 7 and max(backends.values()) <= 20, backends
+
+    def test_later_agent_turns_are_not_new_conversations(self) -> None:
+        """An agent's later turns (one user message, then answers and tool results) are not counted as conversations:
+        200 of them from two sessions leave their preamble cold."""
+        r = router()
+        rng = random.Random(13)
+        preamble = words(rng, 12_000)
+        for i in range(2):
+            for request in agent_session(preamble, f"task {i}", rng, turns=101)[1:]:
+                with r.route(request):
+                    pass
+        assert isinstance(r.strategy, ConsistentHash) and not r.strategy.hot_groups.hot
+
+
+class TestConversationKeyMethod:
+    def test_same_over_turns_and_different_per_session(self) -> None:
+        """conversation_key is the same on every turn of a session and differs between sessions, whether or not the
+        group is hot (it does not depend on the strategy's state)."""
+        chosen = strategy()
+        rng = random.Random(14)
+        preamble = words(rng, 12_000)
+        sessions = [agent_session(preamble, f"task {i}", rng) for i in range(20)]
+        keys = [{chosen.conversation_key(request) for request in turns} for turns in sessions]
+        assert all(len(k) == 1 and None not in k for k in keys)
+        assert len(set().union(*keys)) == 20
+
+    def test_none_without_a_conversation(self) -> None:
+        """None with prefix=fixed, an affinity key, a plain completion or a chat without a user message."""
+        request = chat([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
+        assert strategy().conversation_key(request) is not None
+        assert strategy(prefix="fixed").conversation_key(request) is None
+        assert strategy().conversation_key(RouteRequest.from_text("p" * 5000)) is None
+        assert strategy().conversation_key(chat([{"role": "system", "content": "s"}])) is None
+        pinned = RouteRequest.from_openai(
+            {"model": "m", "messages": [{"role": "user", "content": "q"}]}, headers={"x-kvroute-affinity": "s-1"}
+        )
+        assert strategy().conversation_key(pinned) is None
+
+    def test_inherited_by_the_load_aware_strategies(self) -> None:
+        """bounded-load and bounded-cache have the same conversation_key as consistent-hash."""
+        request = chat([{"role": "system", "content": "s" * 9000}, {"role": "user", "content": "q"}])
+        expected = strategy().conversation_key(request)
+        for name in ("bounded-load", "bounded-cache"):
+            other = Router.create(Fleet([Backend("a")]), name).strategy
+            assert isinstance(other, ConsistentHash) and other.conversation_key(request) == expected
+
+
 def _chat_samples(count: int) -> list[RouteRequest]:
     """Sample chats for the scaling machine: the first six (the ones it starts) share a system prompt, which
     turns hot on the loaded router; the others each have their own."""

@@ -132,6 +132,7 @@ def _field_option(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     help="Warm join: an instance --scale adds ramps from 10 % of its weight to all of it over SECONDS.",
 )
 @_field_option("prefill")
+@_field_option("sessions")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")
@@ -152,6 +153,7 @@ def simulate(
     working_sets: str | None,
     slow_start: float | None,
     prefill: int,
+    sessions: bool,
     json_path: Path | None,
     plot_path: Path | None,
     progress: bool | None,
@@ -213,6 +215,7 @@ def simulate(
             seed=seed,
             slow_start=SlowStart(slow_start) if slow_start is not None else None,
             prefill=prefill,
+            sessions=sessions,
         )
         ratios = _ratios(working_sets)
         if ratios and "capacity_blocks" in engine_kwargs:

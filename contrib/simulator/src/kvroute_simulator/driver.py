@@ -52,6 +52,7 @@ from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
+from kvroute.sessions import Sessions
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
@@ -142,7 +143,10 @@ class _Run:
         if registration is not None and "seed" not in opts and _takes_seed(registration.factory):
             opts["seed"] = config.seed
         self.options = opts
-        self.router = Router.create(self.fleet, strategy, opts, plugins=plugins)
+        #: Virtual time of the event being handled: the clock of the router's sessions.
+        self.now = 0.0
+        sessions = Sessions(clock=lambda: self.now) if config.sessions else None
+        self.router = Router.create(self.fleet, strategy, opts, plugins=plugins, sessions=sessions)
         self.strategy = strategy
         self.flights: dict[int, _Flight] = {}  # id(EngineSequence) -> flight
         self.finished_at: dict[str, float] = {}
@@ -321,6 +325,7 @@ class _Run:
             now = min(t_engine, t_arrival, t_deferred, t_scale, t_timer)
             if now == inf:
                 break
+            self.now = now
             self._sample(now)
             if t_scale == now:
                 self._scale(scale[si], now)

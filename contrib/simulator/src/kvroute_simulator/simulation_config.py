@@ -82,6 +82,12 @@ class SimulationConfig:
     join_window: float = attrs.field(default=60.0, validator=positive_number)
     #: The working set over the fleet's KV capacity this fleet was sized for (:meth:`sized_for`), if any.
     working_set: float | None = attrs.field(default=None, validator=optional(positive_number))
+    #: The router keeps sessions (`kvroute.sessions`, in simulated time), as ``kvroute serve`` does by default.
+    sessions: bool = setting(
+        False,
+        flag="--sessions",
+        help="The router keeps sessions and conversations on their backend (kvroute.sessions), as kvroute serve does.",
+    )
 
     @property
     def fleet_blocks(self) -> int:

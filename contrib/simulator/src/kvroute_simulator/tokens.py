@@ -28,13 +28,14 @@ from collections.abc import Iterable
 import attrs
 
 from kvroute.hashing import hash64
-from kvroute.vocabulary import ASSISTANT, END, SYSTEM, USER, Vocabulary, vocabulary
+from kvroute.vocabulary import ASSISTANT, END, SYSTEM, TOOL, USER, Vocabulary, vocabulary
 
 __all__ = [
     "ASSISTANT",
     "END",
     "ROOT_HASH",
     "SYSTEM",
+    "TOOL",
     "USER",
     "TokenSeq",
     "Vocabulary",

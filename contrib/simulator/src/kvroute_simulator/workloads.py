@@ -29,12 +29,23 @@ content, not with the number of requests.
 * ``multi-turn-short``: the same conversations with short first turns (16 system prompts of
   ~1,000 characters, short user messages and answers), so the first three turns or so are
   each shorter than 4,096 characters and the history crosses that length later.
+* ``agentic``: agent sessions (coding agents, tool loops) under a long shared preamble of tool
+  definitions and instructions (``preambles`` of 10k-20k tokens each). A session is the
+  preamble, a task, then turns of an answer (the agent's tool call) and a tool result of
+  0.5k-8k tokens, 5-30 turns, each turn resending the whole history; some turns fan out into
+  parallel sub-requests that share the new history and each add their own instruction, sent
+  at once. Sessions start as a Poisson process at ``rate`` per second.
 * ``rag``: a pool of ``documents`` with Zipf(``zipf_s``) popularity; a request is a shared
   system prompt, ``docs_per_request`` distinct documents in retrieval order, and a question.
 * ``trace``: replay of a JSONL file, either the Mooncake format (``timestamp`` in ms,
   ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks, equal ids meaning
   equal content) or a simple format with ``prompt`` or ``messages``, ``timestamp`` (ms) and
   ``output_length`` (:mod:`~kvroute_simulator.traces`).
+
+With ``session_ids`` on (``multi-turn``, ``multi-turn-short``, ``agentic``; off by default), every
+request of a conversation or session carries its id in the body's ``metadata.session_id``, one
+of the places ``RouteRequest.from_openai`` reads a session id from (`kvroute.session_ids`), as
+agent harnesses send theirs.
 
 :class:`Arrival` and the :class:`Workload` protocol live in :mod:`~kvroute_simulator.arrivals`;
 this module re-exports them with the trace replay, so every workload is importable from here.
@@ -45,6 +56,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -53,6 +65,7 @@ import attrs
 
 from kvroute.errors import ConfigError
 from kvroute.validators import (
+    flag,
     integer,
     non_negative_number,
     optional,
@@ -62,12 +75,13 @@ from kvroute.validators import (
 )
 from kvroute_simulator._content import draw_words, is_int, seeded_rng
 from kvroute_simulator.arrivals import DEFAULT_MODEL, Arrival, Workload
-from kvroute_simulator.tokens import ASSISTANT, END, SYSTEM, USER, TokenSeq, Vocabulary, vocabulary
+from kvroute_simulator.tokens import ASSISTANT, END, SYSTEM, TOOL, USER, TokenSeq, Vocabulary, vocabulary
 from kvroute_simulator.traces import Trace, TraceFormatError
 
 __all__ = [
     "DEFAULT_MODEL",
     "WORKLOADS",
+    "Agentic",
     "Arrival",
     "HotPrefix",
     "LongPrefix",
@@ -104,6 +118,12 @@ def _uniform(rng: random.Random, length: Length) -> int:
     return rng.randint(length[0], length[1])
 
 
+def _log_uniform(rng: random.Random, length: Length) -> int:
+    """A length drawn log-uniformly from lo..hi: as many 0.5-1k as 4-8k outputs (a tool's output is skewed)."""
+    lo, hi = length
+    return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+
+
 @attrs.frozen(kw_only=True)
 class _Open:
     """Parameters shared by the generated workloads."""
@@ -123,8 +143,11 @@ class _Open:
             self.duration is not None and time > self.duration
         )
 
-    def _body(self, messages: list[dict[str, Any]], output_len: int) -> dict[str, Any]:
-        return {"model": self.model, "messages": messages, "max_tokens": output_len}
+    def _body(self, messages: list[dict[str, Any]], output_len: int, session: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": output_len}
+        if session is not None:
+            body["metadata"] = {"session_id": session}
+        return body
 
 
 @attrs.define
@@ -267,8 +290,9 @@ class MultiTurn(_Open):
     at most ``max_turns``), ``system_tokens`` (the length of the shared system
     prompt), ``user_tokens`` and ``answer_tokens`` ranges per turn (an answer is
     followed by ``<|end|>``, which counts as an output token), ``think_time`` (mean seconds,
-    exponential), ``requests``/``duration`` (counted in turns), ``seed``, and ``systems``
-    (distinct system prompts, each conversation picking one uniformly; 1 by default).
+    exponential), ``requests``/``duration`` (counted in turns), ``seed``, ``systems``
+    (distinct system prompts, each conversation picking one uniformly; 1 by default), and
+    ``session_ids`` (each turn names its conversation in ``metadata.session_id``; off by default).
     """
 
     name: ClassVar[str] = "multi-turn"
@@ -281,6 +305,7 @@ class MultiTurn(_Open):
     answer_tokens: Length = attrs.field(default=(50, 500), converter=_to_length, validator=_length)
     think_time: float = attrs.field(default=15.0, validator=non_negative_number)
     systems: int = attrs.field(default=1, validator=positive_integer)
+    session_ids: bool = attrs.field(default=False, validator=flag)
 
     def arrivals(self) -> Iterator[Arrival]:
         """Return a new iterator over the turns, in order of ``time`` (see the module docstring)."""
@@ -326,14 +351,15 @@ class MultiTurn(_Open):
         messages = [*conv.messages, {"role": "user", "content": vocab.decode(user)}]
         prompt = conv.node.extend((USER, *user, END, ASSISTANT))
         request_id = f"{self.name}-c{conv.index:05d}-t{conv.turn:02d}"
+        session = f"conversation-{conv.index}"
         arrival = Arrival(
             time=t,
             request_id=request_id,
-            body=self._body(messages, len(answer)),
+            body=self._body(messages, len(answer), session if self.session_ids else None),
             prompt=prompt,
             output_len=len(answer),
             output_tokens=answer,
-            session_id=f"conversation-{conv.index}",
+            session_id=session,
             follows=conv.previous,
             think_time=conv.think,
         )
@@ -366,6 +392,152 @@ class MultiTurnShort(MultiTurn):
     user_tokens: Length = attrs.field(default=(5, 60), converter=_to_length, validator=_length)
     answer_tokens: Length = attrs.field(default=(40, 200), converter=_to_length, validator=_length)
     systems: int = attrs.field(default=16, validator=positive_integer)
+
+
+@attrs.define
+class _Session:
+    index: int
+    rng: random.Random
+    turns: int
+    node: TokenSeq
+    messages: list[dict[str, Any]]
+    turn: int = 0
+    previous: str | None = None
+    wait: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class Agentic(_Open):
+    """Agent sessions under a long shared preamble: growing tool-loop histories and bursts of sub-requests.
+
+    A session is a preamble (tool definitions and instructions, one of ``preambles``, each of
+    ``preamble_tokens``, drawn once), a task (``task_tokens``), then turns. Turn 1 is the preamble
+    and the task; every later turn adds the agent's previous answer (``answer_tokens``: a tool
+    call) and the tool's result (``tool_tokens``, drawn log-uniformly: short results are as
+    common as long ones), and resends the whole history. A session has ``turns`` turns, fewer if
+    its history would outgrow ``context_tokens``. After turn 1, a turn fans out with probability
+    ``fanout_share``: besides the turn itself, ``fanout - 1`` sub-requests (sub-agents, parallel
+    tool calls) are sent at the same time, each the turn's history with its own instruction
+    (``subtask_tokens``) as a user message, so all share a prefix no engine has seen yet; the
+    session goes on from the turn's own answer. The next turn follows ``tool_time`` seconds
+    (mean, exponential) after an answer, the tool's run time. Sessions start as a Poisson
+    process at ``rate`` per second; ``requests``/``duration`` count every request (sub-requests
+    too). With ``session_ids`` every request names its session in ``metadata.session_id``.
+    """
+
+    name: ClassVar[str] = "agentic"
+
+    rate: float = attrs.field(default=0.2, validator=positive_number)
+    requests: int | None = attrs.field(default=2000, validator=optional(positive_integer))
+    preambles: int = attrs.field(default=1, validator=positive_integer)
+    preamble_tokens: Length = attrs.field(default=(10_000, 20_000), converter=_to_length, validator=_length)
+    turns: Length = attrs.field(default=(5, 30), converter=_to_length, validator=_length)
+    task_tokens: Length = attrs.field(default=(30, 300), converter=_to_length, validator=_length)
+    answer_tokens: Length = attrs.field(default=(20, 200), converter=_to_length, validator=_length)
+    tool_tokens: Length = attrs.field(default=(500, 8000), converter=_to_length, validator=_length)
+    tool_time: float = attrs.field(default=2.0, validator=non_negative_number)
+    fanout_share: float = attrs.field(default=0.1, validator=share)
+    fanout: Length = attrs.field(default=(2, 4), converter=_to_length, validator=_length)
+    subtask_tokens: Length = attrs.field(default=(20, 120), converter=_to_length, validator=_length)
+    context_tokens: int = attrs.field(default=120_000, validator=positive_integer)
+    session_ids: bool = attrs.field(default=False, validator=flag)
+
+    def arrivals(self) -> Iterator[Arrival]:
+        """Return a new iterator over the requests, in order of ``time`` (see the class docstring)."""
+        vocab = vocabulary()
+        rng = seeded_rng(self.seed, self.name)
+        preambles = []
+        for k in range(self.preambles):
+            preamble_rng = seeded_rng(self.seed, self.name, "preamble", k)
+            preambles.append(_system_piece(vocab, preamble_rng, _uniform(preamble_rng, self.preamble_tokens)))
+        heap: list[tuple[float, int, _Session]] = []
+        next_start = rng.expovariate(self.rate)
+        order = itertools.count()
+        started = itertools.count()
+        emitted = 0
+        while True:
+            while not heap or next_start <= heap[0][0]:
+                index = next(started)
+                session_rng = seeded_rng(self.seed, self.name, "session", index)
+                preamble = preambles[session_rng.randrange(self.preambles)]
+                session = _Session(
+                    index,
+                    session_rng,
+                    _uniform(session_rng, self.turns),
+                    preamble.node,
+                    [{"role": "system", "content": preamble.text}],
+                )
+                heapq.heappush(heap, (next_start, next(order), session))
+                next_start += rng.expovariate(self.rate)
+            t, _, session = heapq.heappop(heap)
+            burst = self._turn(vocab, session, t)
+            if not burst:
+                continue
+            for arrival in burst:
+                if self._done(emitted, t):
+                    return
+                yield arrival
+                emitted += 1
+            if session.turn < session.turns:
+                heapq.heappush(heap, (t + session.wait, next(order), session))
+
+    def _turn(self, vocab: Vocabulary, session: _Session, t: float) -> list[Arrival]:
+        """Return the session's next turn and its sub-requests, and advance it; none once its context is full."""
+        rng = session.rng
+        if session.turn == 0:
+            role, added = "user", draw_words(rng, vocab, _uniform(rng, self.task_tokens))
+            marker = USER
+        else:
+            role, added = "tool", draw_words(rng, vocab, _log_uniform(rng, self.tool_tokens))
+            marker = TOOL
+        answer = (*draw_words(rng, vocab, _uniform(rng, self.answer_tokens)), END)
+        if len(session.node) + len(added) + 3 + len(answer) > self.context_tokens:
+            session.turns = session.turn  # the history is full: the session ends here
+            return []
+        label = f"session-{session.index}"
+        body_session = label if self.session_ids else None
+        shared = session.node.extend((marker, *added, END))
+        messages = [*session.messages, {"role": role, "content": vocab.decode(added)}]
+        request_id = f"{self.name}-s{session.index:05d}-t{session.turn:02d}"
+        prompt = shared.extend((ASSISTANT,))
+        think = session.wait
+        out = [
+            Arrival(
+                time=t,
+                request_id=request_id,
+                body=self._body(messages, len(answer), body_session),
+                prompt=prompt,
+                output_len=len(answer),
+                output_tokens=answer,
+                session_id=label,
+                follows=session.previous,
+                think_time=think,
+            )
+        ]
+        if session.turn > 0 and rng.random() < self.fanout_share:
+            for j in range(1, _uniform(rng, self.fanout)):
+                subtask = draw_words(rng, vocab, _uniform(rng, self.subtask_tokens))
+                output_len = _uniform(rng, self.answer_tokens)
+                out.append(
+                    Arrival(
+                        time=t,
+                        request_id=f"{request_id}-sub{j}",
+                        body=self._body(
+                            [*messages, {"role": "user", "content": vocab.decode(subtask)}], output_len, body_session
+                        ),
+                        prompt=shared.extend((USER, *subtask, END, ASSISTANT)),
+                        output_len=output_len,
+                        session_id=label,
+                        follows=session.previous,
+                        think_time=think,
+                    )
+                )
+        session.turn += 1
+        session.node = prompt.extend(answer)
+        session.messages = [*messages, {"role": "assistant", "content": vocab.decode(answer[:-1])}]
+        session.previous = request_id
+        session.wait = rng.expovariate(1.0 / self.tool_time) if self.tool_time > 0 else 0.0
+        return out
 
 
 @attrs.frozen(kw_only=True)
@@ -461,6 +633,7 @@ WORKLOADS: Mapping[str, type[Workload]] = {
     "short-prefix": ShortPrefix,
     "multi-turn": MultiTurn,
     "multi-turn-short": MultiTurnShort,
+    "agentic": Agentic,
     "rag": Rag,
     "trace": Trace,
 }

@@ -2,11 +2,12 @@
 
 A request's key is `kvroute.keys.prefix_key` (model, LoRA adapter, ``cache_salt`` and a
 prefix of the routing text, or the caller's affinity key). By default (``prefix=messages``) the
-prefix ends at a message boundary: the system prompt, or, for a system prompt that opens more
-than one backend's share of the conversations, the conversation through its first user message
-(`kvroute_consistent_hash.groups`); so affinity works whatever the shared prefix's length, and
-every turn of a conversation has the key of its first turn. ``prefix=fixed`` keys on the first
-``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
+prefix ends at a message boundary: the system prompt; or, for a system prompt that opens more
+than one backend's share of the conversations (`kvroute_consistent_hash.groups`), the
+conversation's own key, `kvroute.keys.conversation_key` (the preamble's key and the first user
+message, at least 1,024 characters of it however long the preamble); so affinity works whatever
+the shared prefix's length, and every turn of a conversation has the key of its first turn.
+``prefix=fixed`` keys on the first ``prefix_length`` characters, as SageMaker's ``PrefixLength`` does.
 Placement is weighted rendezvous hashing over every member of the fleet (see
 `kvroute_consistent_hash.placement`); when the key's home cannot take requests (unhealthy,
 draining, or already failed for this request) the request goes to the next backend in the
@@ -22,7 +23,15 @@ from collections.abc import Callable, Sequence
 import attrs
 
 import kvroute
-from kvroute.keys import DEFAULT_PREFIX_LENGTH, MAX_PREFIX_LENGTH, MIN_PREFIX_LENGTH, Cuts, message_cuts, prefix_key
+from kvroute.keys import (
+    DEFAULT_PREFIX_LENGTH,
+    MAX_PREFIX_LENGTH,
+    MIN_PREFIX_LENGTH,
+    Cuts,
+    conversation_key,
+    message_cuts,
+    prefix_key,
+)
 from kvroute.options import int_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
 from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
@@ -45,12 +54,13 @@ class ConsistentHash(kvroute.BaseStrategy):
     * ``prefix`` (``messages`` or ``fixed``): where the key's text ends. ``messages`` cuts at a
       message boundary: the system prompt (tool definitions and the messages before the first
       user message), or, for a system prompt that opened more than one backend's share of the
-      recent conversations, the conversation through its first user message; a plain completion is cut after
-      1,024 characters (``prefix_length`` for a hot one). ``fixed`` keys on the first
+      recent conversations, the conversation's key (`conversation_key`); a plain completion is cut
+      after 1,024 characters (``prefix_length`` for a hot one). ``fixed`` keys on the first
       ``prefix_length`` characters (SageMaker's ``PrefixLength``). Default: ``fixed`` when
       ``prefix_length`` is given, else ``messages``.
     * ``prefix_length`` (1024-65536, default 4096): characters of routing text in the key
-      (``fixed``), or the most a cut may keep (``messages``).
+      (``fixed``), or the most a cut may keep (``messages``; after a longer preamble the
+      conversation key keeps 1,024 characters of the first user message).
     * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
       membership snapshot (0 disables the cache; it only saves time, never changes a pick).
 
@@ -70,6 +80,8 @@ class ConsistentHash(kvroute.BaseStrategy):
     #: The last request `_group` computed, with its result: ``on_request_start`` asks again for the
     #: request ``pick`` has just keyed (2.7 µs saved per request).
     _last_group: tuple[object, Cuts, int] | None = attrs.field(default=None, init=False, repr=False, eq=False)
+    #: The last request `conversation_key` keyed, with its key: a session wrapper asks before ``pick`` does.
+    _last_conversation: tuple[object, int | None] | None = attrs.field(default=None, init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.prefix is None:  # SageMaker's PrefixLength, given alone, keeps its meaning
@@ -113,9 +125,34 @@ class ConsistentHash(kvroute.BaseStrategy):
         if self.prefix == "fixed" or request.affinity_key is not None:
             return prefix_key(request, self._length)
         cuts, group = self._group(request)
-        if cuts.conversation == cuts.group or not self._hot_groups.is_hot(group):
+        if not self._hot_groups.is_hot(group):
             return group
-        return prefix_key(request, cuts.conversation)
+        conversation = self._conversation(request)
+        if conversation is not None:
+            return conversation
+        # A plain completion (or a chat without a user message): its longer head, if it has one.
+        return group if cuts.conversation == cuts.group else prefix_key(request, cuts.conversation)
+
+    def conversation_key(self, request: kvroute.RouteRequest) -> int | None:
+        """The key of the conversation ``request`` belongs to, the same for each of its turns; None if it has none.
+
+        `kvroute.keys.conversation_key` with this strategy's ``prefix_length``: the preamble's key
+        and the first user message. None with ``prefix=fixed``, for a request with an affinity
+        key, a plain completion and a chat without a user message. `key` uses it for hot groups; a
+        wrapper that binds conversations to backends (``kvroute.sessions``) can use it for every
+        request, so that a conversation started while its group was cold keeps its backend.
+        """
+        if self.prefix == "fixed":
+            return None
+        return self._conversation(request)
+
+    def _conversation(self, request: kvroute.RouteRequest) -> int | None:
+        last = self._last_conversation
+        if last is not None and last[0] is request:
+            return last[1]
+        key = conversation_key(request, self._length)
+        self._last_conversation = (request, key)
+        return key
 
     def _group(self, request: kvroute.RouteRequest) -> tuple[Cuts, int]:
         """The request's message cuts and its group key."""
@@ -163,13 +200,18 @@ class ConsistentHash(kvroute.BaseStrategy):
 
 
 def _opens_conversation(request: kvroute.RouteRequest) -> bool:
-    """Whether ``request`` is a conversation's first turn (at most one user message; every completion).
+    """Whether ``request`` is a conversation's first turn (no answer after its first user message; every completion).
 
     Hot groups count conversations, not turns: a few long conversations would otherwise make a
-    group look hot early on, and moving them to their own keys costs their history.
+    group look hot early on, and moving them to their own keys costs their history. An agent's
+    later turns have one user message too (then answers and tool results): the assistant's answer
+    after the first user message tells them from a first turn.
     """
     messages = request.messages
-    return messages is None or sum(1 for m in messages if m.get("role") == "user") <= 1
+    if messages is None:
+        return True
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+    return not any(m.get("role") == "assistant" for m in messages[first_user + 1 :])
 
 
 @kvroute.hookimpl
