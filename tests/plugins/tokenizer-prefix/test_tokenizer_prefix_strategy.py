@@ -630,7 +630,7 @@ class TestTierCredit:
         return router, body, ids
 
     def test_cpu_hit_credited_at_its_fraction(self, model_dir: Path) -> None:
-        """A whole prompt on CPU (0.75) beats 60 % of it on GPU; with cpu_credit 0.5 the GPU backend wins."""
+        """A whole prompt on CPU (0.85 by default) beats 60 % of it on GPU; with cpu_credit 0.5 the GPU backend wins."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), hot_window=0)
         router, body, _ = self._setup(strategy)
         decision = router.decide(request(body))[0]
@@ -686,3 +686,21 @@ class TestRankOfOtherDecisions:
         assert rank is not None and rank > 0
         slot = strategy.index.slot("b0", rank)
         assert strategy.index.blocks(slot) > 0 and strategy.index.blocks("b0") == 0
+
+
+class TestSessionsWithTokenizerPrefix:
+    def test_new_session_placed_by_its_key_and_moved_by_the_load_bound(self) -> None:
+        """A new session goes to its id's rendezvous home (as bounded-load's); at the concurrency threshold it moves."""
+        from kvroute import Backend, Fleet, Router, RouteRequest, Sessions
+
+        backends = [Backend(f"b{i}") for i in range(5)]
+        tp = Router.create(Fleet(backends), "tokenizer-prefix", {"concurrency_threshold": 1}, sessions=Sessions())
+        bl = Router.create(Fleet(backends), "bounded-load", {}, sessions=Sessions())
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+        for name in ("a", "b", "c", "d"):
+            request = RouteRequest.from_openai(body, headers={"x-session-id": name})
+            assert tp.decide(request)[0].backend.id == bl.decide(request)[0].backend.id
+        request = RouteRequest.from_openai(body, headers={"x-session-id": "a"})
+        with tp.route(request) as first, tp.route(request) as second:
+            assert second.backend.id != first.backend.id
+            assert second.decision.detail["move_reason"] == "concurrency_threshold"

@@ -51,7 +51,7 @@ from typing import Any
 
 import attrs
 import xxhash
-from kvroute_bounded_load import BoundedLoad
+from kvroute_bounded_load import BoundedLoad, LoadBound
 
 import kvroute
 from kvroute.adapters.kv_events import CPU, DISK, GPU
@@ -122,8 +122,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     engine_load: bool = bool_option(False)
     recent_ttl: float = float_option(30.0, min=0.0, max=86400.0)
     recent_grace: float = float_option(5.0, min=0.0, max=3600.0)
-    cpu_credit: float = float_option(0.75, min=0.0, max=1.0)
-    disk_credit: float = float_option(0.25, min=0.0, max=1.0)
+    cpu_credit: float = float_option(0.85, min=0.0, max=1.0)
+    disk_credit: float = float_option(0.35, min=0.0, max=1.0)
     piece_bytes: int = int_option(2048, min=1, max=1 << 20)
     fine_bytes: int = int_option(128, min=1, max=1 << 20)
     cache_tokens: int = int_option(1 << 19, min=0, max=1 << 32)
@@ -179,6 +179,15 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._chooser = Chooser(self._placer, self.load_cost_tokens)
 
     # -- what adapters and operators use ---------------------------------------------------
+
+    @property
+    def bound(self) -> LoadBound:
+        """The load limits this strategy applies (sessions read them to keep a bound session or move it)."""
+        return self._placer.bound
+
+    def place(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+        """Place a key by rendezvous under the load bound, as ``bounded-load`` does (a new session's first request)."""
+        return self._placer.place(key, model, candidates)
 
     @property
     def index(self) -> BlockIndex:
