@@ -20,6 +20,9 @@ the least-loaded replica. Ray's multiplexed models: replicas that have the reque
 loaded form the first tiers when there are any, and the model id keys the request as a LoRA
 adapter does in ``kvroute serve``.
 
+Ray ships this class to each routing process by value, so look routers up with
+`kvroute_ray.registry.routers`, not through the class.
+
 Use :func:`request_router_config` to build the deployment's ``RequestRouterConfig``: it builds
 the strategy once, so a wrong name or option fails when the application is defined, not at its
 first request.
@@ -28,10 +31,9 @@ first request.
 from __future__ import annotations
 
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -39,6 +41,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from kvroute import Backend, ConfigError, Decision, Fleet, Lease, PluginManager, Router, RouteRequest, Status
 from kvroute.errors import KvrouteError
 from kvroute.logs import get_logger
+from kvroute_ray import registry
 from kvroute_ray.requests import route_request
 
 __all__ = ["KvrouteRequestRouter", "RouterStats", "request_router_config", "validate_kwargs"]
@@ -122,9 +125,6 @@ def _backend_id(replica_id: ReplicaID) -> str:
 class KvrouteRequestRouter(RequestRouter):
     """Ray Serve's ``RequestRouter`` running a kvroute strategy over the deployment's replicas."""
 
-    #: Every live instance in this process (a weak set), for tests and introspection.
-    instances: ClassVar[weakref.WeakSet[KvrouteRequestRouter]] = weakref.WeakSet()
-
     def initialize_state(self, **kwargs: Any) -> None:
         strategy, options, fallbacks = validate_kwargs(kwargs)
         self.strategy_name = strategy
@@ -135,7 +135,7 @@ class KvrouteRequestRouter(RequestRouter):
         self._by_backend: dict[str, RunningReplica] = {}
         self._chosen: OrderedDict[str, tuple[RouteRequest, Decision]] = OrderedDict()
         self._leases: dict[str, Lease] = {}
-        type(self).instances.add(self)
+        registry.register(self)
         log.info("ray_router_ready", strategy=strategy, deployment=str(getattr(self, "_deployment_id", "")))
 
     # -- replicas --------------------------------------------------------------------------------
