@@ -162,25 +162,29 @@ class TestReplicaKilled:
         )
         requests = workload(REQUESTS, seed=21)
         gaps = arrival_gaps(REQUESTS, RATE, seed=22)
-        replicas = [
-            a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"SERVE_REPLICA::{app}#")
-        ]
+        replicas = {
+            a["name"].rsplit("#", 1)[-1]: a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+        }
         assert len(replicas) == 4
-        victim = replicas[0]
-        victim_id = victim["name"].rsplit("#", 1)[-1]
-        killed_at: list[int] = []
+        killed: list[str] = []
 
         def kill(n: int) -> None:
+            """Halfway through, kill the replica with the most requests in flight (as this router counts them)."""
             if n == REQUESTS // 2:
-                ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-                killed_at.append(n)
+                busiest = max(router_of(app).fleet, key=lambda state: state.in_flight).id
+                actor = replicas[busiest]
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                killed.append(busiest)
 
         try:
             answers = asyncio.run(drive(handle, requests, gaps, on_sent=kill))
             router = router_of(app)
         finally:
             serve.delete(app)
-        assert killed_at
+        assert killed
+        victim_id = killed[0]
         failures = [a for a in answers if not isinstance(a, dict)]
         assert all(isinstance(f, ray.exceptions.RayActorError) for f in failures), failures[:3]
         assert len(failures) <= 64  # at most what the victim could hold (max_ongoing_requests)
@@ -188,4 +192,6 @@ class TestReplicaKilled:
         assert all(isinstance(a, dict) and a["replica"] != victim_id for a in late)
         assert victim_id not in router.fleet
         with capsys.disabled():
-            print(f"\nreplica killed after request {killed_at[0]}: {len(failures)} of {REQUESTS} lost (actor died)")
+            print(
+                f"\nbusiest replica killed at request {REQUESTS // 2}: {len(failures)} of {REQUESTS} lost (actor died)"
+            )
