@@ -14,6 +14,7 @@ fails mid-way fails the command with no partial table or JSON.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -163,9 +164,9 @@ def _on_ray(
     progress: Callable[[int], None] | None,
     meanwhile: Callable[[], None],
 ) -> list[StrategyResult]:
-    try:
-        import ray
-        import ray.exceptions
+    try:  # imported by name: Ray is optional, and not installed where the types are checked
+        ray: Any = importlib.import_module("ray")
+        importlib.import_module("ray.exceptions")
     except ModuleNotFoundError:
         raise KvrouteError('--ray needs Ray on this machine and the cluster: pip install "ray>=2.54".') from None
     started_here = not ray.is_initialized()
