@@ -34,14 +34,18 @@ def serve_cluster() -> Iterator[None]:
 
     logging.getLogger("kvroute").setLevel(logging.WARNING)  # fleet changes are logged at info
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
+    with warnings.catch_warnings():  # Ray's own start-up notices (2.55 warns about accelerator env vars)
+        warnings.simplefilter("ignore")
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
     try:
-        serve.start(proxy_location="Disabled")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            serve.start(proxy_location="Disabled")
         yield
     finally:
         try:

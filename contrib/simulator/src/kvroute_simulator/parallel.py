@@ -168,7 +168,7 @@ def _on_ray(
         ray: Any = importlib.import_module("ray")
         importlib.import_module("ray.exceptions")
     except ModuleNotFoundError:
-        raise KvrouteError('--ray needs Ray on this machine and the cluster: pip install "ray>=2.54".') from None
+        raise KvrouteError('--ray needs Ray on this machine and on the cluster: pip install "kvroute[ray]".') from None
     started_here = not ray.is_initialized()
     try:
         if started_here:
