@@ -154,6 +154,24 @@ class TestChooseReplicas:
             assert {r.replica_id for t in tiers for r in t} == {r.replica_id for r in replicas}
         assert router.stats.decided == 20 and router.stats.unparsed == 0
 
+    async def test_asks_ray_to_back_off(self) -> None:
+        """Every answer covers all replicas, so the request asks Ray to back off before it asks again."""
+        router = make_router()
+        replicas = [Replica("r0"), Replica("r1")]
+        router.sync_replicas(replicas)
+        for args in ([prompt(1)], [b"\x00"]):
+            request = pending(args)
+            await router.choose_replicas(replicas, request)
+            assert request.routing_context.should_backoff
+
+    async def test_no_request_is_not_counted(self) -> None:
+        """Ray asking with no pending request gets the least-loaded order and counts nothing as unparsed."""
+        router = make_router()
+        replicas = [Replica("r0"), Replica("r1")]
+        router.sync_replicas(replicas)
+        assert len(await router.choose_replicas(replicas, None)) == 2
+        assert router.stats.unparsed == 0
+
     async def test_unparsed_goes_to_least_loaded(self) -> None:
         """A request with no readable prompt is counted and goes to the replica with the fewest in flight."""
         router = make_router()

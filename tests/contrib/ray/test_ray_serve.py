@@ -39,7 +39,10 @@ def router_configs() -> dict[str, RequestRouterConfig]:
         "kvroute tokenizer-prefix": request_router_config(
             "tokenizer-prefix", {"capacity_blocks": CAPACITY_BLOCKS, "block_size": 16}
         ),
-        "Ray PrefixCacheAffinityRouter": RequestRouterConfig(request_router_class=PREFIX_AFFINITY),
+        "Ray PrefixCacheAffinityRouter (defaults)": RequestRouterConfig(request_router_class=PREFIX_AFFINITY),
+        "Ray PrefixCacheAffinityRouter (imbalanced_threshold=8)": RequestRouterConfig(
+            request_router_class=PREFIX_AFFINITY, request_router_kwargs={"imbalanced_threshold": 8}
+        ),
         "Ray default (power of two)": RequestRouterConfig(),
     }
 

@@ -182,6 +182,9 @@ class KvrouteRequestRouter(RequestRouter):
             return []
         request = None
         if pending_request is not None:
+            # The tiers below always hold every candidate: when none of them can take the request,
+            # Ray must back off before asking again (without this it asks again at once, in a loop).
+            pending_request.routing_context.should_backoff = True
             metadata = pending_request.metadata
             request = route_request(
                 pending_request.args,
@@ -191,7 +194,8 @@ class KvrouteRequestRouter(RequestRouter):
                 session_id=getattr(metadata, "session_id", None) or None,
             )
         if request is None:
-            self.stats.unparsed += 1
+            if pending_request is not None:  # Ray also asks with no request (to fill any waiting one)
+                self.stats.unparsed += 1
             return self._by_load(candidate_replicas)
         model_id = getattr(pending_request.metadata, "multiplexed_model_id", "") if pending_request else ""
         groups: list[list[RunningReplica]] = [candidate_replicas]
