@@ -30,6 +30,7 @@ first request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -194,7 +195,11 @@ class KvrouteRequestRouter(RequestRouter):
                 session_id=getattr(metadata, "session_id", None) or None,
             )
         if request is None:
-            if pending_request is not None:  # Ray also asks with no request (to fill any waiting one)
+            if pending_request is None:
+                # Ray <= 2.55 also asks with no request when every waiting one is being routed, in a
+                # loop that awaits nothing else: yield, so that the queue-length probes it waits on run.
+                await asyncio.sleep(0)
+            else:
                 self.stats.unparsed += 1
             return self._by_load(candidate_replicas)
         model_id = getattr(pending_request.metadata, "multiplexed_model_id", "") if pending_request else ""
