@@ -195,6 +195,31 @@ class TestChooseReplicas:
             assert tiers[1][0].replica_id.unique_id in {"r0", "r2"}
 
 
+class TestFulfil:
+    async def test_choice_goes_to_its_own_request(self) -> None:
+        """A replica chosen for one request goes to that request, not to an older waiting one."""
+        router = make_router()
+        older, mine = pending([prompt(1)], request_id="older"), pending([prompt(2)], request_id="mine")
+        for request in (older, mine):
+            router._pending_requests_to_fulfill.append(request)
+            router._add_pending_request_to_indices(request)
+        replica = Replica("r0")
+        router._fulfill_next_pending_request(replica, mine.metadata)  # type: ignore[arg-type]
+        assert mine.future.result() is replica and not older.future.done()
+
+    async def test_requestless_round_serves_the_oldest(self) -> None:
+        """A request-less round (Ray <= 2.55) serves the oldest waiting request instead of none."""
+        router = make_router()
+        done, older, newer = (pending([prompt(n)], request_id=f"w{n}") for n in range(3))
+        done.future.cancel()
+        for request in (done, older, newer):
+            router._pending_requests_to_fulfill.append(request)
+            router._add_pending_request_to_indices(request)
+        replica = Replica("r0")
+        router._fulfill_next_pending_request(replica, None)  # type: ignore[arg-type]
+        assert older.future.result() is replica and not newer.future.done()
+
+
 class TestInFlight:
     async def test_routed_and_completed(self) -> None:
         """A request counts in flight on the replica Ray sent it to from on_request_routed to on_request_completed."""

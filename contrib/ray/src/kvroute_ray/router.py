@@ -252,6 +252,25 @@ class KvrouteRequestRouter(RequestRouter):
         ordered = sorted(candidates, key=in_flight)
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Give ``replica`` to the request it was chosen for; a request-less choice to the oldest waiting one.
+
+        Ray's default matches the exact request, which is what a prefix choice needs. Ray <= 2.55 also
+        runs request-less rounds (``request_metadata`` None), and its routing loop can drop a request it
+        had taken for routing; the default then matches nothing and that request waits forever, so a
+        request-less round here serves the oldest waiting request, as Ray's ``FIFOMixin`` does.
+        """
+        if request_metadata is not None:
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        waiting = self._pending_requests_to_fulfill
+        while waiting:
+            oldest = waiting.popleft()
+            if not oldest.future.done():
+                oldest.future.set_result(replica)
+                self._remove_pending_request_from_indices(oldest)
+                return
+
     # -- in flight -------------------------------------------------------------------------------
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
