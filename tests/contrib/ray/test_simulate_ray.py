@@ -20,7 +20,16 @@ from kvroute_simulator import parallel
 pytestmark = pytest.mark.usefixtures("serve_cluster")
 
 TIMINGS = {"wall", "wall_time", "route_cost_p50", "route_cost_p99"}
-ARGS = ["simulate", "--requests", "120", "-s", "random,bounded-load", "--working-set", "0.8,1.2", "--no-progress"]
+ARGS = [
+    "simulate",
+    "--requests",
+    "120",
+    "-s",
+    "consistent-hash,bounded-load",
+    "--working-set",
+    "0.8,1.2",
+    "--no-progress",
+]
 
 
 def without_timings(data: Any) -> Any:
