@@ -8,6 +8,7 @@ shuts Serve and Ray down, also when a test fails.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import warnings
@@ -48,7 +49,10 @@ def serve_cluster() -> Iterator[None]:
             serve.start(proxy_location="Disabled")
         yield
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        with warnings.catch_warnings():  # Ray 2.55 leaves a daemon's Popen behind (ResourceWarning when collected)
+            warnings.simplefilter("ignore")
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+                gc.collect()
