@@ -17,6 +17,12 @@ from pathlib import Path
 
 import pytest
 
+# On a loaded 2-core machine replicas often miss Serve's 0.1 s deadline to report their queue length;
+# Ray then treats them as unavailable and takes a later tier (for every router alike). A longer
+# deadline keeps the routers' own choices visible. Read when Ray's constants are imported, so set first.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+os.environ.setdefault("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
+
 # Ray's own modules warn at import time (pydantic's deprecations): import them once here, where the
 # suite's "warnings are errors" does not apply to code that is not ours.
 with warnings.catch_warnings():

@@ -207,17 +207,22 @@ class TestFulfil:
         router._fulfill_next_pending_request(replica, mine.metadata)  # type: ignore[arg-type]
         assert mine.future.result() is replica and not older.future.done()
 
-    async def test_requestless_round_serves_the_oldest(self) -> None:
-        """A request-less round (Ray <= 2.55) serves the oldest waiting request instead of none."""
+    async def test_requestless_round_serves_a_stale_request(self) -> None:
+        """A request-less round (Ray <= 2.55) serves the oldest request no task asks about any more, only that."""
         router = make_router()
+        replicas = [Replica("r0")]
+        router.sync_replicas(replicas)
         done, older, newer = (pending([prompt(n)], request_id=f"w{n}") for n in range(3))
         done.future.cancel()
         for request in (done, older, newer):
             router._pending_requests_to_fulfill.append(request)
             router._add_pending_request_to_indices(request)
-        replica = Replica("r0")
-        router._fulfill_next_pending_request(replica, None)  # type: ignore[arg-type]
-        assert older.future.result() is replica and not newer.future.done()
+            await router.choose_replicas(replicas, request)
+        router._fulfill_next_pending_request(replicas[0], None)  # type: ignore[arg-type]
+        assert not older.future.done() and not newer.future.done()  # both still being routed
+        router.stale_after_s = 0.0
+        router._fulfill_next_pending_request(replicas[0], None)  # type: ignore[arg-type]
+        assert older.future.result() is replicas[0] and not newer.future.done()
 
 
 class TestInFlight:

@@ -136,6 +136,9 @@ class KvrouteRequestRouter(RequestRouter):
         self._by_backend: dict[str, RunningReplica] = {}
         self._chosen: OrderedDict[str, tuple[RouteRequest, Decision]] = OrderedDict()
         self._leases: dict[str, Lease] = {}
+        #: When choose_replicas last saw each waiting request (request-less rounds serve stale ones).
+        self._asked_at: dict[str, float] = {}
+        self.stale_after_s = 2.0
         registry.register(self)
         log.info("ray_router_ready", strategy=strategy, deployment=str(getattr(self, "_deployment_id", "")))
 
@@ -223,6 +226,9 @@ class KvrouteRequestRouter(RequestRouter):
             tiers.append(rest)
         internal_id = pending_request.metadata.internal_request_id if pending_request else ""
         if internal_id:
+            self._asked_at[internal_id] = time.monotonic()
+            while len(self._asked_at) > _MAX_PENDING:
+                self._asked_at.pop(next(iter(self._asked_at)))
             self._chosen[internal_id] = (request, ranked[0])
             self._chosen.move_to_end(internal_id)
             while len(self._chosen) > _MAX_PENDING:
@@ -263,18 +269,24 @@ class KvrouteRequestRouter(RequestRouter):
         if request_metadata is not None:
             super()._fulfill_next_pending_request(replica, request_metadata)
             return
-        waiting = self._pending_requests_to_fulfill
-        while waiting:
-            oldest = waiting.popleft()
-            if not oldest.future.done():
-                oldest.future.set_result(replica)
-                self._remove_pending_request_from_indices(oldest)
+        # Only a request nobody routes any more: one asked about more than `stale_after_s` ago. A request
+        # still being routed keeps its own choice (giving it this load-picked replica would misroute it).
+        now = time.monotonic()
+        for waiting in list(self._pending_requests_to_fulfill):
+            if waiting.future.done():
+                continue
+            asked = self._asked_at.get(waiting.metadata.internal_request_id)
+            if asked is not None and now - asked >= self.stale_after_s:
+                waiting.future.set_result(replica)
+                self._remove_pending_request_from_indices(waiting)
+                self._asked_at.pop(waiting.metadata.internal_request_id, None)
                 return
 
     # -- in flight -------------------------------------------------------------------------------
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         internal_id = pending_request.metadata.internal_request_id
+        self._asked_at.pop(internal_id, None)
         chosen = self._chosen.pop(internal_id, None)
         backend_id = _backend_id(replica_id)
         if chosen is None or backend_id not in self.fleet or internal_id in self._leases:
@@ -304,6 +316,7 @@ class KvrouteRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._chosen.pop(internal_request_id, None)
+        self._asked_at.pop(internal_request_id, None)
         self._release(internal_request_id, Status.OK, None)
 
     def _release(self, internal_id: str, status: Status, error: str | None) -> None:
