@@ -190,6 +190,9 @@ class KvrouteRequestRouter(RequestRouter):
             # Ray must back off before asking again (without this it asks again at once, in a loop).
             pending_request.routing_context.should_backoff = True
             metadata = pending_request.metadata
+            self._asked_at[metadata.internal_request_id] = time.monotonic()
+            while len(self._asked_at) > _MAX_PENDING:
+                self._asked_at.pop(next(iter(self._asked_at)))
             request = route_request(
                 pending_request.args,
                 pending_request.kwargs,
@@ -226,9 +229,6 @@ class KvrouteRequestRouter(RequestRouter):
             tiers.append(rest)
         internal_id = pending_request.metadata.internal_request_id if pending_request else ""
         if internal_id:
-            self._asked_at[internal_id] = time.monotonic()
-            while len(self._asked_at) > _MAX_PENDING:
-                self._asked_at.pop(next(iter(self._asked_at)))
             self._chosen[internal_id] = (request, ranked[0])
             self._chosen.move_to_end(internal_id)
             while len(self._chosen) > _MAX_PENDING:
