@@ -19,6 +19,7 @@ from kvroute.validators import parse_key_values
 from kvroute.warmup import SlowStart
 from kvroute_simulator.driver import Comparison, SimulationConfig, compare, parse_scale
 from kvroute_simulator.engine import EngineConfig
+from kvroute_simulator.parallel import default_jobs
 from kvroute_simulator.report import BASELINE, finite, plot_run, pyplot, render_joins, render_table, to_json
 from kvroute_simulator.workloads import WORKLOADS, make_workload
 
@@ -37,6 +38,8 @@ Examples:
   kvroute simulate -w short-prefix                   a shared prefix shorter than the default prefix_length
   kvroute simulate --working-set 0.5,0.8,1.0,1.5     hit rate and TTFT as the prefixes outgrow the KV memory
   kvroute simulate --scale 120s:+1 --prefill 64 --slow-start 30    a warm join
+  kvroute simulate --working-set 0.5,1.0 --jobs 4   strategies and sweep points in 4 worker processes
+  kvroute simulate --trace t.jsonl -n 1000 --ray auto   runs as tasks on a Ray cluster
 """
 
 
@@ -133,6 +136,23 @@ def _field_option(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 )
 @_field_option("prefill")
 @_field_option("sessions")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Worker processes running strategies and sweep points in parallel; the results are the serial ones "
+    "[default: the CPUs this process may use].",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
+    help="Run strategies and sweep points as Ray tasks on the cluster at ADDRESS (auto: RAY_ADDRESS or the local "
+    "`ray start`; local: a new Ray on this machine). Needs Ray; see docs/simulation.md.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG of the run.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a terminal].")
@@ -154,6 +174,8 @@ def simulate(
     slow_start: float | None,
     prefill: int,
     sessions: bool,
+    jobs: int | None,
+    ray_address: str | None,
     json_path: Path | None,
     plot_path: Path | None,
     progress: bool | None,
@@ -254,7 +276,15 @@ def simulate(
         show_progress = sys.stderr.isatty() if progress is None else progress
         requests_ = [a.engine_request() for a in arrivals]
         configs = [config.sized_for(requests_, ratio) for ratio in ratios] or [config]
-        comparisons = [_run(arrivals, names, c, per_strategy, workload, plugins, show_progress) for c in configs]
+        if ray_address is not None and not ray_address.strip():
+            raise click.BadParameter("expected a Ray address, auto or local (got an empty string).", param_hint="--ray")
+        jobs = default_jobs() if jobs is None else jobs
+        if ray_address is None and (jobs == 1 or len(configs) * len(names) == 1):
+            comparisons = [_run(arrivals, names, c, per_strategy, workload, plugins, show_progress) for c in configs]
+        else:
+            comparisons = _run_parallel(
+                arrivals, names, configs, per_strategy, workload, jobs, ray_address, show_progress
+            )
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -330,6 +360,35 @@ def _print_sweep(
         json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plot_path is not None:
         plot_sweep(comparisons, plot_path, pyplot())
+
+
+def _run_parallel(
+    arrivals: list[Any],
+    names: list[str],
+    configs: list[SimulationConfig],
+    per_strategy: Mapping[str, Mapping[str, Any]],
+    workload: str,
+    jobs: int,
+    ray_address: str | None,
+    show_progress: bool,
+) -> list[Comparison]:
+    """Every strategy on every configuration in worker processes or Ray tasks (kvroute_simulator.parallel)."""
+    from kvroute_simulator.parallel import run_comparisons
+
+    def run(progress: Callable[[int], None] | None) -> list[Comparison]:
+        return run_comparisons(
+            arrivals, names, configs, per_strategy, workload, jobs=jobs, ray_address=ray_address, progress=progress
+        )
+
+    if not show_progress:
+        return run(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as bar:
+        task = bar.add_task("simulate", total=len(arrivals) * len(names) * len(configs))
+        return run(lambda n: bar.advance(task, n))
 
 
 def _run(
