@@ -261,14 +261,6 @@ class TestConversationKeyMethod:
         )
         assert strategy().conversation_key(pinned) is None
 
-    def test_inherited_by_the_load_aware_strategies(self) -> None:
-        """bounded-load and bounded-cache have the same conversation_key as consistent-hash."""
-        request = chat([{"role": "system", "content": "s" * 9000}, {"role": "user", "content": "q"}])
-        expected = strategy().conversation_key(request)
-        for name in ("bounded-load", "bounded-cache"):
-            other = Router.create(Fleet([Backend("a")]), name).strategy
-            assert isinstance(other, ConsistentHash) and other.conversation_key(request) == expected
-
 
 def _chat_samples(count: int) -> list[RouteRequest]:
     """Sample chats for the scaling machine: the first six (the ones it starts) share a system prompt, which
