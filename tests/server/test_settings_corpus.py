@@ -64,7 +64,8 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("success-rate-ratio", "latency-factor", "min-requests", "window")),
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
     },
-    "simulate": set(),
+    # "-j," is how the first word of "-j, --jobs N" reads.
+    "simulate": {"--sessions", "--ray", "-j,"},
 }
 
 
@@ -121,6 +122,8 @@ def _options(help_text: str) -> dict[str, str]:
             current = entries.setdefault(decl.strip(), [])
             current.append(text.strip())
         elif line.strip():
+            if len(line) - len(line.lstrip()) < 10:
+                break  # the epilog (examples) after the options: not any option's help
             current.append(line.strip())
     out = {}
     for decl, parts in entries.items():
