@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import pytest
 
-from kvroute import Backend, BackendState, BaseStrategy, Decision, Fleet, Router, RouteRequest, SpillReason
+from kvroute import Backend, BackendState, BaseStrategy, Decision, Fleet, Prediction, Router, RouteRequest, SpillReason
 from kvroute.strategy import Status
 
 REQ = RouteRequest.from_text("hello", model="m", request_id="r1")
@@ -25,6 +25,7 @@ EVERY_FIELD: dict[str, Any] = {
     "detail": {"home": "b0", "rank": 1},
     "spill_reason": SpillReason.LOAD_FACTOR,
     "data_parallel_rank": 3,
+    "prediction": Prediction(ttft_s=0.25, tpot_s=0.04),
 }
 ROUTER_SETS = ("strategy", "duration_s")
 

@@ -25,6 +25,7 @@ from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Rou
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
 from kvroute.shadow import ShadowSet, Verdict
+from kvroute.slo import Objectives, Prediction, Priority
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
 __all__ = [
@@ -46,11 +47,14 @@ __all__ = [
     "InvalidRequest",
     "KvrouteError",
     "Lease",
+    "Objectives",
     "NoBackendAvailable",
     "OpenAIAdapter",
     "Outcome",
     "PluginLoadError",
     "PluginManager",
+    "Prediction",
+    "Priority",
     "StrategyError",
     "Reuse",
     "RouteRequest",

@@ -39,6 +39,7 @@ import attrs
 from kvroute.errors import InvalidRequest
 from kvroute.hashing import hash64, hash_parts
 from kvroute.session_ids import DEFAULT_SESSION_SOURCES, IgnoredReason, SessionSource, read_session_id
+from kvroute.slo import Objectives
 
 __all__ = [
     "AFFINITY_HEADER",
@@ -322,6 +323,9 @@ class RouteRequest:
     #: Chat only: where each message starts in ``text``, then ``len(text)`` (one more offset than
     #: messages), so keys can be cut at message boundaries (`kvroute.keys.message_cuts`).
     message_offsets: tuple[int, ...] | None = attrs.field(default=None, eq=False)
+    #: The request's latency objectives and priority class (`kvroute.slo`), set by the host
+    #: from headers or per-model defaults; ``None``: none.
+    objectives: Objectives | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def from_text(

@@ -119,6 +119,7 @@ def _stamped(pick: Decision, strategy: str, duration_s: float) -> Decision:
         duration_s=duration_s,
         spill_reason=pick.spill_reason,
         data_parallel_rank=pick.data_parallel_rank,
+        prediction=pick.prediction,
     )
 
 

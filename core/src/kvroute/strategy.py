@@ -17,6 +17,7 @@ from kvroute.backend import Backend, BackendState
 from kvroute.errors import ConfigError
 from kvroute.fleet import FleetEvent
 from kvroute.request import RouteRequest
+from kvroute.slo import Prediction
 
 __all__ = [
     "BaseStrategy",
@@ -76,6 +77,8 @@ class Decision:
     spill_reason: SpillReason | str | None = None
     #: The data-parallel rank chosen within ``backend`` (``None``: no rank chosen).
     data_parallel_rank: int | None = None
+    #: The latency the strategy (or the router's predictor) expects on ``backend`` (`kvroute.slo`).
+    prediction: Prediction | None = attrs.field(default=None, hash=False)
 
     def explain(self) -> str:
         """One human-readable line: ``bounded-load -> b2 (spilled: concurrency_threshold)``, ``-> b2 rank 1 (...)``."""
