@@ -28,10 +28,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvroute import Backend, Fleet, Router
-from kvroute.integrations.asgi import RoutingMiddleware, lease_from
+from kvroute.integrations.asgi import RoutingMiddleware, lease_from, upstream_headers
 
-#: Request headers not passed to the backend (hop-by-hop, or recomputed by the client library).
-DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+#: Request headers not passed to the backend (hop-by-hop, recomputed by the client library, or the gateway's own).
+DROPPED_HEADERS = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "x-data-parallel-rank",
+}
 
 
 def create_app(router: Router, *, timeout: float = 600.0) -> FastAPI:
@@ -52,6 +61,7 @@ def create_app(router: Router, *, timeout: float = 600.0) -> FastAPI:
         lease = lease_from(request)  # placed by the middleware; released when this response ends
         client: httpx.AsyncClient = request.app.state.client
         headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED_HEADERS}
+        headers.update(upstream_headers(lease))  # x-data-parallel-rank for a data-parallel engine
         upstream = client.build_request(
             "POST", lease.backend.url + request.url.path, content=await request.body(), headers=headers
         )

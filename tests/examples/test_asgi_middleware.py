@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from kvroute import Backend, BackendState, BaseStrategy, Decision, Fleet, KvrouteError, Outcome, Router, RouteRequest
-from kvroute.integrations.asgi import STATE_KEY, RoutingMiddleware, lease_from
+from kvroute.integrations.asgi import STATE_KEY, RoutingMiddleware, lease_from, upstream_headers
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -190,6 +190,27 @@ class TestRoutingMiddleware:
 
         response = await post(app, "/v1/completions", {"model": "m", "prompt": "p"})
         assert response.json() == {"backend": "b0", "prompt": "p"} and "x-kvroute-backend" not in response.headers
+
+    @pytest.mark.anyio
+    async def test_upstream_headers_name_the_rank(self) -> None:
+        """A keyed decision on a data-parallel backend gives the app an x-data-parallel-rank; one rank gives none."""
+
+        class Keyed(BaseStrategy):
+            def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+                return Decision(candidates[0].backend, reason="hash", key=0xFEED)
+
+        seen: dict[str, dict[str, str]] = {}
+        for size in (1, 4):
+            router = Router(Fleet([Backend("dp", url="http://dp", data_parallel_size=size)]), Keyed())
+
+            async def app(scope: Any, receive: Any, send: Any, size: int = size) -> None:
+                seen[str(size)] = upstream_headers(lease_from(scope))
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+
+            assert (await post(RoutingMiddleware(app, router))).status_code == 200
+        assert seen["1"] == {}
+        assert set(seen["4"]) == {"x-data-parallel-rank"} and seen["4"]["x-data-parallel-rank"] in {"0", "1", "2", "3"}
 
     def test_constructor_checks(self) -> None:
         """Paths must map to chat or completions and the body limit must be positive."""

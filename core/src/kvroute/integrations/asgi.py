@@ -22,11 +22,12 @@ from typing import Any
 
 from kvroute.errors import InvalidRequest, KvrouteError, NoBackendAvailable
 from kvroute.logs import get_logger
+from kvroute.ranks import RANK_HEADER, rank_for
 from kvroute.request import Endpoint, RouteRequest
 from kvroute.router import Lease, Router, status_for
 from kvroute.strategy import Status
 
-__all__ = ["DEFAULT_PATHS", "STATE_KEY", "RoutingMiddleware", "lease_from"]
+__all__ = ["DEFAULT_PATHS", "STATE_KEY", "RoutingMiddleware", "lease_from", "upstream_headers"]
 
 log = get_logger(__name__)
 
@@ -59,6 +60,17 @@ def lease_from(request_or_scope: object) -> Lease:
             f"its routed paths (got scope path {scope.get('path') if isinstance(scope, Mapping) else None!r})."
         )
     return lease
+
+
+def upstream_headers(lease: Lease) -> dict[str, str]:
+    """Headers the app adds to its request to ``lease.backend``, as ``kvroute serve`` does.
+
+    Today one: ``x-data-parallel-rank`` when the backend has several data-parallel ranks and the
+    decision names one (`kvroute.ranks.rank_for`), so the prefix reaches the rank that caches it.
+    Empty otherwise. The app should also drop a client's own ``x-data-parallel-rank``.
+    """
+    rank = rank_for(lease.decision, lease.state)
+    return {} if rank is None else {RANK_HEADER: str(rank)}
 
 
 async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
