@@ -1,4 +1,4 @@
-"""Does placement depend on what the backends are called? The same engines under four naming schemes.
+"""Placement and backend names through the proxy: the same engines under four naming schemes.
 
 Issue 24 found the default strategy's hit rate moving 12 points (0.844 -> 0.722) when the same seven
 engines were named ``e0..e6`` instead of by URL: with long shared prompts, few prompts per engine's
@@ -16,7 +16,7 @@ Namings (``--namings``): ``url`` (``--backend URL``: the id is the URL), ``e`` (
 (``gpu-a..gpu-g``), ``pod`` (``vllm-0.vllm.ns.svc`` style). Strategies (``--strategies``): ``default``
 (no ``--strategy``: the proxy's default) and any strategy name, e.g. ``bounded-cache``.
 
-Run: ``nice -n 10 python benchmarks/bench_naming.py`` (8 rows of about 70 s); ``--seeds 0,1,2`` for
+Run: ``nice -n 10 python benchmarks/bench_naming_proxy.py`` (8 rows of about 70 s); ``--seeds 0,1,2`` for
 more workloads, ``--requests 60`` for a smoke run, ``--json FILE``. Every process is started in its
 own process group and stopped by its pid when its row ends. Results: docs/performance.md ("Placement
 and backend names").
