@@ -12,7 +12,7 @@ The model, per backend::
 
 *Queued prefill tokens ahead* is the larger of two estimates: the uncached prompt tokens of
 requests this router sent there that have not produced a first token yet (in-flight accounting),
-and the engine's reported ``waiting`` requests times the backend's mean uncached prompt (the
+and the engine's reported ``waiting`` requests times the backend's typical (median) uncached prompt (the
 engine also counts other routers' requests). A data-parallel backend prefills on its ranks side
 by side: the queue of the rank the decision names (`EngineLoad.ranks`) counts when the engine
 reports one, else the backend's queue spread over its ranks. *Requests decoding alongside* are the
@@ -131,6 +131,10 @@ class _Rates:
     #: Uncached prompt tokens of this router's requests sent here that have no first token yet.
     queued_tokens: float = 0.0
     queued_requests: int = 0
+    #: The medians, once each window holds ``min_samples`` (``None`` before): kept, not recomputed per prediction.
+    prefill_rate: float | None = None
+    decode_step: float | None = None
+    mean_uncached: float | None = None
 
 
 @attrs.define
@@ -186,20 +190,20 @@ class Predictor:
             rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
         return rates
 
-    def _learned(self, samples: deque[float], prior: float) -> float:
-        return statistics.median(samples) if len(samples) >= self.min_samples else prior
+    def _median(self, samples: deque[float]) -> float | None:
+        return statistics.median(samples) if len(samples) >= self.min_samples else None
 
     def prefill_rate(self, backend_id: str) -> float:
         """Prompt tokens per second ``backend_id`` prefills: learned, or its prior."""
         rates = self._rates.get(backend_id)
-        prior = self.priors_for(backend_id).prefill_tokens_per_s
-        return prior if rates is None else self._learned(rates.prefill, prior)
+        learned = None if rates is None else rates.prefill_rate
+        return self.priors_for(backend_id).prefill_tokens_per_s if learned is None else learned
 
     def decode_step(self, backend_id: str) -> float:
         """Seconds per output token of a request decoding alone on ``backend_id``: learned, or its prior."""
         rates = self._rates.get(backend_id)
-        prior = self.priors_for(backend_id).decode_step_s
-        return prior if rates is None else self._learned(rates.decode, prior)
+        learned = None if rates is None else rates.decode_step
+        return self.priors_for(backend_id).decode_step_s if learned is None else learned
 
     def samples(self, backend_id: str) -> int:
         """TTFT samples ``backend_id``'s prefill rate rests on (at most ``window``)."""
@@ -229,8 +233,9 @@ class Predictor:
             ours /= size
             size = 1
         if waiting is not None:
-            prior = self.priors_for(state.id).uncached_tokens
-            mean = prior if rates is None else self._learned(rates.uncached, prior)
+            mean = None if rates is None else rates.mean_uncached
+            if mean is None:
+                mean = self.priors_for(state.id).uncached_tokens
             ours = max(ours, waiting * mean)
         ours /= size  # ranks prefill side by side
         if running is not None:
@@ -254,11 +259,14 @@ class Predictor:
         return self._predict(state.id, queued, max(uncached_tokens, 0.0), decoding, stale)
 
     def _predict(self, backend_id: str, queued: float, uncached: float, decoding: float, stale: bool) -> Prediction:
-        priors = self.priors_for(backend_id)
-        if stale:
-            rate, step = priors.prefill_tokens_per_s, priors.decode_step_s
-        else:
-            rate, step = self.prefill_rate(backend_id), self.decode_step(backend_id)
+        priors = self.overrides.get(backend_id, self.priors)
+        rate, step = priors.prefill_tokens_per_s, priors.decode_step_s
+        rates = None if stale else self._rates.get(backend_id)
+        if rates is not None:
+            if rates.prefill_rate is not None:
+                rate = rates.prefill_rate
+            if rates.decode_step is not None:
+                step = rates.decode_step
         ttft = priors.ttft_overhead_s + (queued + uncached) / rate
         tpot = step * (1.0 + priors.decode_load_weight * decoding)
         return Prediction(ttft, tpot, stale)
@@ -358,16 +366,17 @@ class Predictor:
             cached = _finite(cached_tokens)
             if cached is not None:
                 uncached = max(pending.prompt - cached, 0.0)
-                rates.uncached.append(uncached)
-            elif pending.prompt:
-                rates.uncached.append(pending.uncached)
+            rates.uncached.append(uncached)
+            rates.mean_uncached = self._median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
             if work >= 1.0 and busy > 0:
                 rates.prefill.append(work / busy)
+                rates.prefill_rate = self._median(rates.prefill)
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load))
+            rates.decode_step = self._median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
@@ -385,10 +394,11 @@ class Predictor:
 
 
 def _finite(value: float | None) -> float | None:
-    if value is None or isinstance(value, bool):
+    if value is None or type(value) is bool:
         return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) and number >= 0 else None
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return None
+    return value if 0 <= value < math.inf else None

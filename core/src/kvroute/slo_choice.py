@@ -88,7 +88,7 @@ class SloChoice:
         self.tpot_weight = float(tpot_weight)
         self.load_factor = float(load_factor)
         self.min_capacity = min_capacity
-        self.view = view or CacheView(block_size=64)
+        self.view = view or CacheView(block_size=256)
         self.clock = clock
         #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
         self.moved = 0
@@ -100,14 +100,17 @@ class SloChoice:
     def _uncached(self, state: BackendState, blocks: PromptBlocks) -> int:
         return max(blocks.units - self.view.matched(state.id, blocks), 0)
 
-    def _home_uncached(self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks,
-                       strategy: object) -> int:
+    def _home_uncached(
+        self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks, strategy: object
+    ) -> int:
         detail: Mapping[str, Any] = decision.detail
-        matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
-        if isinstance(matched, int) and isinstance(tokens, int):
-            return max(tokens - matched, 0)
-        if isinstance(strategy, ReuseEstimator):
-            said = strategy.cached_tokens(request, decision)
+        if "matched_tokens" in detail:
+            matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
+            if type(matched) is int and type(tokens) is int:
+                return max(tokens - matched, 0)
+        estimate = getattr(strategy, "cached_tokens", None)  # ReuseEstimator (isinstance on a Protocol is slow)
+        if estimate is not None:
+            said = estimate(request, decision)
             if said is not None:
                 return max(said[0] - said[1], 0)
         return self._uncached(state, blocks)

@@ -51,8 +51,11 @@ from kvroute.errors import NoBackendAvailable
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
+from kvroute.cache_view import CacheView
+from kvroute.predictor import Predictor, Priors
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
+from kvroute.slo_choice import SloChoice
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
@@ -65,6 +68,8 @@ from kvroute_simulator.warm_join import Join, WarmJoins
 
 __all__ = [
     "NO_BACKEND",
+    "SLO_SUFFIX",
+    "base_strategy",
     "Comparison",
     "InstanceResult",
     "JoinResult",
@@ -86,6 +91,41 @@ if _RankLoad is not None and "ranks" not in attrs.fields_dict(EngineLoad):
 
 #: The rejection reason of a request that arrived while the fleet had no member.
 NO_BACKEND = "no instance in the fleet"
+
+#: A strategy named ``NAME+slo`` is ``NAME`` with the router's SLO-aware choice (`kvroute.slo_choice`).
+SLO_SUFFIX = "+slo"
+
+
+def base_strategy(name: str) -> str:
+    """The strategy plugin ``name`` runs: itself, or ``NAME`` of ``NAME+slo``."""
+    return name[: -len(SLO_SUFFIX)] if name.endswith(SLO_SUFFIX) else name
+
+
+def slo_choice(config: SimulationConfig, chars_per_token: int = 4) -> SloChoice:
+    """The SLO-aware choice of a ``NAME+slo`` run: priors from the engines' cost model.
+
+    Its cache view counts ``chars_per_token`` characters of the routing text as a token (the
+    simulated prompts' ratio), so predicted and engine-reported cached tokens compare.
+    """
+    cost = config.cost
+    per_token_ms = cost.prefill_per_token_ms + cost.attention_ms * 2000
+    priors = Priors(
+        prefill_tokens_per_s=1000.0 / per_token_ms if per_token_ms > 0 else 1e6,
+        ttft_overhead_s=(cost.decode_base_ms + cost.prefill_base_ms) / 1000.0,
+        decode_step_s=max(cost.decode_base_ms, 1e-3) / 1000.0,
+        decode_load_weight=(cost.decode_per_seq_ms + cost.kv_read_ms_per_token * 2000) / max(cost.decode_base_ms, 1e-3),
+    )
+    return SloChoice(Predictor(priors), view=CacheView(block_size=256, chars_per_token=chars_per_token))
+
+
+def _chars_per_token(arrivals: Sequence[Arrival]) -> int:
+    """Characters of routing text per prompt token in the first arrivals (at least 1)."""
+    chars = tokens = 0
+    for arrival in arrivals[:20]:
+        request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
+        chars += len(request.text)
+        tokens += arrival.prompt_len
+    return max(1, round(chars / tokens)) if tokens else 4
 
 
 def _takes_seed(factory: Callable[..., Any]) -> bool:
@@ -139,15 +179,20 @@ class _Run:
         for _ in range(config.instances):
             self._add(0.0)
         opts = dict(options)
-        registration = plugins.strategies.get(strategy)
+        base = base_strategy(strategy)
+        registration = plugins.strategies.get(base)
         if registration is not None and "seed" not in opts and _takes_seed(registration.factory):
             opts["seed"] = config.seed
         self.options = opts
         #: Virtual time of the event being handled: the clock of the router's sessions.
         self.now = 0.0
         sessions = Sessions(clock=lambda: self.now) if config.sessions else None
-        self.router = Router.create(self.fleet, strategy, opts, plugins=plugins, sessions=sessions)
+        slo = slo_choice(config, _chars_per_token(arrivals)) if base != strategy else None
+        self.router = Router.create(self.fleet, base, opts, plugins=plugins, sessions=sessions, slo=slo)
         self.strategy = strategy
+        self.objectives = config.slo
+        self.tpots: list[float] = []
+        self.slo_met = 0
         self.flights: dict[int, _Flight] = {}  # id(EngineSequence) -> flight
         self.finished_at: dict[str, float] = {}
         self.waiting_for: dict[str, list[Arrival]] = {}
@@ -169,7 +214,7 @@ class _Run:
             config,
             self.fleet,
             self.router,
-            lambda fleet: Router.create(fleet, strategy, opts, plugins=plugins),
+            lambda fleet: Router.create(fleet, base, opts, plugins=plugins),
             self._timer,
         )
 
@@ -243,6 +288,8 @@ class _Run:
         if self.first_arrival is None:
             self.first_arrival = now
         request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
+        if self.objectives is not None:
+            request = attrs.evolve(request, objectives=self.objectives)
         self._refresh_loads()
         try:
             lease = self.router.acquire(request)
@@ -279,6 +326,22 @@ class _Run:
 
     def _finish(self, seq: EngineSequence, now: float) -> None:
         flight = self.flights.pop(id(seq))
+        tpot = None
+        if seq.first_token_time is not None and seq.generated > 1:
+            tpot = (now - seq.first_token_time) / (seq.generated - 1)
+            self.tpots.append(tpot)
+            predictor = self.router.predictor
+            if predictor is not None:
+                predictor.observe(flight.arrival.request_id, tpot_s=tpot)
+        slo = self.objectives
+        if slo is not None:
+            ttft = seq.ttft
+            if (
+                ttft is not None
+                and (slo.ttft_s is None or ttft <= slo.ttft_s)
+                and (slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s)
+            ):
+                self.slo_met += 1
         self.router.release(flight.lease)
         self.completed += 1
         self.last_finish = max(self.last_finish, now)
@@ -309,6 +372,7 @@ class _Run:
         scale = list(self.config.scale)
         ai = si = 0
         closed = self.config.closed_loop
+        time_scale = self.config.time_scale
         instances = self.instances
         inf = math.inf
         while True:
@@ -318,7 +382,7 @@ class _Run:
                 t = instance.engine.next_event_time()
                 if t is not None and t < t_engine:
                     t_engine, engine_id = t, backend_id
-            t_arrival = arrivals[ai].time if ai < len(arrivals) else inf
+            t_arrival = arrivals[ai].time * time_scale if ai < len(arrivals) else inf
             t_deferred = self.deferred[0][0] if self.deferred else inf
             t_scale = scale[si].time if si < len(scale) else inf
             t_timer = self.timers[0][0] if self.timers else inf
@@ -357,6 +421,9 @@ class _Run:
                     ttft = seq.ttft
                     assert ttft is not None
                     self.ttfts.append(ttft)
+                    predictor = self.router.predictor
+                    if predictor is not None:
+                        predictor.observe(flight.arrival.request_id, ttft_s=ttft, cached_tokens=seq.cached_tokens)
                     if flight.join is not None:
                         flight.join.record(ttft, flight.moved)
                 for seq in result.finished:
@@ -429,7 +496,24 @@ class _Run:
             timeline=tuple(self.timeline),
             ttfts=tuple(self.ttfts),
             joins=self.warm.results(),
+            **self._slo_figures(makespan),
         )
+
+    def _slo_figures(self, makespan: float) -> dict[str, Any]:
+        """TPOT quantiles, goodput and attainment against the objectives, and the predictor's error."""
+        tpots = sorted(self.tpots)
+        figures: dict[str, Any] = {"tpot_p50": quantile(tpots, 0.50), "tpot_p99": quantile(tpots, 0.99)}
+        if self.objectives is not None:
+            figures["slo_met"] = self.slo_met
+            figures["goodput"] = self.slo_met / makespan if makespan > 0 else 0.0
+            figures["attainment"] = self.slo_met / len(self.arrivals) if self.arrivals else math.nan
+        slo = self.router.slo
+        if slo is not None:
+            errors = slo.predictor.errors
+            figures["slo_moved"] = slo.moved
+            figures["prediction_error_p50"] = errors.median_abs_error_s() if errors.count else math.nan
+            figures["predicted_within_25"] = errors.within(0.25) if errors.count else math.nan
+        return figures
 
 
 def simulate(
