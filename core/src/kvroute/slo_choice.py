@@ -41,7 +41,12 @@ from kvroute.request import RouteRequest
 from kvroute.slo import Prediction
 from kvroute.strategy import Decision
 
-__all__ = ["SLO_REASON", "ReuseEstimator", "SloChoice"]
+__all__ = ["SLO_REASON", "UNMET_POLICIES", "ReuseEstimator", "SloChoice"]
+
+#: Where a request no candidate can serve in time goes: the candidate of lowest predicted cost within the
+#: load bound (``cheapest``), the strategy's pick (``home``), or the candidate of the longest predicted TTFT,
+#: load bound or not (``sink``: late work piles up on one backend, so the others stay on time).
+UNMET_POLICIES = ("cheapest", "home", "sink")
 
 #: `Decision.reason` and `Decision.spill_reason` of a request the SLO-aware choice moved off its home.
 SLO_REASON = "slo"
@@ -76,8 +81,11 @@ class SloChoice:
         load_factor: float = 1.25,
         min_capacity: int = 16,
         view: CacheView | None = None,
+        unmet: str = "cheapest",
         clock: Any = time.monotonic,
     ) -> None:
+        if unmet not in UNMET_POLICIES:
+            raise ValueError(f"'unmet' must be one of {', '.join(UNMET_POLICIES)} (got {unmet!r}).")
         _non_negative("tpot_weight", tpot_weight)
         if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not 1 <= load_factor < math.inf:
             raise ValueError(f"'load_factor' must be a number of at least 1 (got {load_factor!r}).")
@@ -90,6 +98,8 @@ class SloChoice:
         self.min_capacity = min_capacity
         self.view = view or CacheView(block_size=256)
         self.clock = clock
+        #: Where a request goes when no candidate is predicted to meet its objectives (`UNMET_POLICIES`).
+        self.unmet_policy = unmet
         #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
         self.moved = 0
         self.unmet = 0
@@ -149,11 +159,20 @@ class SloChoice:
 
         best_state, best, best_cost, best_uncached = state, home, cost(home), home_uncached
         best_meets = bool(wants and home.meets(objectives))
+        sink = wants and self.unmet_policy == "sink"
+        worst_state, worst, worst_uncached = state, home, home_uncached
         for c in candidates:
-            if c is state or c.in_flight >= max(floor, math.ceil(factor * c.weight * fair)):
+            if c is state:
+                continue
+            bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
+            if bounded and not sink:
                 continue
             uncached = self._uncached(c, blocks)
             p = predictor.predict(c, uncached, now=now)
+            if sink and p.ttft_s > worst.ttft_s:
+                worst_state, worst, worst_uncached = c, p, uncached
+            if bounded:
+                continue
             c_cost = cost(p)
             if wants:
                 meets = bool(p.meets(objectives))
@@ -165,6 +184,10 @@ class SloChoice:
             best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
         if wants and not best_meets:
             self.unmet += 1
+            if self.unmet_policy == "home":
+                best_state, best = state, home
+            elif sink:
+                best_state, best, best_uncached = worst_state, worst, worst_uncached
         if best_state is state:
             return self._with(decision, home), state
         self.moved += 1

@@ -47,7 +47,7 @@ import attrs
 import structlog
 
 from kvroute.backend import Backend, EngineLoad
-from kvroute.errors import NoBackendAvailable
+from kvroute.errors import ConfigError, NoBackendAvailable
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
 from kvroute.request import RouteRequest
@@ -101,7 +101,9 @@ def base_strategy(name: str) -> str:
     return name[: -len(SLO_SUFFIX)] if name.endswith(SLO_SUFFIX) else name
 
 
-def slo_choice(config: SimulationConfig, chars_per_token: int = 4) -> SloChoice:
+def slo_choice(
+    config: SimulationConfig, chars_per_token: int = 4, clock: Callable[[], float] | None = None, **options: Any
+) -> SloChoice:
     """The SLO-aware choice of a ``NAME+slo`` run: priors from the engines' cost model.
 
     Its cache view counts ``chars_per_token`` characters of the routing text as a token (the
@@ -115,7 +117,23 @@ def slo_choice(config: SimulationConfig, chars_per_token: int = 4) -> SloChoice:
         decode_step_s=max(cost.decode_base_ms, 1e-3) / 1000.0,
         decode_load_weight=(cost.decode_per_seq_ms + cost.kv_read_ms_per_token * 2000) / max(cost.decode_base_ms, 1e-3),
     )
-    return SloChoice(Predictor(priors), view=CacheView(block_size=256, chars_per_token=chars_per_token))
+    kinds: dict[str, Callable[[Any], Any]] = {"tpot_weight": float, "load_factor": float, "min_capacity": int, "unmet": str}
+    values: dict[str, Any] = {}
+    for key, value in options.items():
+        kind = kinds.get(key)
+        if kind is None:
+            raise ConfigError(f"the SLO-aware choice has no option 'slo_{key}' (expected one of: "
+                              f"{', '.join('slo_' + k for k in kinds)}).")
+        try:
+            values[key] = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"'slo_{key}' must be a {kind.__name__} (got {value!r}).") from None
+    view = CacheView(block_size=256, chars_per_token=chars_per_token)
+    try:
+        predictor = Predictor(priors) if clock is None else Predictor(priors, clock=clock)
+        return SloChoice(predictor, view=view, **values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _chars_per_token(arrivals: Sequence[Arrival]) -> int:
@@ -187,7 +205,12 @@ class _Run:
         #: Virtual time of the event being handled: the clock of the router's sessions.
         self.now = 0.0
         sessions = Sessions(clock=lambda: self.now) if config.sessions else None
-        slo = slo_choice(config, _chars_per_token(arrivals)) if base != strategy else None
+        slo_options = {k[len("slo_") :]: opts.pop(k) for k in [k for k in opts if k.startswith("slo_")]}
+        slo = (
+            slo_choice(config, _chars_per_token(arrivals), lambda: self.now, **slo_options)
+            if base != strategy
+            else None
+        )
         self.router = Router.create(self.fleet, base, opts, plugins=plugins, sessions=sessions, slo=slo)
         self.strategy = strategy
         self.objectives = config.slo
@@ -205,6 +228,7 @@ class _Run:
         self.completed = 0
         self.decisions: dict[str, int] = {}
         self.first_arrival: float | None = None
+        self.last_arrival = 0.0
         self.last_finish = 0.0
         self.timeline: list[tuple[float, float, Mapping[str, int]]] = []
         self.window_start = 0.0
@@ -287,6 +311,7 @@ class _Run:
     def _route(self, arrival: Arrival, now: float) -> None:
         if self.first_arrival is None:
             self.first_arrival = now
+        self.last_arrival = now
         request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
         if self.objectives is not None:
             request = attrs.evolve(request, objectives=self.objectives)
@@ -504,8 +529,12 @@ class _Run:
         tpots = sorted(self.tpots)
         figures: dict[str, Any] = {"tpot_p50": quantile(tpots, 0.50), "tpot_p99": quantile(tpots, 0.99)}
         if self.objectives is not None:
+            # Attainment times the offered rate: met requests per second of the arrivals' window (with one
+            # arrival, or all at once, of the makespan), so a backlog left at the end does not count against it.
+            window = self.last_arrival - (self.first_arrival or 0.0)
+            window = window * len(self.arrivals) / max(len(self.arrivals) - 1, 1) if window > 0 else makespan
             figures["slo_met"] = self.slo_met
-            figures["goodput"] = self.slo_met / makespan if makespan > 0 else 0.0
+            figures["goodput"] = self.slo_met / window if window > 0 else 0.0
             figures["attainment"] = self.slo_met / len(self.arrivals) if self.arrivals else math.nan
         slo = self.router.slo
         if slo is not None:

@@ -95,8 +95,8 @@ class StrategyResult:
     #: Time per output token after the first, over the requests of more than one output token.
     tpot_p50: float = math.nan
     tpot_p99: float = math.nan
-    #: With objectives (``--slo``): requests that met both, those per second of the makespan (goodput),
-    #: and their share of every request (rejected ones count as missed).
+    #: With objectives (``--slo``): requests that met both; goodput, those per second of the arrivals' window
+    #: (attainment times the offered rate); attainment, their share of every request (rejected ones missed).
     slo_met: int = 0
     goodput: float = math.nan
     attainment: float = math.nan
