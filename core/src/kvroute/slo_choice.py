@@ -10,6 +10,9 @@ of a prefix strategy):
   lowest cost overall (its `Decision.prediction` then does not meet them: no candidate can);
 * a request without objectives goes to the candidate of lowest cost, the home winning ties.
 
+On a fleet of more than ``scan + 1`` candidates only ``scan`` of them besides the home are predicted
+(a window starting where the request id's hash points), which bounds the added decision time.
+
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
 (total in flight + 1) / total weight))``, so re-ranking never piles requests on one backend.
@@ -36,6 +39,7 @@ import attrs
 
 from kvroute.backend import BackendState
 from kvroute.cache_view import CacheView, PromptBlocks
+from kvroute.hashing import hash64
 from kvroute.predictor import Predictor
 from kvroute.request import RouteRequest
 from kvroute.slo import Prediction
@@ -82,8 +86,11 @@ class SloChoice:
         min_capacity: int = 16,
         view: CacheView | None = None,
         unmet: str = "cheapest",
+        scan: int = 16,
         clock: Any = time.monotonic,
     ) -> None:
+        if isinstance(scan, bool) or not isinstance(scan, int) or scan < 1:
+            raise ValueError(f"'scan' must be a positive integer (got {scan!r}).")
         if unmet not in UNMET_POLICIES:
             raise ValueError(f"'unmet' must be one of {', '.join(UNMET_POLICIES)} (got {unmet!r}).")
         _non_negative("tpot_weight", tpot_weight)
@@ -96,8 +103,11 @@ class SloChoice:
         self.tpot_weight = float(tpot_weight)
         self.load_factor = float(load_factor)
         self.min_capacity = min_capacity
-        self.view = view or CacheView(block_size=256)
+        self.view = view or CacheView(block_size=512)
         self.clock = clock
+        #: At most this many candidates besides the home are predicted per decision (a window of the
+        #: candidates starting where the request id's hash points), so the cost stays flat on large fleets.
+        self.scan = scan
         #: Where a request goes when no candidate is predicted to meet its objectives (`UNMET_POLICIES`).
         self.unmet_policy = unmet
         #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
@@ -161,7 +171,13 @@ class SloChoice:
         best_meets = bool(wants and home.meets(objectives))
         sink = wants and self.unmet_policy == "sink"
         worst_state, worst, worst_uncached = state, home, home_uncached
-        for c in candidates:
+        n = len(candidates)
+        if n - 1 > self.scan:
+            start = hash64(request.request_id) % n
+            window = [candidates[(start + i) % n] for i in range(self.scan + 1)]
+        else:
+            window = candidates
+        for c in window:
             if c is state:
                 continue
             bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))

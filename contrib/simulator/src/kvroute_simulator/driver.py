@@ -117,7 +117,13 @@ def slo_choice(
         decode_step_s=max(cost.decode_base_ms, 1e-3) / 1000.0,
         decode_load_weight=(cost.decode_per_seq_ms + cost.kv_read_ms_per_token * 2000) / max(cost.decode_base_ms, 1e-3),
     )
-    kinds: dict[str, Callable[[Any], Any]] = {"tpot_weight": float, "load_factor": float, "min_capacity": int, "unmet": str}
+    kinds: dict[str, Callable[[Any], Any]] = {
+        "tpot_weight": float,
+        "load_factor": float,
+        "min_capacity": int,
+        "unmet": str,
+        "scan": int,
+    }
     values: dict[str, Any] = {}
     for key, value in options.items():
         kind = kinds.get(key)
@@ -128,7 +134,7 @@ def slo_choice(
             values[key] = kind(value)
         except (TypeError, ValueError):
             raise ConfigError(f"'slo_{key}' must be a {kind.__name__} (got {value!r}).") from None
-    view = CacheView(block_size=256, chars_per_token=chars_per_token)
+    view = CacheView(block_size=512, chars_per_token=chars_per_token)
     try:
         predictor = Predictor(priors) if clock is None else Predictor(priors, clock=clock)
         return SloChoice(predictor, view=view, **values)
