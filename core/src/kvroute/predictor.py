@@ -17,12 +17,13 @@ engine also counts other routers' requests). A data-parallel backend prefills on
 by side: the queue of the rank the decision names (`EngineLoad.ranks`) counts when the engine
 reports one, else the backend's queue spread over its ranks. *Requests decoding alongside* are the
 engine's ``running`` when reported, else the router's in-flight count. The engine's ``kv_usage`` is
-not used: a full cache delays new requests only as the waiting queue already shows. With ``prefill_slows_decode=True``
-(off by default: in the simulator it lowered goodput at every load, docs/performance.md), TPOT is
-also divided by ``1 - prefill share``, the share of the backend's time its prefills are expected to take while the request
-decodes (an engine mixing prefill chunks into decode steps, as vLLM's chunked prefill does, slows
-every decoding request by that much): the uncached tokens this router sent there over the last
-``arrival_window_s`` seconds, per second, over its prefill rate, at most 0.95.
+not used: a full cache delays new requests only as the waiting queue already shows.
+
+With ``prefill_slows_decode=True`` (off by default: in the simulator it lowered goodput at every
+load), TPOT is also divided by ``1 - prefill share``, the share of the backend's time its prefills
+are expected to take while the request decodes (an engine mixing prefill chunks into decode steps,
+as vLLM's chunked prefill does, slows every decoding request by that much): the uncached tokens
+this router sent there over the last ``arrival_window_s`` seconds, per second, over its prefill rate, at most 0.95.
 
 The *prefill rate* (tokens/s) and the *decode step* (s) are learned per backend, so backends on
 different hardware get rates of their own: every observed TTFT gives a rate sample ``work /
@@ -56,9 +57,7 @@ from kvroute.validators import expect
 __all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
-_non_negative = expect(
-    "a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError
-)
+_non_negative = expect("a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError)
 
 
 @attrs.frozen(kw_only=True)
@@ -182,8 +181,10 @@ class Predictor:
             raise ValueError(f"'window' must be an integer from 1 to 4096 (got {window!r}).")
         if not isinstance(min_samples, int) or isinstance(min_samples, bool) or not 1 <= min_samples <= window:
             raise ValueError(f"'min_samples' must be an integer from 1 to window={window} (got {min_samples!r}).")
-        if isinstance(arrival_window_s, bool) or not isinstance(arrival_window_s, int | float) or not (
-            0 < arrival_window_s < math.inf
+        if (
+            isinstance(arrival_window_s, bool)
+            or not isinstance(arrival_window_s, int | float)
+            or not (0 < arrival_window_s < math.inf)
         ):
             raise ValueError(f"'arrival_window_s' must be a positive number of seconds (got {arrival_window_s!r}).")
         self.arrival_window_s = float(arrival_window_s)
@@ -335,7 +336,9 @@ class Predictor:
         slowdown = self._slowdown(rates, self.prefill_rate(state.id))
         at = self.clock()
         age = at - rates.arrived_at
-        rates.arrived = (rates.arrived * math.exp(-age / self.arrival_window_s) if age > 0 else rates.arrived) + uncached
+        rates.arrived = (
+            rates.arrived * math.exp(-age / self.arrival_window_s) if age > 0 else rates.arrived
+        ) + uncached
         rates.arrived_at = at
         self._pending[request_id] = _Pending(
             state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown

@@ -132,7 +132,7 @@ class SloChoice:
         if estimate is not None:
             said = estimate(request, decision)
             if said is not None:
-                return max(said[0] - said[1], 0)
+                return max(int(said[0]) - int(said[1]), 0)
         return self._uncached(state, blocks)
 
     def choose(
@@ -172,11 +172,10 @@ class SloChoice:
         sink = wants and self.unmet_policy == "sink"
         worst_state, worst, worst_uncached = state, home, home_uncached
         n = len(candidates)
+        window: Sequence[BackendState] = candidates
         if n - 1 > self.scan:
             start = hash64(request.request_id) % n
             window = [candidates[(start + i) % n] for i in range(self.scan + 1)]
-        else:
-            window = candidates
         for c in window:
             if c is state:
                 continue

@@ -47,14 +47,15 @@ import attrs
 import structlog
 
 from kvroute.backend import Backend, EngineLoad
+from kvroute.cache_view import CacheView
 from kvroute.errors import ConfigError, NoBackendAvailable
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
-from kvroute.request import RouteRequest
-from kvroute.cache_view import CacheView
 from kvroute.predictor import Predictor, Priors
+from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
+from kvroute.slo import Priority
 from kvroute.slo_choice import SloChoice
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
@@ -68,6 +69,7 @@ from kvroute_simulator.warm_join import Join, WarmJoins
 
 __all__ = [
     "NO_BACKEND",
+    "SHED",
     "SLO_SUFFIX",
     "base_strategy",
     "Comparison",
@@ -92,12 +94,31 @@ if _RankLoad is not None and "ranks" not in attrs.fields_dict(EngineLoad):
 #: The rejection reason of a request that arrived while the fleet had no member.
 NO_BACKEND = "no instance in the fleet"
 
-#: A strategy named ``NAME+slo`` is ``NAME`` with the router's SLO-aware choice (`kvroute.slo_choice`).
+#: The rejection reason of a request shed because no backend was predicted to meet its objectives.
+SHED = "shed: no instance predicted to meet the objectives"
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ConfigError(f"'{name}' must be true or false (got {value!r}).")
+
+
+#: A strategy named ``NAME+slo`` is ``NAME`` with the router's SLO-aware choice (`kvroute.slo_choice`);
+#: ``NAME+slo+shed`` also sheds what no instance is predicted to serve in time (as admission would).
 SLO_SUFFIX = "+slo"
+SHED_SUFFIX = "+shed"
 
 
 def base_strategy(name: str) -> str:
-    """The strategy plugin ``name`` runs: itself, or ``NAME`` of ``NAME+slo``."""
+    """The strategy plugin ``name`` runs: itself, or ``NAME`` of ``NAME+slo`` and ``NAME+slo+shed``."""
+    if name.endswith(SLO_SUFFIX + SHED_SUFFIX):
+        return name[: -len(SLO_SUFFIX + SHED_SUFFIX)]
     return name[: -len(SLO_SUFFIX)] if name.endswith(SLO_SUFFIX) else name
 
 
@@ -128,8 +149,10 @@ def slo_choice(
     for key, value in options.items():
         kind = kinds.get(key)
         if kind is None:
-            raise ConfigError(f"the SLO-aware choice has no option 'slo_{key}' (expected one of: "
-                              f"{', '.join('slo_' + k for k in kinds)}).")
+            raise ConfigError(
+                f"the SLO-aware choice has no option 'slo_{key}' (expected one of: "
+                f"{', '.join('slo_' + k for k in kinds)})."
+            )
         try:
             values[key] = kind(value)
         except (TypeError, ValueError):
@@ -212,6 +235,9 @@ class _Run:
         self.now = 0.0
         sessions = Sessions(clock=lambda: self.now) if config.sessions else None
         slo_options = {k[len("slo_") :]: opts.pop(k) for k in [k for k in opts if k.startswith("slo_")]}
+        #: Admission as a host would do it, simply: shed (answer at once, as 429) a request no backend is
+        #: predicted to serve within its objectives, unless it is critical.
+        self.shed = _flag(slo_options.pop("shed", strategy.endswith(SHED_SUFFIX)), "slo_shed")
         slo = (
             slo_choice(config, _chars_per_token(arrivals), lambda: self.now, **slo_options)
             if base != strategy
@@ -322,13 +348,23 @@ class _Run:
         if self.objectives is not None:
             request = attrs.evolve(request, objectives=self.objectives)
         self._refresh_loads()
+        objectives = request.objectives
+        if self.shed and objectives is not None and objectives.priority is not Priority.CRITICAL:
+            # Admission decides before the request is counted anywhere: a dry run of the same decision.
+            try:
+                dry, _ = self.router.decide(request)
+            except NoBackendAvailable:
+                dry = None
+            if dry is not None and dry.prediction is not None and dry.prediction.meets(objectives) is False:
+                self._reject(SHED, arrival, now)
+                return
         try:
             lease = self.router.acquire(request)
         except NoBackendAvailable:
             self._reject(NO_BACKEND, arrival, now)
             return
-        self.warm.observe(request)
         decision = lease.decision
+        self.warm.observe(request)
         self.route_costs.append(decision.duration_s)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         if decision.spilled:

@@ -65,9 +65,7 @@ def parse_slo(text: str) -> Objectives:
             raise click.BadParameter(f"expected {_SLO_HELP} (got {item!r}).", param_hint="--slo")
         seconds = float(match["value"]) / (1.0 if match["unit"] == "s" else 1000.0)
         if not (math.isfinite(seconds) and 0 < seconds <= 3600):
-            raise click.BadParameter(
-                f"expected {key} between 1 ms and 1 h (got {item!r}).", param_hint="--slo"
-            )
+            raise click.BadParameter(f"expected {key} between 1 ms and 1 h (got {item!r}).", param_hint="--slo")
         if key in values:
             raise click.BadParameter(f"expected {key} once (got it twice in {text!r}).", param_hint="--slo")
         values[key] = seconds
@@ -111,7 +109,9 @@ def measure_capacity(
     return result.completed / result.makespan
 
 
-def sized_for_load(config: SimulationConfig, arrivals: Sequence[Arrival], load: float, capacity: float) -> SimulationConfig:
+def sized_for_load(
+    config: SimulationConfig, arrivals: Sequence[Arrival], load: float, capacity: float
+) -> SimulationConfig:
     """``config`` with arrival times scaled so the mean arrival rate is ``load x capacity``."""
     rate = arrival_rate(arrivals)
     if rate <= 0:

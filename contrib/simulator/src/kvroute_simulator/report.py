@@ -140,7 +140,9 @@ def _caption(comparison: Comparison) -> str:
         lines[1] = f"{BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"
     config = comparison.config
     if config.slo is not None:
-        lines.append(f"objectives: {describe_slo(config.slo)}; goodput counts the requests meeting every one, per second")
+        lines.append(
+            f"objectives: {describe_slo(config.slo)}; goodput counts the requests meeting every one, per second"
+        )
     if config.working_set is not None or comparison.pooled_hit_rate < comparison.upper_bound_hit_rate - 1e-12:
         sized = "" if config.working_set is None else f", sized for a working set of {config.working_set:.0%}"
         lines.insert(
