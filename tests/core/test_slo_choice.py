@@ -163,3 +163,27 @@ class TestAccounting:
             SloChoice(tpot_weight=-1)
         with pytest.raises(ValueError, match=r"'load_factor' must be a number of at least 1 \(got 0.5\)"):
             SloChoice(load_factor=0.5)
+
+
+class TestFastPath:
+    def test_kept_decision_copies_every_field(self) -> None:
+        """The kept decision copies every field of the strategy's (fails when `Decision` gains one it drops)."""
+        from kvroute import Backend, Prediction
+
+        fields = {a.name for a in attrs.fields(Decision)}
+        original = Decision(
+            Backend("b0"),
+            reason="r",
+            strategy="s",
+            key=3,
+            spilled=True,
+            detail={"x": 1},
+            duration_s=0.5,
+            spill_reason="why",
+            data_parallel_rank=2,
+        )
+        kept = SloChoice._with(original, Prediction(0.25))
+        for name in fields - {"detail", "prediction"}:
+            assert getattr(kept, name) == getattr(original, name), name
+        assert kept.detail == {"x": 1, "predicted_ttft_ms": 250.0}
+        assert kept.prediction == Prediction(0.25)

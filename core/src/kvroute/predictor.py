@@ -238,14 +238,19 @@ class Predictor:
     def _load(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, bool]:
         """(queued prefill tokens ahead, requests decoding alongside, stale) for ``state``."""
         rates = self._rates.get(state.id)
-        ours = rates.queued_tokens if rates is not None else 0.0
-        ours_requests = rates.queued_requests if rates is not None else 0
-        decoding = float(max(state.in_flight - ours_requests, 0))
+        if rates is None:
+            ours, decoding = 0.0, float(state.in_flight)
+        else:
+            ours = rates.queued_tokens
+            decoding = float(max(state.in_flight - rates.queued_requests, 0))
         load = state.load
-        if load is None or load.age(now) > state.load_max_age:
-            size = state.data_parallel_size
-            return ours / size, decoding / size, load is not None
-        size = state.data_parallel_size
+        size = state.backend.data_parallel_size
+        if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
+            size = load.data_parallel_size
+        if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
+            if size > 1:
+                return ours / size, decoding / size, load is not None
+            return ours, decoding, load is not None
         waiting, running = load.waiting, load.running
         if rank is not None and load.ranks:
             # The named rank's own queue; this router's requests assumed spread over the ranks.
@@ -258,11 +263,13 @@ class Predictor:
         if waiting is not None:
             mean = None if rates is None else rates.mean_uncached
             if mean is None:
-                mean = self.priors_for(state.id).uncached_tokens
-            ours = max(ours, waiting * mean)
-        ours /= size  # ranks prefill side by side
+                mean = self.overrides.get(state.id, self.priors).uncached_tokens
+            if waiting * mean > ours:
+                ours = waiting * mean
+        if size > 1:
+            ours /= size  # ranks prefill side by side
         if running is not None:
-            decoding = float(running) / size
+            decoding = running / size
         return ours, decoding, False
 
     def predict(

@@ -86,7 +86,7 @@ class SloChoice:
         min_capacity: int = 16,
         view: CacheView | None = None,
         unmet: str = "cheapest",
-        scan: int = 16,
+        scan: int = 8,
         clock: Any = time.monotonic,
     ) -> None:
         if isinstance(scan, bool) or not isinstance(scan, int) or scan < 1:
@@ -233,7 +233,20 @@ class SloChoice:
         detail["predicted_ttft_ms"] = round(prediction.ttft_s * 1000, 1)
         if prediction.stale:
             detail["stale"] = True
-        return attrs.evolve(decision, prediction=prediction, detail=detail)
+        if type(decision) is not Decision:  # a subclass may add fields: evolve copies them
+            return attrs.evolve(decision, prediction=prediction, detail=detail)
+        return Decision(
+            backend=decision.backend,
+            reason=decision.reason,
+            strategy=decision.strategy,
+            key=decision.key,
+            spilled=decision.spilled,
+            detail=detail,
+            duration_s=decision.duration_s,
+            spill_reason=decision.spill_reason,
+            data_parallel_rank=decision.data_parallel_rank,
+            prediction=prediction,
+        )
 
     # -- accounting (the router) ---------------------------------------------------------
 
