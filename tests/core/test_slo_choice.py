@@ -85,7 +85,9 @@ class TestChoice:
         decision, _ = router.decide(request)
         assert decision.prediction is not None and decision.prediction.meets(request.objectives) is False
         assert decision.backend.id == "b1"  # the least bad
-        assert router.slo is not None and router.slo.unmet == 1
+        assert router.slo is not None and router.slo.unmet == 0  # a dry run counts nothing
+        router.release(router.acquire(_request("r2", objectives=Objectives(ttft_s=1.0))))
+        assert router.slo.unmet == 1
 
     def test_cache_keeps_home_without_objective(self) -> None:
         """Without objectives the lowest predicted cost wins: a home holding the prompt beats idle cold backends."""

@@ -110,7 +110,8 @@ class SloChoice:
         self.scan = scan
         #: Where a request goes when no candidate is predicted to meet its objectives (`UNMET_POLICIES`).
         self.unmet_policy = unmet
-        #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
+        #: Leased decisions moved off the strategy's pick, and leased requests with objectives no candidate
+        #: was predicted to meet (counted in `started`, so dry runs do not count).
         self.moved = 0
         self.unmet = 0
         self._last: tuple[str, PromptBlocks, int] | None = None
@@ -153,8 +154,6 @@ class SloChoice:
         objectives = request.objectives
         wants = objectives is not None and objectives.any
         if not self.aware or len(candidates) == 1 or (wants and home.meets(objectives)):
-            if wants and not home.meets(objectives):
-                self.unmet += 1
             return self._with(decision, home), state
         weight = self.tpot_weight
         total = weight_sum = 0.0
@@ -198,14 +197,12 @@ class SloChoice:
                 continue
             best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
         if wants and not best_meets:
-            self.unmet += 1
             if self.unmet_policy == "home":
                 best_state, best = state, home
             elif sink:
                 best_state, best, best_uncached = worst_state, worst, worst_uncached
         if best_state is state:
             return self._with(decision, home), state
-        self.moved += 1
         self._last = (request.request_id, blocks, best_uncached)
         detail: dict[str, Any] = {
             "home": state.id,
@@ -260,6 +257,10 @@ class SloChoice:
             blocks = self.view.blocks(request)
             uncached = self._uncached(state, blocks)
         prediction = decision.prediction
+        if decision.reason == SLO_REASON:
+            self.moved += 1
+        if prediction is not None and prediction.meets(request.objectives) is False:
+            self.unmet += 1
         self.predictor.started(
             request.request_id,
             state,
