@@ -42,7 +42,6 @@ when the request was sent, for the host to export.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -117,7 +116,7 @@ class PredictionErrors:
         """Median of ``|observed - predicted|`` over the recent pairs (``None`` before any)."""
         if not self._pairs:
             return None
-        return statistics.median(abs(o - p) for p, o in self._pairs)
+        return _median(abs(o - p) for p, o in self._pairs)
 
     def within(self, share: float = 0.25) -> float | None:
         """Share of recent pairs whose prediction was within ``share`` of the observed TTFT (``None`` before any)."""
@@ -213,8 +212,8 @@ class Predictor:
             rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
         return rates
 
-    def _median(self, samples: deque[float]) -> float | None:
-        return statistics.median(samples) if len(samples) >= self.min_samples else None
+    def _window_median(self, samples: deque[float]) -> float | None:
+        return _median(samples) if len(samples) >= self.min_samples else None
 
     def prefill_rate(self, backend_id: str) -> float:
         """Prompt tokens per second ``backend_id`` prefills: learned, or its prior."""
@@ -417,16 +416,16 @@ class Predictor:
             if cached is not None:
                 uncached = max(pending.prompt - cached, 0.0)
             rates.uncached.append(uncached)
-            rates.mean_uncached = self._median(rates.uncached)
+            rates.mean_uncached = self._window_median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
             if work >= 1.0 and busy > 0:
                 rates.prefill.append(work / busy)
-                rates.prefill_rate = self._median(rates.prefill)
+                rates.prefill_rate = self._window_median(rates.prefill)
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
-            rates.decode_step = self._median(rates.decode)
+            rates.decode_step = self._window_median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
@@ -441,6 +440,13 @@ class Predictor:
             }
             for b in ids
         }
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median (``statistics.median`` without importing it: ``import kvroute`` stays light)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _finite(value: float | None) -> float | None:
