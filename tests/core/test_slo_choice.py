@@ -189,3 +189,16 @@ class TestFastPath:
             assert getattr(kept, name) == getattr(original, name), name
         assert kept.detail == {"x": 1, "predicted_ttft_ms": 250.0}
         assert kept.prediction == Prediction(0.25)
+
+
+class TestLargeFleet:
+    def test_meeting_candidate_found_outside_the_window(self) -> None:
+        """On a fleet larger than the scan window, a candidate that meets is found wherever it is."""
+        router = _router(12, scan=2)
+        for i in range(12):
+            if i != 7:
+                _queue(router, f"b{i}", 5000 + i)
+        for rid in ("r1", "r2", "r3", "r4"):
+            decision, _ = router.decide(_request(rid, objectives=Objectives(ttft_s=1.5)))
+            assert decision.backend.id == "b7", rid
+            assert decision.prediction is not None and decision.prediction.meets(Objectives(ttft_s=1.5))

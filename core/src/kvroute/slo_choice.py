@@ -11,7 +11,10 @@ of a prefix strategy):
 * a request without objectives goes to the candidate of lowest cost, the home winning ties.
 
 On a fleet of more than ``scan + 1`` candidates only ``scan`` of them besides the home are predicted
-(a window starting where the request id's hash points), which bounds the added decision time.
+(a window starting where the request id's hash points), which bounds the added decision time; a
+request with objectives that none of them meets has the other candidates predicted too, so that a
+prediction that does not meet its objectives always means that no candidate within the load bound
+is predicted to (the signal a host's admission acts on). Candidates at their load bound never count.
 
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
@@ -171,31 +174,37 @@ class SloChoice:
         sink = wants and self.unmet_policy == "sink"
         worst_state, worst, worst_uncached = state, home, home_uncached
         n = len(candidates)
-        window: Sequence[BackendState] = candidates
+        windows: list[Sequence[BackendState]] = [candidates]
         if n - 1 > self.scan:
+            # A window of ``scan`` candidates first; the rest only when a request with objectives finds
+            # none meeting them there (so a miss means no candidate within the bound can meet them).
             start = hash64(request.request_id) % n
-            window = [candidates[(start + i) % n] for i in range(self.scan + 1)]
-        for c in window:
-            if c is state:
-                continue
-            bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
-            if bounded and not sink:
-                continue
-            uncached = self._uncached(c, blocks)
-            p = predictor.predict(c, uncached, now=now)
-            if sink and p.ttft_s > worst.ttft_s:
-                worst_state, worst, worst_uncached = c, p, uncached
-            if bounded:
-                continue
-            c_cost = cost(p)
-            if wants:
-                meets = bool(p.meets(objectives))
-                if (meets, -c_cost) <= (best_meets, -best_cost):
+            order = [candidates[(start + i) % n] for i in range(n)]
+            windows = [order[: self.scan + 1], order[self.scan + 1 :]] if wants else [order[: self.scan + 1]]
+        for k, window in enumerate(windows):
+            if k and best_meets:
+                break
+            for c in window:
+                if c is state:
                     continue
-                best_meets = meets
-            elif c_cost >= best_cost:
-                continue
-            best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
+                bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
+                if bounded and not sink:
+                    continue
+                uncached = self._uncached(c, blocks)
+                p = predictor.predict(c, uncached, now=now)
+                if sink and p.ttft_s > worst.ttft_s:
+                    worst_state, worst, worst_uncached = c, p, uncached
+                if bounded:
+                    continue
+                c_cost = cost(p)
+                if wants:
+                    meets = bool(p.meets(objectives))
+                    if (meets, -c_cost) <= (best_meets, -best_cost):
+                        continue
+                    best_meets = meets
+                elif c_cost >= best_cost:
+                    continue
+                best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
         if wants and not best_meets:
             if self.unmet_policy == "home":
                 best_state, best = state, home
