@@ -78,7 +78,7 @@ class TestChoice:
 
     def test_nothing_meets(self) -> None:
         """When no candidate can meet the objective, the prediction says so (the admission contract)."""
-        router = _router()
+        router = _router(unmet="cheapest")
         for b, tokens in (("b0", 4000), ("b1", 3000), ("b2", 5000)):
             _queue(router, b, tokens)
         request = _request("r1", objectives=Objectives(ttft_s=1.0))
@@ -128,6 +128,16 @@ class TestChoice:
         decision, _ = router.decide(_request("r"))
         assert decision.prediction is not None and decision.prediction.stale
         assert "stale=True" in decision.explain()
+
+    @pytest.mark.parametrize(("unmet", "chosen"), [("home", "b0"), ("cheapest", "b1"), ("sink", "b2")])
+    def test_unmet_policies(self, unmet: str, chosen: str) -> None:
+        """A request nothing can serve in time stays home, goes to the least bad, or to the worst (the sink)."""
+        router = _router(unmet=unmet)
+        for b, tokens in (("b0", 4000), ("b1", 3000), ("b2", 5000)):
+            _queue(router, b, tokens)
+        decision, _ = router.decide(_request("r1", objectives=Objectives(ttft_s=1.0)))
+        assert decision.backend.id == chosen
+        assert decision.prediction is not None and decision.prediction.meets(Objectives(ttft_s=1.0)) is False
 
 
 class TestAccounting:

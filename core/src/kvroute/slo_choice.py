@@ -6,8 +6,8 @@ of a prefix strategy):
 
 * a request with objectives (`RouteRequest.objectives`) stays on its home when the home is
   predicted to meet them; otherwise it goes to the candidate within the load bound predicted to
-  meet them at the lowest cost (``TTFT + tpot_weight * TPOT``), and when none is, to the one of
-  lowest cost overall (its `Decision.prediction` then does not meet them: no candidate can);
+  meet them at the lowest cost (``TTFT + tpot_weight * TPOT``), and when none is, where ``unmet``
+  says (`UNMET_POLICIES`; its `Decision.prediction` then does not meet them: no candidate can);
 * a request without objectives goes to the candidate of lowest cost, the home winning ties.
 
 On a fleet of more than ``scan + 1`` candidates only ``scan`` of them besides the home are predicted
@@ -50,9 +50,11 @@ from kvroute.strategy import Decision
 
 __all__ = ["SLO_REASON", "UNMET_POLICIES", "ReuseEstimator", "SloChoice"]
 
-#: Where a request no candidate can serve in time goes: the candidate of lowest predicted cost within the
-#: load bound (``cheapest``), the strategy's pick (``home``), or the candidate of the longest predicted TTFT,
-#: load bound or not (``sink``: late work piles up on one backend, so the others stay on time).
+#: Where a request no candidate can serve in time goes: the strategy's pick (``home``, the default), the
+#: candidate of lowest predicted cost within the load bound (``cheapest``), or the candidate of the longest
+#: predicted TTFT, load bound or not (``sink``: late work piles up on one backend, so the others stay on
+#: time). In the simulator past capacity ``sink`` raised goodput most and ``cheapest`` lowered it below the
+#: plain strategy's (docs/performance.md).
 UNMET_POLICIES = ("cheapest", "home", "sink")
 
 #: `Decision.reason` and `Decision.spill_reason` of a request the SLO-aware choice moved off its home.
@@ -88,7 +90,7 @@ class SloChoice:
         load_factor: float = 1.25,
         min_capacity: int = 16,
         view: CacheView | None = None,
-        unmet: str = "cheapest",
+        unmet: str = "home",
         scan: int = 8,
         clock: Any = time.monotonic,
     ) -> None:
