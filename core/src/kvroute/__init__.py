@@ -21,11 +21,13 @@ from kvroute.errors import (
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.hashing import hash64, hash_parts
 from kvroute.plugins import PluginManager
+from kvroute.predictor import Observation, Predictor, Priors
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
 from kvroute.shadow import ShadowSet, Verdict
 from kvroute.slo import Objectives, Prediction, Priority
+from kvroute.slo_choice import SloChoice
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
 __all__ = [
@@ -48,19 +50,23 @@ __all__ = [
     "KvrouteError",
     "Lease",
     "Objectives",
+    "Observation",
     "NoBackendAvailable",
     "OpenAIAdapter",
     "Outcome",
     "PluginLoadError",
     "PluginManager",
     "Prediction",
+    "Predictor",
     "Priority",
+    "Priors",
     "StrategyError",
     "Reuse",
     "RouteRequest",
     "Router",
     "Sessions",
     "ShadowSet",
+    "SloChoice",
     "SpillReason",
     "Status",
     "Strategy",
