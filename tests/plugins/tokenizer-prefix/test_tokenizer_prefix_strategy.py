@@ -186,10 +186,12 @@ class TestAffinity:
         assert decision.reason == "untokenizable" and "Unknown role" in decision.detail["error"]
 
     def test_max_prefix_tokens_bounds_hashing(self, model_dir: Path) -> None:
-        """At most max_prefix_tokens tokens are hashed for a long prompt."""
+        """At most max_prefix_tokens tokens are hashed for a long prompt; past them, one hash per message."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), max_prefix_tokens=64)
         blocks = strategy.prompt_blocks(request(chat("x " * 5000)))
-        assert len(blocks.complete()) == 4
+        assert len(blocks.complete()) == 4 + 2 and blocks.tokens_of(len(blocks.hashes)) == 64
+        plain = TokenizerPrefix(tokenizer=str(model_dir), max_prefix_tokens=64, messages_past_cap=False)
+        assert len(plain.prompt_blocks(request(chat("x " * 5000))).complete()) == 4
 
     def test_decision_explains_reuse(self, strategy: TokenizerPrefix) -> None:
         """Decisions carry matched and best-available tokens; stats add them up."""
@@ -252,6 +254,60 @@ class TestHotHeads:
         assert max(loads) <= 4, loads  # ceil(1.25 * 12 / 4)
         for lease in leases:
             router.release(lease)
+
+
+#: A preamble (tools and instructions) longer than the cap of the tests below: 96 words, the cap 64 tokens.
+PREAMBLE = "Tool definitions and standing instructions for the agent. " * 12
+
+
+def agent_turn(session: int, turn: int) -> dict[str, Any]:
+    """Turn ``turn`` of an agent session under `PREAMBLE`: its task, then a tool call and its output per turn."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": PREAMBLE},
+        {"role": "user", "content": f"Task {session}: fix bug {session * 7} in module {session % 5}."},
+    ]
+    for t in range(turn):
+        messages.append({"role": "assistant", "content": f"Calling the tool, step {t} of session {session}."})
+        messages.append({"role": "tool", "content": f"Tool output {t} of session {session}: " + "line " * 30})
+    return {"model": "m", "messages": messages}
+
+
+class TestPastTheCap:
+    def test_message_hashes_extend_from_turn_to_turn(self) -> None:
+        """Past the cap, a prompt's hashes are its blocks then one per message; a later turn starts with the earlier."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16)
+        first = strategy.prompt_blocks(request(agent_turn(0, 1))).complete()
+        second = strategy.prompt_blocks(request(agent_turn(0, 2))).complete()
+        other = strategy.prompt_blocks(request(agent_turn(1, 1))).complete()
+        assert len(first) == 4 + 4 and len(second) == 4 + 6
+        assert second[: len(first)] == first
+        assert other[:5] == first[:5] and other[5] != first[5]  # the same preamble message, another task
+
+    def test_sessions_under_a_long_hot_preamble_spread_and_stay(self) -> None:
+        """Sessions whose shared preamble is longer than the cap spread over the fleet, each turn going home."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16)
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for session in range(24):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    homes.setdefault(session, set()).add(lease.backend.id)
+        assert strategy.stats()["hot_blocks"] >= 4
+        used = Counter(next(iter(h)) for h in homes.values() if len(h) == 1)
+        assert sum(used.values()) >= 20, homes  # the few parked on the preamble's home before it turned hot may move
+        assert len(used) == 4 and max(used.values()) <= 12, used
+        assert lease.decision.reason == "prefix" and lease.decision.detail["best_matched_messages"] >= 5
+
+    def test_without_message_hashes_every_session_is_alike(self) -> None:
+        """With messages_past_cap off, the hashes end inside the preamble: later turns have nothing to tell them apart."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, messages_past_cap=False)
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for session in range(24):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    homes.setdefault(session, set()).add(lease.backend.id)
+        assert len({b for h in homes.values() for b in h}) == 1, homes
 
 
 class TestBursts:

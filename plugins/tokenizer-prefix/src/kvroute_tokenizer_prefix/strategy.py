@@ -112,6 +112,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     content_format: str = str_option("auto", choices=("auto", "string", "openai"))
     block_size: int | None = optional_int_option(min=1, max=4096)
     max_prefix_tokens: int = int_option(8192, min=1, max=1 << 20)
+    messages_past_cap: bool = bool_option(True)
     capacity_blocks: int = int_option(DEFAULT_CAPACITY_BLOCKS, min=1, max=1 << 26)
     load_cost_tokens: float = float_option(0.0, min=0.0, max=1e9)
     key_blocks: int = int_option(4, min=1, max=4096)
@@ -250,6 +251,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             max(1, self.max_prefix_tokens // self._index.block_size),
             root_hash(request.lora, request.cache_salt),
             self._memo,
+            beyond=(request.text, request.message_offsets)
+            if self.messages_past_cap and request.message_offsets is not None
+            else None,
         )
 
     # -- callbacks -----------------------------------------------------------------------
@@ -486,9 +490,16 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 scores[j] = max(scores[j], score)
         bs = blocks.block_size
         best = max(matched)
-        detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens, "hot_tokens": hot * bs}
+        tokens_of = blocks.tokens_of  # message hashes past the cap count no tokens
+        detail: dict[str, Any] = {
+            "best_matched_tokens": tokens_of(best),
+            "tokenized": blocks.tokens,
+            "hot_tokens": tokens_of(hot),
+        }
+        if len(hashes) > blocks.max_blocks:
+            detail["best_matched_messages"] = max(0, best - blocks.max_blocks)
         self._totals["prompt_tokens"] += blocks.tokens
-        self._totals["available"] += best * bs
+        self._totals["available"] += tokens_of(best)
         decision = self._chooser.decide(
             key, request.model, candidates, matched, best, hot, bs, detail, scores if tiered else None
         )
@@ -501,17 +512,17 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 slot = self._choose_rank(candidates[chosen], key, owners, ranks, slot_scores, chosen)
                 rank = ranks[slot]
                 decision = attrs.evolve(decision, data_parallel_rank=rank)
-                detail["matched_tokens"] = slot_matched[slot] * bs
                 self.rank_decisions[rank or 0] += 1
+        detail["matched_tokens"] = tokens_of(slot_matched[slot])
         if slot_matched[slot] and tiered:
             with self._index.lock:
-                _, counts = self._credited(hashes, bits[slot], 0, slot_matched[slot])
+                _, counts = self._credited(hashes, bits[slot], 0, min(slot_matched[slot], blocks.max_blocks))
             for tier, n in counts.items():
                 self.tier_hits[tier] += n * bs
             if set(counts) - {GPU}:
                 detail["tier_tokens"] = {tier: n * bs for tier, n in sorted(counts.items())}
         elif slot_matched[slot]:
-            self.tier_hits[GPU] += slot_matched[slot] * bs
+            self.tier_hits[GPU] += tokens_of(slot_matched[slot])
         self.reasons[decision.reason] += 1
         self._totals["chosen"] += detail["matched_tokens"]
         return decision
