@@ -657,6 +657,23 @@ class TestDataParallelRanks:
                 ranks.add(lease.decision.data_parallel_rank)
         assert len(ranks) >= 3
 
+    def test_new_prompts_spread_evenly_over_ranks(self, strategy: TokenizerPrefix) -> None:
+        """New documents go to the rank that started fewest of the recent requests; their questions follow them."""
+        router = dp_router(strategy, [4])
+        docs = [f"Document {i} about subject {i * 13}: " + f"term{i} fact{i * 3} " * 40 for i in range(16)]
+
+        def ask(doc: str, question: str) -> dict[str, Any]:
+            return {"model": "m", "messages": [{"role": "user", "content": f"{doc} {question}"}]}
+
+        homes: dict[int, int | None] = {}
+        for i, doc in enumerate(docs):
+            with router.route(request(ask(doc, "First question?"))) as lease:
+                homes[i] = lease.decision.data_parallel_rank
+        assert sorted(Counter(homes.values()).items()) == [(0, 4), (1, 4), (2, 4), (3, 4)], homes
+        for i, doc in enumerate(docs):
+            with router.route(request(ask(doc, "Second question?"))) as lease:
+                assert lease.decision.data_parallel_rank == homes[i], lease.decision.explain()
+
     def test_busy_rank_passed_over(self, strategy: TokenizerPrefix) -> None:
         """A rank the engine reports far busier than the others does not get the prompt it holds."""
         from kvroute.backend import RankLoad

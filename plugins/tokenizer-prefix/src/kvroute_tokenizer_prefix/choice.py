@@ -32,6 +32,8 @@ class Chooser:
     placer: BoundedLoad
     #: Tokens of match one unit of load per unit of weight is worth (the ``load_cost_tokens`` option).
     load_cost_tokens: float
+    #: Cold prompts: how many of the key's first backends to take the least loaded of (1: the first with room).
+    cold_choices: int = 1
     _cold_bound: LoadBound = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -70,6 +72,11 @@ class Chooser:
             # rendezvous order under the bound without the min_capacity floor (which exists to keep hits).
             loads = self._cold_bound.measure(candidates)
             order = sorted(range(len(candidates)), key=ranks.__getitem__)
+            choices = min(self.cold_choices, len(order))
+            if choices > 1:
+                # The least loaded of the key's first few (ties in the key's order), then the rest.
+                head = sorted(order[:choices], key=lambda j: loads.load(candidates[j]) / candidates[j].backend.weight)
+                order[:choices] = head
         else:
             loads = self.placer.bound.measure(candidates)
             cost = self.load_cost_tokens

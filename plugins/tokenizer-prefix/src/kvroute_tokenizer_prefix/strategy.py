@@ -45,7 +45,7 @@ the tokenizers.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,6 +88,8 @@ log = get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
+#: Started requests per data-parallel backend over which a new prompt's rank is chosen (the least used rank).
+RANK_WINDOW = 64
 
 
 @attrs.define
@@ -116,6 +118,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     capacity_blocks: int = int_option(DEFAULT_CAPACITY_BLOCKS, min=1, max=1 << 26)
     load_cost_tokens: float = float_option(0.0, min=0.0, max=1e9)
     key_blocks: int = int_option(4, min=1, max=4096)
+    cold_choices: int = int_option(1, min=1, max=64)
     hot_window: int = int_option(1024, min=0, max=1 << 20)
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
@@ -147,6 +150,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     tier_hits: Counter[str] = attrs.field(factory=Counter, init=False)
     rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
     _credit: dict[str, float] = attrs.field(init=False, factory=dict)
+    _rank_started: dict[str, _RankWindow] = attrs.field(init=False, factory=dict)
     _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
@@ -177,7 +181,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             engine_load=self.engine_load,
             min_capacity=self.min_capacity,
         )
-        self._chooser = Chooser(self._placer, self.load_cost_tokens)
+        self._chooser = Chooser(self._placer, self.load_cost_tokens, self.cold_choices)
 
     # -- what adapters and operators use ---------------------------------------------------
 
@@ -267,6 +271,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     self._recent.drop_bit(bit)
                     self._tails.clear(bit)
                 self._index.remove_backend(event.backend.id)
+                self._rank_started.pop(event.backend.id, None)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if decision.spilled:
@@ -285,7 +290,13 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
-            backend = index.slot(decision.backend.id, self._rank_sent(decision))
+            rank = self._rank_sent(decision)
+            if rank is not None:
+                window = self._rank_started.get(decision.backend.id)
+                if window is None:
+                    window = self._rank_started[decision.backend.id] = _RankWindow()
+                window.add(rank)
+            backend = index.slot(decision.backend.id, rank)
             hashes = blocks.hashes
             if self._heat is not None:
                 self._heat.observe(hashes[:shared], self._caches())
@@ -527,8 +538,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._totals["chosen"] += detail["matched_tokens"]
         return decision
 
-    @staticmethod
     def _choose_rank(
+        self,
         state: kvroute.BackendState,
         key: int,
         owners: Sequence[int],
@@ -536,12 +547,38 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         scores: Sequence[float],
         chosen: int,
     ) -> int:
-        """The slot of ``state``'s rank that gets the request: best score first, ties in the key's rank order,
-        under the ranks' reported loads (`kvroute.ranks.choose_rank`)."""
+        """The slot of ``state``'s rank that gets the request, under the ranks' reported loads
+        (`kvroute.ranks.choose_rank`).
+
+        A prompt some rank holds part of: best score first, ties in the key's rank order. A prompt no
+        rank holds anything of (past the hot head): the rank that started the fewest of the backend's
+        last `RANK_WINDOW` requests first, ties in the key's rank order, so new prompts spread evenly
+        over the ranks; their siblings then follow by score (they match the first one's blocks).
+        """
         slots = {ranks[i]: i for i, j in enumerate(owners) if j == chosen}
         position = {rank: p for p, rank in enumerate(rank_order(key, len(slots)))}
-        order = sorted((r for r in slots if r is not None), key=lambda rank: (-scores[slots[rank]], position[rank]))
+        if any(scores[i] > 0 for i in slots.values()):
+            order = sorted((r for r in slots if r is not None), key=lambda rank: (-scores[slots[rank]], position[rank]))
+        else:
+            started = self._rank_started.get(state.id)
+            counts = started.counts if started is not None else {}
+            order = sorted((r for r in slots if r is not None), key=lambda rank: (counts.get(rank, 0), position[rank]))
         return slots[choose_rank(state, order)]
+
+
+@attrs.define
+class _RankWindow:
+    """The ranks of a data-parallel backend's last `RANK_WINDOW` started requests, and how many each got."""
+
+    ranks: deque[int] = attrs.field(factory=lambda: deque(maxlen=RANK_WINDOW))
+    counts: Counter[int] = attrs.field(factory=Counter)
+
+    def add(self, rank: int) -> None:
+        """Count one started request on ``rank`` (the oldest leaves the window)."""
+        if len(self.ranks) == RANK_WINDOW:
+            self.counts[self.ranks[0]] -= 1
+        self.ranks.append(rank)
+        self.counts[rank] += 1
 
 
 @kvroute.hookimpl
