@@ -243,6 +243,20 @@ class TestHotHeads:
         assert lease.decision.reason == "prefix"
         assert lease.decision.detail["matched_tokens"] > lease.decision.detail["hot_tokens"] + 100
 
+    def test_cold_choices_take_the_least_used_of_the_keys_first(self, strategy: TokenizerPrefix) -> None:
+        """With cold_choices, new prompts go to the least used of their key's first backends (recent starts)."""
+        counts: dict[int, Counter[str]] = {}
+        for choices in (1, 4):
+            spread = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, cold_choices=choices)
+            router = make_router(spread)
+            counts[choices] = Counter()
+            for i in range(16):
+                body = {"model": "m", "prompt": f"Prompt {i} of its own, about {i * 17}. " * 12}
+                with router.route(request(body, endpoint="completions")) as lease:
+                    counts[choices][lease.backend.id] += 1
+        assert sorted(counts[4].values()) == [4, 4, 4, 4], counts
+        assert sorted(counts[1].values()) != [4, 4, 4, 4], counts  # the key's first backend, however many it had
+
     def test_cold_prompts_are_placed_without_the_min_capacity_floor(self, model_dir: Path) -> None:
         """Prompts nobody holds spread under load_factor's cap even below min_capacity: they have no hits to lose."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16)

@@ -151,6 +151,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
     _credit: dict[str, float] = attrs.field(init=False, factory=dict)
     _rank_started: dict[str, _RankWindow] = attrs.field(init=False, factory=dict)
+    _started: _StartWindow = attrs.field(init=False, factory=lambda: _StartWindow())
     _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
@@ -181,7 +182,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             engine_load=self.engine_load,
             min_capacity=self.min_capacity,
         )
-        self._chooser = Chooser(self._placer, self.load_cost_tokens, self.cold_choices)
+        self._chooser = Chooser(self._placer, self.load_cost_tokens, self.cold_choices, self._started.counts)
 
     # -- what adapters and operators use ---------------------------------------------------
 
@@ -290,6 +291,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
+            if self.cold_choices > 1:
+                self._started.add(decision.backend.id)
             rank = self._rank_sent(decision)
             if rank is not None:
                 window = self._rank_started.get(decision.backend.id)
@@ -579,6 +582,21 @@ class _RankWindow:
             self.counts[self.ranks[0]] -= 1
         self.ranks.append(rank)
         self.counts[rank] += 1
+
+
+@attrs.define
+class _StartWindow:
+    """The backends of the strategy's last 1,024 started requests, and how many each got."""
+
+    ids: deque[str] = attrs.field(factory=deque)
+    counts: Counter[str] = attrs.field(factory=Counter)
+
+    def add(self, backend: str) -> None:
+        """Count one started request on ``backend`` (the oldest leaves the window)."""
+        if len(self.ids) == 1024:
+            self.counts[self.ids.popleft()] -= 1
+        self.ids.append(backend)
+        self.counts[backend] += 1
 
 
 @kvroute.hookimpl
