@@ -313,7 +313,7 @@ class TestPastTheCap:
         assert lease.decision.reason == "prefix" and lease.decision.detail["best_matched_messages"] >= 5
 
     def test_without_message_hashes_every_session_is_alike(self) -> None:
-        """With messages_past_cap off, the hashes end inside the preamble: later turns have nothing to tell them apart."""
+        """With messages_past_cap off the hashes end inside the preamble: later turns look alike, all go one way."""
         strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, messages_past_cap=False)
         router = make_router(strategy)
         homes: dict[int, set[str]] = {}
