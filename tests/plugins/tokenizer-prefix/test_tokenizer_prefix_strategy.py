@@ -312,6 +312,26 @@ class TestPastTheCap:
         assert len(used) == 4 and max(used.values()) <= 12, used
         assert lease.decision.reason == "prefix" and lease.decision.detail["best_matched_messages"] >= 5
 
+    def test_cold_key_past_the_cap_is_the_sessions_first_message(self) -> None:
+        """Exact backends with no events and no grace: every turn is cold, and a session's key (so its home) stays."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, recent_grace=0)
+        router = make_router(strategy)
+        for backend in ("b0", "b1", "b2", "b3"):
+            strategy.index.set_exact(backend)
+        for session in range(12):  # the preamble turns hot
+            with router.route(request(agent_turn(100 + session, 0))):
+                pass
+        used = set()
+        for session in range(12):
+            homes = set()
+            for turn in range(4):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    assert lease.decision.reason == "cold", lease.decision.explain()
+                    homes.add(lease.backend.id)
+            assert len(homes) == 1, (session, homes)
+            used |= homes
+        assert len(used) >= 3, used  # keyed by the session's task, not by the preamble
+
     def test_without_message_hashes_every_session_is_alike(self) -> None:
         """With messages_past_cap off the hashes end inside the preamble: later turns look alike, all go one way."""
         strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, messages_past_cap=False)

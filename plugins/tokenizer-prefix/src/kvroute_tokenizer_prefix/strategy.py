@@ -390,12 +390,20 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         return self._heat.depth(blocks, self._caches())
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, hot: int) -> int:
-        """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head."""
+        """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head (past the cap:
+        through the first user message)."""
         if request.affinity_key is not None:
             return xxhash.xxh3_64_intdigest(request.affinity_key.encode("utf-8", "surrogatepass"), blocks.root)
-        blocks.ensure(hot + self.key_blocks)
+        end = hot + self.key_blocks
+        cap = blocks.max_blocks
+        if end > cap and request.messages:
+            # Past the cap the hashes are messages': the key runs through the first user message (the
+            # conversation's own, the same in every later turn), or the first message past the head.
+            first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), 0)
+            end = max(hot + 1, cap + first_user + 1)
+        blocks.ensure(end)
         if blocks.hashes:
-            return blocks.hashes[min(hot + self.key_blocks, len(blocks.hashes)) - 1]
+            return blocks.hashes[min(end, len(blocks.hashes)) - 1]
         return blocks.tail_key()
 
     def _slots(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], list[int | None], list[str]]:
