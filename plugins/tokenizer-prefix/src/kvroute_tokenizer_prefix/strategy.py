@@ -7,7 +7,9 @@ Per request (``pick``, under the router's lock, no I/O):
    (chat template + the model's tokenizer, or the word-level fallback), lazily, piece by piece.
 2. Blocks: chained hashes of full ``block_size`` blocks, LoRA and ``cache_salt`` in the first
    block's key, at most ``max_prefix_tokens`` tokens. Pieces whose whole prefix was hashed
-   before come from a memo.
+   before come from a memo. A chat prompt longer than that also gets one hash per message
+   (``messages_past_cap``), chained from its last block: sessions under a shared preamble
+   longer than the cap are told apart by their messages, without tokenizing them.
 3. Match: for each candidate, how many leading blocks it holds (index of what the router sent
    or what KV events reported, plus recent decisions). Hashing stops as soon as no candidate
    can match further, so a prompt nobody has seen costs its first fine piece or so. The
@@ -98,7 +100,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
-    ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``hot_window``, ``load_factor``,
+    ``messages_past_cap``, ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``cold_choices``,
+    ``hot_window``, ``load_factor``,
     ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``recent_grace``,
     ``cpu_credit``, ``disk_credit``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
