@@ -74,14 +74,14 @@ def run(cpu_credit: float, disk_credit: float, seed: int) -> dict[str, Any]:
     engines = []
     for _ in range(ENGINES):
         events = KvEventsConfig(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
-        config = EmulatorConfig(
+        emulated = EmulatorConfig(
             model="m",
             num_gpu_blocks=GPU_BLOCKS,
             num_cpu_blocks=CPU_BLOCKS,
             cpu_reload_gbps=RELOAD_GBPS,
             kv_events=events,
         )
-        engines.append(ServerThread(EmulatorApp(config)).start())
+        engines.append(ServerThread(EmulatorApp(emulated)).start())
     backends = tuple(BackendConfig(id=f"e{i}", url=e.url, kind="vllm") for i, e in enumerate(engines))
     options = {"cpu_credit": cpu_credit, "disk_credit": disk_credit, "min_capacity": 0}
     config = ServerConfig(
