@@ -92,6 +92,8 @@ _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
 #: Started requests per data-parallel backend over which a new prompt's rank is chosen (the least used rank).
 RANK_WINDOW = 64
+#: Started requests per cache in the fleet over which ``cold_choices`` counts how much each backend was used.
+START_WINDOW = 256
 
 
 @attrs.define
@@ -295,7 +297,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             except InvalidRequest:
                 return  # pick() already placed it by its text
             if self.cold_choices > 1:
-                self._started.add(decision.backend.id)
+                self._started.add(decision.backend.id, self._caches())
             rank = self._rank_sent(decision)
             if rank is not None:
                 window = self._rank_started.get(decision.backend.id)
@@ -597,14 +599,15 @@ class _RankWindow:
 
 @attrs.define
 class _StartWindow:
-    """The backends of the strategy's last 1,024 started requests, and how many each got."""
+    """The backends of the strategy's last started requests (`START_WINDOW` per cache in the fleet), and how many
+    each got."""
 
     ids: deque[str] = attrs.field(factory=deque)
     counts: Counter[str] = attrs.field(factory=Counter)
 
-    def add(self, backend: str) -> None:
-        """Count one started request on ``backend`` (the oldest leaves the window)."""
-        if len(self.ids) == 1024:
+    def add(self, backend: str, caches: int) -> None:
+        """Count one started request on ``backend`` (the oldest leave the window)."""
+        while len(self.ids) >= START_WINDOW * max(1, caches):
             self.counts[self.ids.popleft()] -= 1
         self.ids.append(backend)
         self.counts[backend] += 1
