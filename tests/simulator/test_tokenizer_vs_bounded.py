@@ -90,9 +90,7 @@ def run(name: str, tmp: Path) -> tuple[Comparison, float]:
 
 CASES = [*(name for name in WORKLOADS if name != "trace"), *TRACES]
 #: Known gaps in the hit rate, with what was measured (the xfail is strict: remove it when the gap closes).
-HIT_RATE_GAPS = {
-    "agentic": "issue 23: tokenizer-prefix reaches 0.77 against bounded-load's 0.93 on agent sessions",
-}
+HIT_RATE_GAPS: dict[str, str] = {}
 HIT_RATE_CASES = [
     pytest.param(name, marks=pytest.mark.xfail(reason=HIT_RATE_GAPS[name], strict=True))
     if name in HIT_RATE_GAPS

@@ -186,10 +186,12 @@ class TestAffinity:
         assert decision.reason == "untokenizable" and "Unknown role" in decision.detail["error"]
 
     def test_max_prefix_tokens_bounds_hashing(self, model_dir: Path) -> None:
-        """At most max_prefix_tokens tokens are hashed for a long prompt."""
+        """At most max_prefix_tokens tokens are hashed for a long prompt; past them, one hash per message."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), max_prefix_tokens=64)
         blocks = strategy.prompt_blocks(request(chat("x " * 5000)))
-        assert len(blocks.complete()) == 4
+        assert len(blocks.complete()) == 4 + 2 and blocks.tokens_of(len(blocks.hashes)) == 64
+        plain = TokenizerPrefix(tokenizer=str(model_dir), max_prefix_tokens=64, messages_past_cap=False)
+        assert len(plain.prompt_blocks(request(chat("x " * 5000))).complete()) == 4
 
     def test_decision_explains_reuse(self, strategy: TokenizerPrefix) -> None:
         """Decisions carry matched and best-available tokens; stats add them up."""
@@ -241,6 +243,20 @@ class TestHotHeads:
         assert lease.decision.reason == "prefix"
         assert lease.decision.detail["matched_tokens"] > lease.decision.detail["hot_tokens"] + 100
 
+    def test_cold_choices_take_the_least_used_of_the_keys_first(self, strategy: TokenizerPrefix) -> None:
+        """With cold_choices, new prompts go to the least used of their key's first backends (recent starts)."""
+        counts: dict[int, Counter[str]] = {}
+        for choices in (1, 4):
+            spread = TokenizerPrefix(tokenizer=strategy.prompt_tokenizer.name, cold_choices=choices)
+            router = make_router(spread)
+            counts[choices] = Counter()
+            for i in range(16):
+                body = {"model": "m", "prompt": f"Prompt {i} of its own, about {i * 17}. " * 12}
+                with router.route(request(body, endpoint="completions")) as lease:
+                    counts[choices][lease.backend.id] += 1
+        assert sorted(counts[4].values()) == [4, 4, 4, 4], counts
+        assert sorted(counts[1].values()) != [4, 4, 4, 4], counts  # the key's first backend, however many it had
+
     def test_cold_prompts_are_placed_without_the_min_capacity_floor(self, model_dir: Path) -> None:
         """Prompts nobody holds spread under load_factor's cap even below min_capacity: they have no hits to lose."""
         strategy = TokenizerPrefix(tokenizer=str(model_dir), min_capacity=16)
@@ -252,6 +268,80 @@ class TestHotHeads:
         assert max(loads) <= 4, loads  # ceil(1.25 * 12 / 4)
         for lease in leases:
             router.release(lease)
+
+
+#: A preamble (tools and instructions) longer than the cap of the tests below: 96 words, the cap 64 tokens.
+PREAMBLE = "Tool definitions and standing instructions for the agent. " * 12
+
+
+def agent_turn(session: int, turn: int) -> dict[str, Any]:
+    """Turn ``turn`` of an agent session under `PREAMBLE`: its task, then a tool call and its output per turn."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": PREAMBLE},
+        {"role": "user", "content": f"Task {session}: fix bug {session * 7} in module {session % 5}."},
+    ]
+    for t in range(turn):
+        messages.append({"role": "assistant", "content": f"Calling the tool, step {t} of session {session}."})
+        messages.append({"role": "tool", "content": f"Tool output {t} of session {session}: " + "line " * 30})
+    return {"model": "m", "messages": messages}
+
+
+class TestPastTheCap:
+    def test_message_hashes_extend_from_turn_to_turn(self) -> None:
+        """Past the cap, a prompt's hashes are its blocks then one per message; a later turn starts with the earlier."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16)
+        first = strategy.prompt_blocks(request(agent_turn(0, 1))).complete()
+        second = strategy.prompt_blocks(request(agent_turn(0, 2))).complete()
+        other = strategy.prompt_blocks(request(agent_turn(1, 1))).complete()
+        assert len(first) == 4 + 4 and len(second) == 4 + 6
+        assert second[: len(first)] == first
+        assert other[:5] == first[:5] and other[5] != first[5]  # the same preamble message, another task
+
+    def test_sessions_under_a_long_hot_preamble_spread_and_stay(self) -> None:
+        """Sessions whose shared preamble is longer than the cap spread over the fleet, each turn going home."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16)
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for session in range(24):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    homes.setdefault(session, set()).add(lease.backend.id)
+        assert strategy.stats()["hot_blocks"] >= 4
+        used = Counter(next(iter(h)) for h in homes.values() if len(h) == 1)
+        assert sum(used.values()) >= 20, homes  # the few parked on the preamble's home before it turned hot may move
+        assert len(used) == 4 and max(used.values()) <= 12, used
+        assert lease.decision.reason == "prefix" and lease.decision.detail["best_matched_messages"] >= 5
+
+    def test_cold_key_past_the_cap_is_the_sessions_first_message(self) -> None:
+        """Exact backends with no events and no grace: every turn is cold, and a session's key (so its home) stays."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, recent_grace=0)
+        router = make_router(strategy)
+        for backend in ("b0", "b1", "b2", "b3"):
+            strategy.index.set_exact(backend)
+        for session in range(12):  # the preamble turns hot
+            with router.route(request(agent_turn(100 + session, 0))):
+                pass
+        used = set()
+        for session in range(12):
+            homes = set()
+            for turn in range(4):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    assert lease.decision.reason == "cold", lease.decision.explain()
+                    homes.add(lease.backend.id)
+            assert len(homes) == 1, (session, homes)
+            used |= homes
+        assert len(used) >= 3, used  # keyed by the session's task, not by the preamble
+
+    def test_without_message_hashes_every_session_is_alike(self) -> None:
+        """With messages_past_cap off the hashes end inside the preamble: later turns look alike, all go one way."""
+        strategy = TokenizerPrefix(max_prefix_tokens=64, block_size=16, messages_past_cap=False)
+        router = make_router(strategy)
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for session in range(24):
+                with router.route(request(agent_turn(session, turn))) as lease:
+                    homes.setdefault(session, set()).add(lease.backend.id)
+        assert len({b for h in homes.values() for b in h}) == 1, homes
 
 
 class TestBursts:
@@ -600,6 +690,23 @@ class TestDataParallelRanks:
             with router.route(request(chat(f"Unrelated topic number {i * 7}: " + f"word{i} " * 80))) as lease:
                 ranks.add(lease.decision.data_parallel_rank)
         assert len(ranks) >= 3
+
+    def test_new_prompts_spread_evenly_over_ranks(self, strategy: TokenizerPrefix) -> None:
+        """New documents go to the rank that started fewest of the recent requests; their questions follow them."""
+        router = dp_router(strategy, [4])
+        docs = [f"Document {i} about subject {i * 13}: " + f"term{i} fact{i * 3} " * 40 for i in range(16)]
+
+        def ask(doc: str, question: str) -> dict[str, Any]:
+            return {"model": "m", "messages": [{"role": "user", "content": f"{doc} {question}"}]}
+
+        homes: dict[int, int | None] = {}
+        for i, doc in enumerate(docs):
+            with router.route(request(ask(doc, "First question?"))) as lease:
+                homes[i] = lease.decision.data_parallel_rank
+        assert sorted(Counter(homes.values()).items()) == [(0, 4), (1, 4), (2, 4), (3, 4)], homes
+        for i, doc in enumerate(docs):
+            with router.route(request(ask(doc, "Second question?"))) as lease:
+                assert lease.decision.data_parallel_rank == homes[i], lease.decision.explain()
 
     def test_busy_rank_passed_over(self, strategy: TokenizerPrefix) -> None:
         """A rank the engine reports far busier than the others does not get the prompt it holds."""

@@ -64,6 +64,8 @@ _ROOT_TAG = "kvroute-blocks/1"
 _IDS_SEED = 0x9E37_79B9_7F4A_7C15
 # Token-id segments are hashed this many blocks at a time between two chances to stop.
 _ID_STEP_BLOCKS = 64
+# Message hashes past the token cap chain with another seed than blocks, so that they never alias a block.
+_MESSAGE_SEED = 0xC2B2_AE3D_27D4_EB4F
 
 
 @functools.lru_cache(maxsize=1024)
@@ -118,6 +120,7 @@ class PromptBlocks:
 
     __slots__ = (
         "_at",
+        "_beyond",
         "_done",
         "_gen",
         "_h",
@@ -141,8 +144,10 @@ class PromptBlocks:
         max_blocks: int,
         root: int,
         memo: PieceMemo | None = None,
+        beyond: tuple[str, Sequence[int]] | None = None,
     ) -> None:
         self._segments = list(segments)
+        self._beyond = beyond
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.root = root
@@ -159,7 +164,7 @@ class PromptBlocks:
         self.tokens = 0
         #: Also pause after every piece (a background thread hashing ahead hands the GIL back there).
         self.pace = False
-        self._gen = self._run(0, 0, _chain_seed(root, block_size) if memo is not None else None)
+        self._gen = self._drive(0, 0, _chain_seed(root, block_size) if memo is not None else None)
 
     @property
     def done(self) -> bool:
@@ -189,6 +194,10 @@ class PromptBlocks:
         while self.grow():
             pass
         return self.hashes
+
+    def tokens_of(self, count: int) -> int:
+        """Tokens in the first ``count`` hashes: message hashes past the cap count none (their tokens are unknown)."""
+        return min(count, self.max_blocks) * self.block_size
 
     def tail_key(self) -> int:
         """A key for a prompt shorter than one block: the root and its leftover tokens."""
@@ -224,6 +233,7 @@ class PromptBlocks:
         other.hashes = []
         other.tokens = 0
         other.pace = False
+        other._beyond = None
         other._gen = other._run(segment, pos, chain)
         return other
 
@@ -258,7 +268,7 @@ class PromptBlocks:
             return False
         del self.hashes[count:]
         self._h, self._tail, self.tokens = h, tail, tokens
-        self._gen = self._run(segment, pos, chain)
+        self._gen = self._drive(segment, pos, chain)
         return True
 
     def advance_past(self, limit: tuple[int, int]) -> None:
@@ -289,6 +299,32 @@ class PromptBlocks:
         return out
 
     # -- the engine ------------------------------------------------------------------------
+
+    def _drive(self, start: int, start_pos: int, chain: int | None) -> Iterator[None]:
+        """Hash the blocks (`_run`); if they reached ``max_blocks``, then the messages past them (`_past_cap`)."""
+        yield from self._run(start, start_pos, chain)
+        if self._beyond is not None and len(self.hashes) >= self.max_blocks > 0:
+            self._past_cap(*self._beyond)
+
+    def _past_cap(self, text: str, offsets: Sequence[int]) -> None:
+        """Append one hash per message of a prompt longer than the cap: its text, chained from the last block.
+
+        A chat prompt's blocks stop at ``max_blocks``; what follows is told apart by its
+        messages instead (a conversation's turns, an agent's tool outputs): hash *k* past the
+        cap names the last block and the routing text up to the end of message *k*
+        (`kvroute.request.RouteRequest.message_offsets`; the first one includes the tools
+        rendered before it). Hashing text costs no tokenization. They match like blocks:
+        holding one means having been sent every message before it under the same blocks.
+        """
+        digest = xxhash.xxh3_64_intdigest
+        h = self.hashes[-1] ^ _MESSAGE_SEED
+        append = self.hashes.append
+        start = 0
+        for end in offsets[1:]:
+            if end > start:
+                h = digest(text[start:end].encode("utf-8", "surrogatepass"), h)
+                append(h)
+                start = end
 
     def _absorb(self, data: bytes) -> bool:
         """Hash the blocks ``data`` (token bytes) completes; True once ``max_blocks`` is reached."""

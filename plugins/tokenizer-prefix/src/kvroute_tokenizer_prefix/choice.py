@@ -12,7 +12,7 @@ the least loaded. `Chooser.decide` is on the strategy's hot path: one call per `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -32,6 +32,10 @@ class Chooser:
     placer: BoundedLoad
     #: Tokens of match one unit of load per unit of weight is worth (the ``load_cost_tokens`` option).
     load_cost_tokens: float
+    #: Cold prompts: how many of the key's first backends to take the least loaded of (1: the first with room).
+    cold_choices: int = 1
+    #: Requests started per backend id over the strategy's recent window (``cold_choices`` orders by them).
+    recent_starts: Mapping[str, int] = attrs.field(factory=dict)
     _cold_bound: LoadBound = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -70,6 +74,14 @@ class Chooser:
             # rendezvous order under the bound without the min_capacity floor (which exists to keep hits).
             loads = self._cold_bound.measure(candidates)
             order = sorted(range(len(candidates)), key=ranks.__getitem__)
+            choices = min(self.cold_choices, len(order))
+            if choices > 1:
+                # The key's first few, least used first (ties in the key's order), then the rest.
+                used = self.recent_starts
+                head = sorted(
+                    order[:choices], key=lambda j: used.get(candidates[j].id, 0) / candidates[j].backend.weight
+                )
+                order[:choices] = head
         else:
             loads = self.placer.bound.measure(candidates)
             cost = self.load_cost_tokens

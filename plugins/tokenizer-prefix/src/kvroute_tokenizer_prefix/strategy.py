@@ -7,7 +7,9 @@ Per request (``pick``, under the router's lock, no I/O):
    (chat template + the model's tokenizer, or the word-level fallback), lazily, piece by piece.
 2. Blocks: chained hashes of full ``block_size`` blocks, LoRA and ``cache_salt`` in the first
    block's key, at most ``max_prefix_tokens`` tokens. Pieces whose whole prefix was hashed
-   before come from a memo.
+   before come from a memo. A chat prompt longer than that also gets one hash per message
+   (``messages_past_cap``), chained from its last block: sessions under a shared preamble
+   longer than the cap are told apart by their messages, without tokenizing them.
 3. Match: for each candidate, how many leading blocks it holds (index of what the router sent
    or what KV events reported, plus recent decisions). Hashing stops as soon as no candidate
    can match further, so a prompt nobody has seen costs its first fine piece or so. The
@@ -45,7 +47,7 @@ the tokenizers.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,6 +90,10 @@ log = get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
+#: Started requests per data-parallel backend over which a new prompt's rank is chosen (the least used rank).
+RANK_WINDOW = 64
+#: Started requests per cache in the fleet over which ``cold_choices`` counts how much each backend was used.
+START_WINDOW = 256
 
 
 @attrs.define
@@ -96,7 +102,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
 
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
-    ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``hot_window``, ``load_factor``,
+    ``messages_past_cap``, ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``cold_choices``,
+    ``hot_window``, ``load_factor``,
     ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``recent_grace``,
     ``cpu_credit``, ``disk_credit``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
@@ -112,9 +119,11 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     content_format: str = str_option("auto", choices=("auto", "string", "openai"))
     block_size: int | None = optional_int_option(min=1, max=4096)
     max_prefix_tokens: int = int_option(8192, min=1, max=1 << 20)
+    messages_past_cap: bool = bool_option(True)
     capacity_blocks: int = int_option(DEFAULT_CAPACITY_BLOCKS, min=1, max=1 << 26)
     load_cost_tokens: float = float_option(0.0, min=0.0, max=1e9)
     key_blocks: int = int_option(4, min=1, max=4096)
+    cold_choices: int = int_option(1, min=1, max=64)
     hot_window: int = int_option(1024, min=0, max=1 << 20)
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
@@ -146,6 +155,8 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     tier_hits: Counter[str] = attrs.field(factory=Counter, init=False)
     rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
     _credit: dict[str, float] = attrs.field(init=False, factory=dict)
+    _rank_started: dict[str, _RankWindow] = attrs.field(init=False, factory=dict)
+    _started: _StartWindow = attrs.field(init=False, factory=lambda: _StartWindow())
     _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
@@ -176,7 +187,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             engine_load=self.engine_load,
             min_capacity=self.min_capacity,
         )
-        self._chooser = Chooser(self._placer, self.load_cost_tokens)
+        self._chooser = Chooser(self._placer, self.load_cost_tokens, self.cold_choices, self._started.counts)
 
     # -- what adapters and operators use ---------------------------------------------------
 
@@ -250,6 +261,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             max(1, self.max_prefix_tokens // self._index.block_size),
             root_hash(request.lora, request.cache_salt),
             self._memo,
+            beyond=(request.text, request.message_offsets)
+            if self.messages_past_cap and request.message_offsets is not None
+            else None,
         )
 
     # -- callbacks -----------------------------------------------------------------------
@@ -263,6 +277,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     self._recent.drop_bit(bit)
                     self._tails.clear(bit)
                 self._index.remove_backend(event.backend.id)
+                self._rank_started.pop(event.backend.id, None)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if decision.spilled:
@@ -281,7 +296,15 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
-            backend = index.slot(decision.backend.id, self._rank_sent(decision))
+            if self.cold_choices > 1:
+                self._started.add(decision.backend.id, self._caches())
+            rank = self._rank_sent(decision)
+            if rank is not None:
+                window = self._rank_started.get(decision.backend.id)
+                if window is None:
+                    window = self._rank_started[decision.backend.id] = _RankWindow()
+                window.add(rank)
+            backend = index.slot(decision.backend.id, rank)
             hashes = blocks.hashes
             if self._heat is not None:
                 self._heat.observe(hashes[:shared], self._caches())
@@ -372,12 +395,20 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         return self._heat.depth(blocks, self._caches())
 
     def _key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, hot: int) -> int:
-        """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head."""
+        """The caller's affinity key, else the hash of the first ``key_blocks`` blocks past the hot head (past the cap:
+        through the first user message)."""
         if request.affinity_key is not None:
             return xxhash.xxh3_64_intdigest(request.affinity_key.encode("utf-8", "surrogatepass"), blocks.root)
-        blocks.ensure(hot + self.key_blocks)
+        end = hot + self.key_blocks
+        cap = blocks.max_blocks
+        if end > cap and request.messages:
+            # Past the cap the hashes are messages': the key runs through the first user message (the
+            # conversation's own, the same in every later turn), or the first message past the head.
+            first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), 0)
+            end = max(hot + 1, cap + first_user + 1)
+        blocks.ensure(end)
         if blocks.hashes:
-            return blocks.hashes[min(hot + self.key_blocks, len(blocks.hashes)) - 1]
+            return blocks.hashes[min(end, len(blocks.hashes)) - 1]
         return blocks.tail_key()
 
     def _slots(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], list[int | None], list[str]]:
@@ -486,9 +517,16 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 scores[j] = max(scores[j], score)
         bs = blocks.block_size
         best = max(matched)
-        detail: dict[str, Any] = {"best_matched_tokens": best * bs, "tokenized": blocks.tokens, "hot_tokens": hot * bs}
+        tokens_of = blocks.tokens_of  # message hashes past the cap count no tokens
+        detail: dict[str, Any] = {
+            "best_matched_tokens": tokens_of(best),
+            "tokenized": blocks.tokens,
+            "hot_tokens": tokens_of(hot),
+        }
+        if len(hashes) > blocks.max_blocks:
+            detail["best_matched_messages"] = max(0, best - blocks.max_blocks)
         self._totals["prompt_tokens"] += blocks.tokens
-        self._totals["available"] += best * bs
+        self._totals["available"] += tokens_of(best)
         decision = self._chooser.decide(
             key, request.model, candidates, matched, best, hot, bs, detail, scores if tiered else None
         )
@@ -501,23 +539,23 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 slot = self._choose_rank(candidates[chosen], key, owners, ranks, slot_scores, chosen)
                 rank = ranks[slot]
                 decision = attrs.evolve(decision, data_parallel_rank=rank)
-                detail["matched_tokens"] = slot_matched[slot] * bs
                 self.rank_decisions[rank or 0] += 1
+        detail["matched_tokens"] = tokens_of(slot_matched[slot])
         if slot_matched[slot] and tiered:
             with self._index.lock:
-                _, counts = self._credited(hashes, bits[slot], 0, slot_matched[slot])
+                _, counts = self._credited(hashes, bits[slot], 0, min(slot_matched[slot], blocks.max_blocks))
             for tier, n in counts.items():
                 self.tier_hits[tier] += n * bs
             if set(counts) - {GPU}:
                 detail["tier_tokens"] = {tier: n * bs for tier, n in sorted(counts.items())}
         elif slot_matched[slot]:
-            self.tier_hits[GPU] += slot_matched[slot] * bs
+            self.tier_hits[GPU] += tokens_of(slot_matched[slot])
         self.reasons[decision.reason] += 1
         self._totals["chosen"] += detail["matched_tokens"]
         return decision
 
-    @staticmethod
     def _choose_rank(
+        self,
         state: kvroute.BackendState,
         key: int,
         owners: Sequence[int],
@@ -525,12 +563,54 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         scores: Sequence[float],
         chosen: int,
     ) -> int:
-        """The slot of ``state``'s rank that gets the request: best score first, ties in the key's rank order,
-        under the ranks' reported loads (`kvroute.ranks.choose_rank`)."""
+        """The slot of ``state``'s rank that gets the request, under the ranks' reported loads
+        (`kvroute.ranks.choose_rank`).
+
+        A prompt some rank holds part of: best score first, ties in the key's rank order. A prompt no
+        rank holds anything of (past the hot head): the rank that started the fewest of the backend's
+        last `RANK_WINDOW` requests first, ties in the key's rank order, so new prompts spread evenly
+        over the ranks; their siblings then follow by score (they match the first one's blocks).
+        """
         slots = {ranks[i]: i for i, j in enumerate(owners) if j == chosen}
         position = {rank: p for p, rank in enumerate(rank_order(key, len(slots)))}
-        order = sorted((r for r in slots if r is not None), key=lambda rank: (-scores[slots[rank]], position[rank]))
+        if any(scores[i] > 0 for i in slots.values()):
+            order = sorted((r for r in slots if r is not None), key=lambda rank: (-scores[slots[rank]], position[rank]))
+        else:
+            started = self._rank_started.get(state.id)
+            counts = started.counts if started is not None else {}
+            order = sorted((r for r in slots if r is not None), key=lambda rank: (counts.get(rank, 0), position[rank]))
         return slots[choose_rank(state, order)]
+
+
+@attrs.define
+class _RankWindow:
+    """The ranks of a data-parallel backend's last `RANK_WINDOW` started requests, and how many each got."""
+
+    ranks: deque[int] = attrs.field(factory=lambda: deque(maxlen=RANK_WINDOW))
+    counts: Counter[int] = attrs.field(factory=Counter)
+
+    def add(self, rank: int) -> None:
+        """Count one started request on ``rank`` (the oldest leaves the window)."""
+        if len(self.ranks) == RANK_WINDOW:
+            self.counts[self.ranks[0]] -= 1
+        self.ranks.append(rank)
+        self.counts[rank] += 1
+
+
+@attrs.define
+class _StartWindow:
+    """The backends of the strategy's last started requests (`START_WINDOW` per cache in the fleet), and how many
+    each got."""
+
+    ids: deque[str] = attrs.field(factory=deque)
+    counts: Counter[str] = attrs.field(factory=Counter)
+
+    def add(self, backend: str, caches: int) -> None:
+        """Count one started request on ``backend`` (the oldest leave the window)."""
+        while len(self.ids) >= START_WINDOW * max(1, caches):
+            self.counts[self.ids.popleft()] -= 1
+        self.ids.append(backend)
+        self.counts[backend] += 1
 
 
 @kvroute.hookimpl
