@@ -32,6 +32,7 @@ from kvroute_server.http.asgi import Receive, Scope, Send, send_error
 from kvroute_server.http.client import UpstreamPool, UpstreamResponse
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import NoShadows, ProxyShadows
+from kvroute_server.proxy.admission import Admission, NoAdmission
 from kvroute_server.proxy.answers import prompt_tokens_estimate
 from kvroute_server.proxy.client_watch import watch_client
 from kvroute_server.proxy.headers import filter_request_headers
@@ -84,8 +85,11 @@ class Forwarder:
         backends: BackendSet,
         metrics: ProxyMetrics,
         shadows: ProxyShadows | NoShadows,
+        admission: Admission | NoAdmission | None = None,
     ) -> None:
         self.config = config
+        #: Holds or sheds requests no backend is predicted to serve in time (`kvroute_server.proxy.admission`).
+        self.admission = admission or NoAdmission()
         self.router = router
         self.backends = backends
         self.metrics = metrics
@@ -112,7 +116,8 @@ class Forwarder:
         assert task is not None
         stop_watching = watch_client(scope, receive, ex, task)
         try:
-            await self._attempts(request, raw, scope, send, ex, id_header)
+            if await self.admission.admit(request, send, ex, id_header):  # False: answered (shed)
+                await self._attempts(request, raw, scope, send, ex, id_header)
         except asyncio.CancelledError:
             if not ex.client_gone:
                 raise
