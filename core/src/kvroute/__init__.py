@@ -21,6 +21,7 @@ from kvroute.errors import (
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.hashing import hash64, hash_parts
 from kvroute.plugins import PluginManager
+from kvroute.predictor import Observation, Predictor, Priors
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
@@ -48,13 +49,16 @@ __all__ = [
     "KvrouteError",
     "Lease",
     "Objectives",
+    "Observation",
     "NoBackendAvailable",
     "OpenAIAdapter",
     "Outcome",
     "PluginLoadError",
     "PluginManager",
     "Prediction",
+    "Predictor",
     "Priority",
+    "Priors",
     "StrategyError",
     "Reuse",
     "RouteRequest",

@@ -36,8 +36,10 @@ from kvroute.errors import KvrouteError, NoBackendAvailable, StrategyError
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
+from kvroute.predictor import Predictor
 from kvroute.request import RouteRequest
 from kvroute.sessions import Sessions
+from kvroute.slo_choice import SloChoice
 from kvroute.strategy import Decision, Outcome, Pick, Status, Strategy
 
 __all__ = ["Lease", "Router", "status_for"]
@@ -150,8 +152,11 @@ class Router:
         strategy_name: str | None = None,
         plugins: PluginManager | None = None,
         sessions: Sessions | None = None,
+        slo: SloChoice | None = None,
     ) -> None:
         self.fleet = fleet
+        #: Latency prediction and SLO-aware choice (`kvroute.slo_choice`); ``None``: decisions carry no prediction.
+        self.slo = slo
         self.strategy = strategy
         #: Session and conversation bindings (`kvroute.sessions`); ``None``: every request is picked afresh.
         self.sessions = sessions
@@ -176,6 +181,7 @@ class Router:
         *,
         plugins: PluginManager | None = None,
         sessions: Sessions | None = None,
+        slo: SloChoice | None = None,
     ) -> Router:
         """Build a router whose strategy is the plugin registered as ``strategy``."""
         plugins = plugins or PluginManager()
@@ -185,7 +191,13 @@ class Router:
             strategy_name=strategy,
             plugins=plugins,
             sessions=sessions,
+            slo=slo,
         )
+
+    @property
+    def predictor(self) -> Predictor | None:
+        """The latency predictor the host reports observations to (`Predictor.observe`), if any."""
+        return None if self.slo is None else self.slo.predictor
 
     def close(self) -> None:
         """Stop listening to the fleet."""
@@ -197,6 +209,8 @@ class Router:
         on_change = getattr(self.strategy, "on_fleet_change", None)
         if on_change is not None:
             on_change(event, list(self.fleet))
+        if self.slo is not None and event.kind == "removed" and event.backend is not None:
+            self.slo.backend_left(event.backend.id)
         if self.plugins is not None:
             self.plugins.notify("kvroute_fleet_changed", fleet=self.fleet, event=event)
 
@@ -259,8 +273,14 @@ class Router:
             pick = self.strategy.pick(request, candidates)
         else:
             pick = self.sessions.pick(self.strategy, request, candidates)
+        if self.slo is None:
+            return self._normalize(pick, candidates, time.perf_counter() - t0)
+        decision, state = self._normalize(pick, candidates, 0.0)
+        decision, state = self.slo.choose(request, decision, state, candidates, self.strategy)
         elapsed = time.perf_counter() - t0
-        return self._normalize(pick, candidates, elapsed)
+        if type(decision) is Decision:
+            return _stamped(decision, self.strategy_name, elapsed), state
+        return attrs.evolve(decision, duration_s=elapsed), state
 
     # -- leasing -----------------------------------------------------------------------
 
@@ -274,6 +294,8 @@ class Router:
         """
         with self.fleet.lock:
             decision, state = self._decide(request, exclude)
+            if self.slo is not None:
+                self.slo.started(request, decision, state)
             self.fleet.request_started(state)
             lease = Lease(request, decision, state, time.monotonic())
             if self._on_start is not None:
@@ -282,6 +304,8 @@ class Router:
                 except BaseException as exc:
                     # The request never started: undo the count; on_request_finish is not called.
                     self.fleet.request_finished(state)
+                    if self.slo is not None:
+                        self.slo.finished(request)
                     if not isinstance(exc, Exception):
                         raise
                     raise StrategyError(
@@ -317,6 +341,8 @@ class Router:
             outcome = Outcome(kind, time.monotonic() - lease.started_at, error)
             lease.outcome = outcome
             self.fleet.request_finished(lease.state)
+            if self.slo is not None:
+                self.slo.finished(lease.request)
             if self._on_finish is not None:
                 try:
                     self._on_finish(lease.request, lease.decision, outcome)

@@ -1,0 +1,394 @@
+"""Predicted time to first token (TTFT) and time per output token (TPOT) per backend, learned online.
+
+No I/O: the host feeds it. The `Router` (built with ``predictor=``) tells it where each request
+went (`Predictor.started`) and when the request left (`Predictor.forget`); the host reports what
+it measured with `Predictor.observe` (TTFT at the first token, TPOT at the end), before it
+releases the lease.
+
+The model, per backend::
+
+    TTFT = ttft_overhead_s + (queued prefill tokens ahead + uncached prompt tokens) / prefill rate
+    TPOT = decode_step_s * (1 + decode_load_weight * requests decoding alongside)
+
+*Queued prefill tokens ahead* is the larger of two estimates: the uncached prompt tokens of
+requests this router sent there that have not produced a first token yet (in-flight accounting),
+and the engine's reported ``waiting`` requests times the backend's mean uncached prompt (the
+engine also counts other routers' requests). A data-parallel backend prefills on its ranks side
+by side: the queue of the rank the decision names (`EngineLoad.ranks`) counts when the engine
+reports one, else the backend's queue spread over its ranks. *Requests decoding alongside* are the
+engine's ``running`` when reported, else the router's in-flight count. The engine's ``kv_usage`` is
+not used: a full cache delays new requests only as the waiting queue already shows.
+
+The *prefill rate* (tokens/s) and the *decode step* (s) are learned per backend, so backends on
+different hardware get rates of their own: every observed TTFT gives a rate sample ``work /
+(TTFT - ttft_overhead_s)`` (``work`` as counted when the request was sent, its uncached part
+corrected by the engine's reported cached tokens when the host passes them), every observed TPOT a
+decode-step sample. A backend's rate is the median of its last ``window`` samples, so a few wild
+samples (a stalled stream, a preempted request) do not move it; until ``min_samples`` are in, the
+configured `Priors` hold. A backend whose engine telemetry is stale (reported once, now older than
+`BackendState.load_max_age`) is predicted from the priors alone, its engine load ignored, and the
+prediction says so (`Prediction.stale`).
+
+Prediction error is tracked (`PredictionErrors`): each observed TTFT next to what was predicted
+when the request was sent, for the host to export.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+import attrs
+from attrs import validators as v
+
+from kvroute.backend import BackendState
+from kvroute.slo import Prediction
+from kvroute.validators import expect
+
+__all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
+
+_positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
+_non_negative = expect(
+    "a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError
+)
+
+
+@attrs.frozen(kw_only=True)
+class Priors:
+    """What a backend is assumed to do before it has been observed (and while its telemetry is stale).
+
+    The defaults are a mid-size model on one modern GPU; set them from a benchmark of the
+    engines (``kvroute simulate`` prints the simulated fleet's in docs/simulation.md).
+    """
+
+    #: Prompt tokens the backend prefills per second.
+    prefill_tokens_per_s: float = attrs.field(default=10_000.0, validator=_positive)
+    #: Seconds a request spends before its first token even with nothing to prefill (scheduling, one step).
+    ttft_overhead_s: float = attrs.field(default=0.02, validator=_non_negative)
+    #: Seconds per output token of a request decoding alone.
+    decode_step_s: float = attrs.field(default=0.02, validator=_positive)
+    #: Each request decoding alongside adds this share of ``decode_step_s`` to a step.
+    decode_load_weight: float = attrs.field(default=0.02, validator=_non_negative)
+    #: Uncached prompt tokens assumed per waiting request until some have been seen.
+    uncached_tokens: float = attrs.field(default=1000.0, validator=_positive)
+
+
+@attrs.frozen
+class Observation:
+    """One observed request next to its prediction: what `Predictor.observe` returns for the host to export."""
+
+    backend_id: str
+    predicted: Prediction
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @property
+    def ttft_error_s(self) -> float | None:
+        """Observed minus predicted TTFT (positive: slower than predicted); ``None`` when no TTFT was observed."""
+        return None if self.ttft_s is None else self.ttft_s - self.predicted.ttft_s
+
+
+class PredictionErrors:
+    """The last ``size`` observed TTFTs next to their predictions, and summaries of the error."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=size)
+        #: Observed TTFTs ever recorded.
+        self.count = 0
+
+    def record(self, predicted_s: float, observed_s: float) -> None:
+        """Add one (predicted, observed) TTFT pair."""
+        self._pairs.append((predicted_s, observed_s))
+        self.count += 1
+
+    @property
+    def pairs(self) -> tuple[tuple[float, float], ...]:
+        """The recent (predicted, observed) TTFT pairs, oldest first."""
+        return tuple(self._pairs)
+
+    def median_abs_error_s(self) -> float | None:
+        """Median of ``|observed - predicted|`` over the recent pairs (``None`` before any)."""
+        if not self._pairs:
+            return None
+        return statistics.median(abs(o - p) for p, o in self._pairs)
+
+    def within(self, share: float = 0.25) -> float | None:
+        """Share of recent pairs whose prediction was within ``share`` of the observed TTFT (``None`` before any)."""
+        if not self._pairs:
+            return None
+        return sum(abs(o - p) <= share * o for p, o in self._pairs) / len(self._pairs)
+
+
+@attrs.define
+class _Rates:
+    """One backend's learned rates: a window of samples each, the median once there are enough."""
+
+    prefill: deque[float]
+    decode: deque[float]
+    uncached: deque[float]
+    #: Uncached prompt tokens of this router's requests sent here that have no first token yet.
+    queued_tokens: float = 0.0
+    queued_requests: int = 0
+
+
+@attrs.define
+class _Pending:
+    backend_id: str
+    work: float
+    uncached: float
+    prompt: float
+    decode_load: float
+    predicted: Prediction
+    queued: bool = True
+
+
+class Predictor:
+    """Predicts TTFT and TPOT per backend from in-flight accounting, engine load and rates learned per backend.
+
+    ``priors`` hold for every backend, ``overrides`` (backend id -> `Priors`) for the named ones
+    (mixed hardware). ``window`` samples are kept per backend and rate; ``min_samples`` must be in
+    before the learned median replaces the prior. Not thread-safe: the `Router` calls it under its
+    fleet's lock; a host calling `observe` from elsewhere takes ``router.fleet.lock``.
+    """
+
+    def __init__(
+        self,
+        priors: Priors | None = None,
+        *,
+        overrides: Mapping[str, Priors] | None = None,
+        window: int = 64,
+        min_samples: int = 3,
+    ) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 4096:
+            raise ValueError(f"'window' must be an integer from 1 to 4096 (got {window!r}).")
+        if not isinstance(min_samples, int) or isinstance(min_samples, bool) or not 1 <= min_samples <= window:
+            raise ValueError(f"'min_samples' must be an integer from 1 to window={window} (got {min_samples!r}).")
+        self.priors = priors or Priors()
+        self.overrides = dict(overrides or {})
+        self.window = window
+        self.min_samples = min_samples
+        self.errors = PredictionErrors()
+        self._rates: dict[str, _Rates] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    # -- rates ---------------------------------------------------------------------------
+
+    def priors_for(self, backend_id: str) -> Priors:
+        """The priors of ``backend_id``: its override, else the shared ones."""
+        return self.overrides.get(backend_id, self.priors)
+
+    def _state(self, backend_id: str) -> _Rates:
+        rates = self._rates.get(backend_id)
+        if rates is None:
+            n = self.window
+            rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
+        return rates
+
+    def _learned(self, samples: deque[float], prior: float) -> float:
+        return statistics.median(samples) if len(samples) >= self.min_samples else prior
+
+    def prefill_rate(self, backend_id: str) -> float:
+        """Prompt tokens per second ``backend_id`` prefills: learned, or its prior."""
+        rates = self._rates.get(backend_id)
+        prior = self.priors_for(backend_id).prefill_tokens_per_s
+        return prior if rates is None else self._learned(rates.prefill, prior)
+
+    def decode_step(self, backend_id: str) -> float:
+        """Seconds per output token of a request decoding alone on ``backend_id``: learned, or its prior."""
+        rates = self._rates.get(backend_id)
+        prior = self.priors_for(backend_id).decode_step_s
+        return prior if rates is None else self._learned(rates.decode, prior)
+
+    def samples(self, backend_id: str) -> int:
+        """TTFT samples ``backend_id``'s prefill rate rests on (at most ``window``)."""
+        rates = self._rates.get(backend_id)
+        return 0 if rates is None else len(rates.prefill)
+
+    # -- predicting ----------------------------------------------------------------------
+
+    def _load(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, bool]:
+        """(queued prefill tokens ahead, requests decoding alongside, stale) for ``state``."""
+        rates = self._rates.get(state.id)
+        ours = rates.queued_tokens if rates is not None else 0.0
+        ours_requests = rates.queued_requests if rates is not None else 0
+        decoding = float(max(state.in_flight - ours_requests, 0))
+        load = state.load
+        if load is None or load.age(now) > state.load_max_age:
+            size = state.data_parallel_size
+            return ours / size, decoding / size, load is not None
+        size = state.data_parallel_size
+        waiting, running = load.waiting, load.running
+        if rank is not None and load.ranks:
+            # The named rank's own queue; this router's requests assumed spread over the ranks.
+            for r in load.ranks:
+                if r.rank == rank:
+                    waiting, running = r.waiting, r.running
+                    break
+            ours /= size
+            size = 1
+        if waiting is not None:
+            prior = self.priors_for(state.id).uncached_tokens
+            mean = prior if rates is None else self._learned(rates.uncached, prior)
+            ours = max(ours, waiting * mean)
+        ours /= size  # ranks prefill side by side
+        if running is not None:
+            decoding = float(running) / size
+        return ours, decoding, False
+
+    def predict(
+        self,
+        state: BackendState,
+        uncached_tokens: float,
+        *,
+        rank: int | None = None,
+        now: float | None = None,
+    ) -> Prediction:
+        """What a request with ``uncached_tokens`` prompt tokens not in ``state``'s cache would get there.
+
+        ``rank`` names the data-parallel rank it would reach, if chosen; ``now`` is a
+        ``time.monotonic()`` reading (the engine load's clock) for the staleness check.
+        """
+        queued, decoding, stale = self._load(state, rank, now)
+        return self._predict(state.id, queued, max(uncached_tokens, 0.0), decoding, stale)
+
+    def _predict(self, backend_id: str, queued: float, uncached: float, decoding: float, stale: bool) -> Prediction:
+        priors = self.priors_for(backend_id)
+        if stale:
+            rate, step = priors.prefill_tokens_per_s, priors.decode_step_s
+        else:
+            rate, step = self.prefill_rate(backend_id), self.decode_step(backend_id)
+        ttft = priors.ttft_overhead_s + (queued + uncached) / rate
+        tpot = step * (1.0 + priors.decode_load_weight * decoding)
+        return Prediction(ttft, tpot, stale)
+
+    # -- accounting (the router) ---------------------------------------------------------
+
+    def started(
+        self,
+        request_id: str,
+        state: BackendState,
+        prompt_tokens: float,
+        uncached_tokens: float,
+        *,
+        rank: int | None = None,
+        prediction: Prediction | None = None,
+        now: float | None = None,
+    ) -> Prediction:
+        """The request was sent to ``state``: queue its uncached tokens there; returns its prediction.
+
+        Called by the router before ``state``'s in-flight count rises. A request id already
+        pending is replaced (a retry on another backend).
+        """
+        self.forget(request_id)
+        queued, decoding, stale = self._load(state, rank, now)
+        uncached = max(uncached_tokens, 0.0)
+        if prediction is None:
+            prediction = self._predict(state.id, queued, uncached, decoding, stale)
+        rates = self._state(state.id)
+        rates.queued_tokens += uncached
+        rates.queued_requests += 1
+        self._pending[request_id] = _Pending(
+            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction
+        )
+        return prediction
+
+    def _unqueue(self, pending: _Pending) -> None:
+        if not pending.queued:
+            return
+        pending.queued = False
+        rates = self._rates.get(pending.backend_id)
+        if rates is not None:
+            rates.queued_tokens = max(rates.queued_tokens - pending.uncached, 0.0)
+            rates.queued_requests = max(rates.queued_requests - 1, 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request left its backend (released): drop what is kept of it."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._unqueue(pending)
+
+    def forget_backend(self, backend_id: str) -> None:
+        """Drop a backend's learned rates (it left the fleet, or its engine changed)."""
+        self._rates.pop(backend_id, None)
+        for request_id in [k for k, p in self._pending.items() if p.backend_id == backend_id]:
+            del self._pending[request_id]
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet forgotten."""
+        return len(self._pending)
+
+    def queued_tokens(self, backend_id: str) -> float:
+        """Uncached prompt tokens this router sent to ``backend_id`` that have no first token yet."""
+        rates = self._rates.get(backend_id)
+        return 0.0 if rates is None else rates.queued_tokens
+
+    # -- learning (the host) -------------------------------------------------------------
+
+    def observe(
+        self,
+        request_id: str,
+        *,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        cached_tokens: float | None = None,
+    ) -> Observation | None:
+        """Report what a request pending since `started` measured; returns it next to its prediction.
+
+        ``ttft_s``: seconds to the first token (its prefill left the queue; a rate sample);
+        ``tpot_s``: mean seconds per output token after the first (a decode sample);
+        ``cached_tokens``: prompt tokens the engine reported cached (corrects the work's uncached
+        part). Call it before the lease is released; an unknown id, or a value that is not a
+        finite non-negative number, teaches nothing and returns ``None``.
+        """
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return None
+        ttft = _finite(ttft_s)
+        tpot = _finite(tpot_s)
+        if ttft is None and tpot is None:
+            return None
+        priors = self.priors_for(pending.backend_id)
+        rates = self._state(pending.backend_id)
+        if ttft is not None:
+            self._unqueue(pending)
+            uncached = pending.uncached
+            cached = _finite(cached_tokens)
+            if cached is not None:
+                uncached = max(pending.prompt - cached, 0.0)
+                rates.uncached.append(uncached)
+            elif pending.prompt:
+                rates.uncached.append(pending.uncached)
+            work = pending.work - pending.uncached + uncached
+            busy = ttft - priors.ttft_overhead_s
+            if work >= 1.0 and busy > 0:
+                rates.prefill.append(work / busy)
+            self.errors.record(pending.predicted.ttft_s, ttft)
+        if tpot is not None and tpot > 0:
+            rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load))
+        return Observation(pending.backend_id, pending.predicted, ttft, tpot)
+
+    def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
+        """Per backend: learned prefill rate, decode step, samples and queued tokens (for a status page)."""
+        ids = list(self._rates) if backend_ids is None else list(backend_ids)
+        return {
+            b: {
+                "prefill_tokens_per_s": self.prefill_rate(b),
+                "decode_step_s": self.decode_step(b),
+                "samples": self.samples(b),
+                "queued_tokens": self.queued_tokens(b),
+            }
+            for b in ids
+        }
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and number >= 0 else None

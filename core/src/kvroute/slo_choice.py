@@ -1,0 +1,227 @@
+"""SLO-aware choice: the router re-ranks any strategy's pick by predicted latency (`kvroute.predictor`).
+
+`SloChoice` sits between the strategy and the lease, for every strategy alike (no plugin is
+changed). With ``aware=True``, after the strategy picked its backend (its *home*: the cache home
+of a prefix strategy):
+
+* a request with objectives (`RouteRequest.objectives`) stays on its home when the home is
+  predicted to meet them; otherwise it goes to the candidate within the load bound predicted to
+  meet them at the lowest cost (``TTFT + tpot_weight * TPOT``), and when none is, to the one of
+  lowest cost overall (its `Decision.prediction` then does not meet them: no candidate can);
+* a request without objectives goes to the candidate of lowest cost, the home winning ties.
+
+*Within the load bound* is bounded-load's rule: a candidate other than the home may take the
+request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
+(total in flight + 1) / total weight))``, so re-ranking never piles requests on one backend.
+
+A candidate's uncached prompt tokens come from the choice's own `CacheView` (fed with every
+request's final backend), except the home's when the strategy said how much it matched
+(``matched_tokens`` and ``tokenized`` in `Decision.detail`, tokenizer-prefix's exact index) or
+implements `ReuseEstimator`. With ``aware=False`` the strategy's pick stands and only gets its
+prediction (for a host that admits or sheds on it).
+
+A moved decision has reason ``slo``, ``spilled`` set, ``spill_reason`` ``slo``, the strategy's own
+pick in ``detail["home"]`` and the predictions in ``detail``; every decision carries its
+prediction, and ``detail["predicted_ttft_ms"]`` (``stale`` when the backend's telemetry was).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from kvroute.backend import BackendState
+from kvroute.cache_view import CacheView, PromptBlocks
+from kvroute.predictor import Predictor
+from kvroute.request import RouteRequest
+from kvroute.slo import Prediction
+from kvroute.strategy import Decision
+
+__all__ = ["SLO_REASON", "ReuseEstimator", "SloChoice"]
+
+#: `Decision.reason` and `Decision.spill_reason` of a request the SLO-aware choice moved off its home.
+SLO_REASON = "slo"
+
+
+@runtime_checkable
+class ReuseEstimator(Protocol):
+    """A strategy that can say how many prompt tokens each candidate holds (optional; used for the home)."""
+
+    def cached_tokens(self, request: RouteRequest, decision: Decision) -> tuple[int, int] | None:
+        """``(prompt tokens, tokens the decision's backend holds)`` for ``request``, or ``None`` if unknown."""
+        ...
+
+
+def _non_negative(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"'{name}' must be a non-negative number (got {value!r}).")
+
+
+class SloChoice:
+    """Predicts each decision's latency and, when ``aware``, re-ranks the strategy's pick (module docstring).
+
+    Not thread-safe: the `Router` calls it under its fleet's lock.
+    """
+
+    def __init__(
+        self,
+        predictor: Predictor | None = None,
+        *,
+        aware: bool = True,
+        tpot_weight: float = 50.0,
+        load_factor: float = 1.25,
+        min_capacity: int = 16,
+        view: CacheView | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        _non_negative("tpot_weight", tpot_weight)
+        if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not 1 <= load_factor < math.inf:
+            raise ValueError(f"'load_factor' must be a number of at least 1 (got {load_factor!r}).")
+        if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
+            raise ValueError(f"'min_capacity' must be a non-negative integer (got {min_capacity!r}).")
+        self.predictor = predictor or Predictor()
+        self.aware = aware
+        self.tpot_weight = float(tpot_weight)
+        self.load_factor = float(load_factor)
+        self.min_capacity = min_capacity
+        self.view = view or CacheView(block_size=64)
+        self.clock = clock
+        #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
+        self.moved = 0
+        self.unmet = 0
+        self._last: tuple[str, PromptBlocks, int] | None = None
+
+    # -- choosing ------------------------------------------------------------------------
+
+    def _uncached(self, state: BackendState, blocks: PromptBlocks) -> int:
+        return max(blocks.units - self.view.matched(state.id, blocks), 0)
+
+    def _home_uncached(self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks,
+                       strategy: object) -> int:
+        detail: Mapping[str, Any] = decision.detail
+        matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
+        if isinstance(matched, int) and isinstance(tokens, int):
+            return max(tokens - matched, 0)
+        if isinstance(strategy, ReuseEstimator):
+            said = strategy.cached_tokens(request, decision)
+            if said is not None:
+                return max(said[0] - said[1], 0)
+        return self._uncached(state, blocks)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        decision: Decision,
+        state: BackendState,
+        candidates: Sequence[BackendState],
+        strategy: object = None,
+    ) -> tuple[Decision, BackendState]:
+        """The decision to make of the strategy's ``decision`` on ``state`` (see the module docstring)."""
+        now = self.clock()
+        predictor = self.predictor
+        blocks = self.view.blocks(request)
+        home_uncached = self._home_uncached(request, decision, state, blocks, strategy)
+        self._last = (request.request_id, blocks, home_uncached)
+        home = predictor.predict(state, home_uncached, rank=decision.data_parallel_rank, now=now)
+        objectives = request.objectives
+        wants = objectives is not None and objectives.any
+        if not self.aware or len(candidates) == 1 or (wants and home.meets(objectives)):
+            if wants and not home.meets(objectives):
+                self.unmet += 1
+            return self._with(decision, home), state
+        weight = self.tpot_weight
+        total = weight_sum = 0.0
+        for c in candidates:
+            total += c.in_flight
+            weight_sum += c.weight
+        fair = (total + 1) / weight_sum if weight_sum > 0 else math.inf
+        floor, factor = self.min_capacity, self.load_factor
+
+        def cost(p: Prediction) -> float:
+            return p.ttft_s + weight * (p.tpot_s or 0.0)
+
+        best_state, best, best_cost, best_uncached = state, home, cost(home), home_uncached
+        best_meets = bool(wants and home.meets(objectives))
+        for c in candidates:
+            if c is state or c.in_flight >= max(floor, math.ceil(factor * c.weight * fair)):
+                continue
+            uncached = self._uncached(c, blocks)
+            p = predictor.predict(c, uncached, now=now)
+            c_cost = cost(p)
+            if wants:
+                meets = bool(p.meets(objectives))
+                if (meets, -c_cost) <= (best_meets, -best_cost):
+                    continue
+                best_meets = meets
+            elif c_cost >= best_cost:
+                continue
+            best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
+        if wants and not best_meets:
+            self.unmet += 1
+        if best_state is state:
+            return self._with(decision, home), state
+        self.moved += 1
+        self._last = (request.request_id, blocks, best_uncached)
+        detail: dict[str, Any] = {
+            "home": state.id,
+            "home_ttft_ms": round(home.ttft_s * 1000, 1),
+            "predicted_ttft_ms": round(best.ttft_s * 1000, 1),
+            "predicted_tpot_ms": round((best.tpot_s or 0.0) * 1000, 1),
+        }
+        if best.stale:
+            detail["stale"] = True
+        moved = Decision(
+            best_state.backend,
+            reason=SLO_REASON,
+            strategy=decision.strategy,
+            key=decision.key,
+            spilled=True,
+            detail=detail,
+            spill_reason=SLO_REASON,
+            prediction=best,
+        )
+        return moved, best_state
+
+    @staticmethod
+    def _with(decision: Decision, prediction: Prediction) -> Decision:
+        detail = dict(decision.detail)
+        detail["predicted_ttft_ms"] = round(prediction.ttft_s * 1000, 1)
+        if prediction.stale:
+            detail["stale"] = True
+        return attrs.evolve(decision, prediction=prediction, detail=detail)
+
+    # -- accounting (the router) ---------------------------------------------------------
+
+    def started(self, request: RouteRequest, decision: Decision, state: BackendState) -> None:
+        """The request was counted on ``state``: record its prompt there and queue its prefill."""
+        last = self._last
+        self._last = None
+        if last is not None and last[0] == request.request_id:
+            _, blocks, uncached = last
+        else:
+            blocks = self.view.blocks(request)
+            uncached = self._uncached(state, blocks)
+        prediction = decision.prediction
+        self.predictor.started(
+            request.request_id,
+            state,
+            blocks.units,
+            uncached,
+            rank=decision.data_parallel_rank,
+            prediction=prediction,
+            now=self.clock(),
+        )
+        self.view.record(state, blocks)
+
+    def finished(self, request: RouteRequest) -> None:
+        """The request left its backend."""
+        self.predictor.forget(request.request_id)
+
+    def backend_left(self, backend_id: str) -> None:
+        """A backend left the fleet: forget what its cache held and its rates."""
+        self.view.forget(backend_id)
+        self.predictor.forget_backend(backend_id)

@@ -1,0 +1,197 @@
+"""The TTFT/TPOT predictor: rates learned online per backend, robust to outliers, priors for stale telemetry."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvroute import Backend, BackendState, EngineLoad, Predictor, Priors
+from kvroute.backend import RankLoad
+
+
+def _state(backend_id: str = "b0", **kwargs: object) -> BackendState:
+    return BackendState(Backend(backend_id, **kwargs))  # type: ignore[arg-type]
+
+
+def _serve(predictor: Predictor, state: BackendState, rid: str, uncached: float, ttft: float) -> None:
+    predictor.started(rid, state, prompt_tokens=uncached, uncached_tokens=uncached)
+    predictor.observe(rid, ttft_s=ttft)
+    predictor.forget(rid)
+
+
+PRIORS = Priors(prefill_tokens_per_s=1000.0, ttft_overhead_s=0.0, decode_step_s=0.02, decode_load_weight=0.0)
+
+
+class TestPredict:
+    def test_priors_before_any_observation(self) -> None:
+        """An unobserved idle backend's TTFT is the uncached tokens over the prior rate, plus the overhead."""
+        predictor = Predictor(Priors(prefill_tokens_per_s=2000.0, ttft_overhead_s=0.01))
+        prediction = predictor.predict(_state(), 1000)
+        assert prediction.ttft_s == pytest.approx(0.51)
+        assert prediction.tpot_s == pytest.approx(0.02)
+        assert not prediction.stale
+
+    def test_queue_ahead_counts(self) -> None:
+        """Requests sent and still waiting for their first token add their uncached tokens to the next one's TTFT."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        predictor.started("r1", state, 3000, 2000)
+        state.in_flight += 1
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(2.5)
+        predictor.observe("r1", ttft_s=2.0)  # its prefill is done: no longer ahead
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(0.5)
+
+    def test_forget_unqueues(self) -> None:
+        """A request released before its first token no longer counts as queued."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        predictor.started("r1", state, 1000, 1000)
+        assert predictor.queued_tokens("b0") == 1000
+        predictor.forget("r1")
+        assert predictor.queued_tokens("b0") == 0
+        assert predictor.pending == 0
+
+    def test_engine_waiting_counts(self) -> None:
+        """The engine's reported waiting requests count as queued work when they exceed the router's own."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        state.load = EngineLoad(running=4, waiting=3)
+        prediction = predictor.predict(state, 0)
+        assert prediction.ttft_s == pytest.approx(3 * PRIORS.uncached_tokens / 1000.0)
+
+    def test_named_rank_queue(self) -> None:
+        """A data-parallel backend's named rank is predicted from that rank's own reported queue."""
+        predictor = Predictor(PRIORS)
+        state = _state(data_parallel_size=2)
+        state.load = EngineLoad(
+            running=2, waiting=4, ranks=(RankLoad(0, running=1, waiting=4), RankLoad(1, running=1, waiting=0))
+        )
+        busy = predictor.predict(state, 0, rank=0).ttft_s
+        idle = predictor.predict(state, 0, rank=1).ttft_s
+        assert busy == pytest.approx(4.0) and idle == pytest.approx(0.0)
+
+    def test_decode_load_raises_tpot(self) -> None:
+        """TPOT grows with the requests decoding alongside."""
+        predictor = Predictor(Priors(decode_step_s=0.02, decode_load_weight=0.1))
+        state = _state()
+        state.load = EngineLoad(running=10, waiting=0)
+        assert predictor.predict(state, 0).tpot_s == pytest.approx(0.04)
+
+
+class TestLearning:
+    def test_converges(self) -> None:
+        """Observed TTFTs of a backend twice as fast as its prior move its rate to the true one."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        rng = random.Random(1)
+        for i in range(40):
+            tokens = rng.randint(200, 4000)
+            _serve(predictor, state, f"r{i}", tokens, tokens / 2000.0 * rng.uniform(0.95, 1.05))
+        assert predictor.prefill_rate("b0") == pytest.approx(2000.0, rel=0.05)
+        assert predictor.predict(state, 2000).ttft_s == pytest.approx(1.0, rel=0.05)
+        assert predictor.errors.count == 40
+
+    def test_outliers_do_not_move_the_rate(self) -> None:
+        """A fifth of wild observations (stalls 50x slower) leave the learned rate within 10 % of the true one."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        rng = random.Random(2)
+        for i in range(60):
+            ttft = 1000 / 4000.0 * (50.0 if i % 5 == 0 else 1.0)
+            _serve(predictor, state, f"r{i}", 1000, ttft * rng.uniform(0.98, 1.02))
+        assert predictor.prefill_rate("b0") == pytest.approx(4000.0, rel=0.1)
+
+    def test_rates_per_backend(self) -> None:
+        """Two backends on different hardware learn rates of their own."""
+        predictor = Predictor(PRIORS)
+        fast, slow = _state("fast"), _state("slow")
+        for i in range(10):
+            _serve(predictor, fast, f"f{i}", 1000, 0.25)
+            _serve(predictor, slow, f"s{i}", 1000, 2.0)
+        assert predictor.prefill_rate("fast") == pytest.approx(4000.0)
+        assert predictor.prefill_rate("slow") == pytest.approx(500.0)
+
+    def test_priors_until_enough_samples(self) -> None:
+        """The prior holds until ``min_samples`` observations are in."""
+        predictor = Predictor(PRIORS, min_samples=3)
+        state = _state()
+        _serve(predictor, state, "a", 1000, 0.1)
+        _serve(predictor, state, "b", 1000, 0.1)
+        assert predictor.prefill_rate("b0") == PRIORS.prefill_tokens_per_s
+        _serve(predictor, state, "c", 1000, 0.1)
+        assert predictor.prefill_rate("b0") == pytest.approx(10_000.0)
+
+    def test_cached_tokens_correct_the_work(self) -> None:
+        """When the engine reports more cached tokens than predicted, the sample counts only the work done."""
+        predictor = Predictor(PRIORS, min_samples=1)
+        state = _state()
+        predictor.started("r", state, 2000, 2000)
+        predictor.observe("r", ttft_s=0.5, cached_tokens=1000)
+        assert predictor.prefill_rate("b0") == pytest.approx(2000.0)
+
+    def test_decode_step_learned(self) -> None:
+        """Observed TPOTs set the backend's decode step."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        for i in range(5):
+            predictor.started(f"r{i}", state, 10, 10)
+            predictor.observe(f"r{i}", tpot_s=0.05)
+            predictor.forget(f"r{i}")
+        assert predictor.predict(state, 0).tpot_s == pytest.approx(0.05)
+
+    def test_bad_observations_ignored(self) -> None:
+        """Unknown ids and values that are not finite non-negative numbers teach nothing."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        assert predictor.observe("nobody", ttft_s=1.0) is None
+        predictor.started("r", state, 10, 10)
+        assert predictor.observe("r", ttft_s=float("nan")) is None
+        assert predictor.observe("r", ttft_s=-1.0) is None
+        assert predictor.samples("b0") == 0
+        observation = predictor.observe("r", ttft_s=0.5)
+        assert observation is not None and observation.ttft_error_s == pytest.approx(0.5 - 0.01)
+
+
+class TestStale:
+    def test_stale_falls_back_to_priors(self) -> None:
+        """A backend whose telemetry is stale is predicted from priors, its engine queue ignored, and says so."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        for i in range(10):
+            _serve(predictor, state, f"r{i}", 1000, 0.1)  # learned: 10,000 tokens/s
+        state.load = EngineLoad(waiting=50, observed_at=time.monotonic() - 60)
+        state.load_max_age = 10
+        prediction = predictor.predict(state, 1000)
+        assert prediction.stale
+        assert prediction.ttft_s == pytest.approx(1.0)  # the prior rate, no queue
+        state.load = EngineLoad(waiting=0)
+        fresh = predictor.predict(state, 1000)
+        assert not fresh.stale and fresh.ttft_s == pytest.approx(0.1)
+
+
+class TestConfig:
+    def test_bad_priors(self) -> None:
+        """A prior that is not a positive finite number is refused, naming the field and the value."""
+        with pytest.raises(ValueError, match=r"'prefill_tokens_per_s' must be a positive number \(got 0\)"):
+            Priors(prefill_tokens_per_s=0)
+        with pytest.raises(ValueError, match=r"'window' must be an integer from 1 to 4096 \(got 0\)"):
+            Predictor(window=0)
+        with pytest.raises(ValueError, match=r"'min_samples'"):
+            Predictor(window=4, min_samples=5)
+
+    def test_overrides(self) -> None:
+        """A backend with priors of its own is predicted from them before it is observed."""
+        predictor = Predictor(PRIORS, overrides={"big": Priors(prefill_tokens_per_s=4000.0, ttft_overhead_s=0.0)})
+        assert predictor.predict(_state("big"), 1000).ttft_s == pytest.approx(0.25)
+        assert predictor.predict(_state("small"), 1000).ttft_s == pytest.approx(1.0)
+
+    def test_error_summary(self) -> None:
+        """The error summary gives the median absolute error and the share within 25 %."""
+        predictor = Predictor(PRIORS)
+        predictor.errors.record(1.0, 1.1)
+        predictor.errors.record(1.0, 2.0)
+        predictor.errors.record(1.0, 1.0)
+        assert predictor.errors.median_abs_error_s() == pytest.approx(0.1)
+        assert predictor.errors.within(0.25) == pytest.approx(2 / 3)

@@ -1,0 +1,165 @@
+"""The SLO-aware choice: the strategy's home kept when it meets the objectives, moved when another candidate does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import pytest
+
+from kvroute import (
+    Backend,
+    BackendState,
+    BaseStrategy,
+    Decision,
+    Fleet,
+    Objectives,
+    Predictor,
+    Priors,
+    RouteRequest,
+    Router,
+)
+from kvroute.slo_choice import SLO_REASON, SloChoice
+
+PRIORS = Priors(prefill_tokens_per_s=1000.0, ttft_overhead_s=0.0, decode_step_s=0.02, decode_load_weight=0.0)
+
+
+class Home(BaseStrategy):
+    """Always picks backend ``b0`` (a prefix strategy's cache home, as far as these tests care)."""
+
+    name = "home"
+
+    def pick(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Decision:
+        state = next((c for c in candidates if c.id == "b0"), candidates[0])
+        return Decision(state.backend, reason="hash", key=7)
+
+
+def _router(n: int = 3, **kwargs: object) -> Router:
+    fleet = Fleet()
+    for i in range(n):
+        fleet.add(Backend(f"b{i}"))
+    return Router(fleet, Home(), slo=SloChoice(Predictor(PRIORS), **kwargs))  # type: ignore[arg-type]
+
+
+def _request(rid: str, words: int = 400, objectives: Objectives | None = None, prefix: str = "shared") -> RouteRequest:
+    text = " ".join(f"{prefix}{i}" for i in range(words))
+    return attrs.evolve(RouteRequest.from_text(text, model="m", request_id=rid), objectives=objectives)
+
+
+def _queue(router: Router, backend_id: str, tokens: float) -> None:
+    """Put ``tokens`` of prefill work ahead on ``backend_id`` (a request sent there earlier, no first token yet)."""
+    state = router.fleet.get(backend_id)
+    assert router.slo is not None
+    router.slo.predictor.started(f"queued-{backend_id}", state, tokens, tokens)
+
+
+class TestChoice:
+    def test_home_kept_when_it_meets(self) -> None:
+        """A request whose home is predicted to meet its objective stays there, with the prediction attached."""
+        router = _router()
+        request = _request("r1", objectives=Objectives(ttft_s=5.0))
+        decision, _ = router.decide(request)
+        assert decision.backend.id == "b0" and decision.reason == "hash"
+        assert decision.prediction is not None and decision.prediction.meets(request.objectives)
+        assert "predicted_ttft_ms" in decision.detail
+
+    def test_moved_when_home_misses_and_another_meets(self) -> None:
+        """A home whose queue makes it miss the TTFT objective loses the request to a candidate that meets it."""
+        router = _router()
+        _queue(router, "b0", 4000)  # 4 s ahead at 1,000 tokens/s
+        _queue(router, "b1", 1500)
+        request = _request("r1", objectives=Objectives(ttft_s=1.0))
+        decision, _ = router.decide(request)
+        assert decision.backend.id == "b2"
+        assert decision.reason == SLO_REASON and decision.spilled and decision.spill_reason == SLO_REASON
+        assert decision.detail["home"] == "b0"
+        assert decision.prediction is not None and decision.prediction.meets(request.objectives)
+        assert "slo" in decision.explain() and "home=b0" in decision.explain()
+
+    def test_nothing_meets(self) -> None:
+        """When no candidate can meet the objective, the prediction says so (the admission contract)."""
+        router = _router()
+        for b, tokens in (("b0", 4000), ("b1", 3000), ("b2", 5000)):
+            _queue(router, b, tokens)
+        request = _request("r1", objectives=Objectives(ttft_s=1.0))
+        decision, _ = router.decide(request)
+        assert decision.prediction is not None and decision.prediction.meets(request.objectives) is False
+        assert decision.backend.id == "b1"  # the least bad
+        assert router.slo is not None and router.slo.unmet == 1
+
+    def test_cache_keeps_home_without_objective(self) -> None:
+        """Without objectives the lowest predicted cost wins: a home holding the prompt beats idle cold backends."""
+        router = _router()
+        first = router.acquire(_request("warm"))
+        assert first.backend.id == "b0"
+        router.release(first)
+        _queue(router, "b0", 100)
+        decision, _ = router.decide(_request("again"))
+        assert decision.backend.id == "b0"
+        _queue(router, "b0", 5000)
+        decision, _ = router.decide(_request("again"))
+        assert decision.backend.id != "b0" and decision.reason == SLO_REASON
+
+    def test_load_bound(self) -> None:
+        """A candidate at its load bound is never chosen over the home, however fast it is predicted to be."""
+        router = _router(2, min_capacity=1, load_factor=1.0)
+        _queue(router, "b0", 4000)
+        router.fleet.get("b1").in_flight = 5
+        decision, _ = router.decide(_request("r", objectives=Objectives(ttft_s=1.0)))
+        assert decision.backend.id == "b0"
+
+    def test_not_aware_only_predicts(self) -> None:
+        """With ``aware=False`` the strategy's pick stands and carries its prediction."""
+        router = _router(aware=False)
+        _queue(router, "b0", 4000)
+        decision, _ = router.decide(_request("r", objectives=Objectives(ttft_s=1.0)))
+        assert decision.backend.id == "b0" and decision.prediction is not None
+        assert decision.prediction.ttft_s > 4.0
+
+    def test_stale_shown(self) -> None:
+        """A decision predicted from priors because of stale telemetry says so in explain()."""
+        from kvroute import EngineLoad
+
+        router = _router(1)
+        state = router.fleet.get("b0")
+        state.load = EngineLoad(waiting=2, observed_at=0.0)
+        decision, _ = router.decide(_request("r"))
+        assert decision.prediction is not None and decision.prediction.stale
+        assert "stale=True" in decision.explain()
+
+
+class TestAccounting:
+    def test_lease_queues_and_release_forgets(self) -> None:
+        """A lease queues its prefill on its backend; observing the first token and releasing clear it."""
+        router = _router()
+        lease = router.acquire(_request("r1", words=1000))
+        predictor = router.predictor
+        assert predictor is not None
+        assert predictor.queued_tokens("b0") > 0
+        observation = predictor.observe("r1", ttft_s=0.8)
+        assert observation is not None and observation.backend_id == "b0"
+        assert predictor.queued_tokens("b0") == 0
+        router.release(lease)
+        assert predictor.pending == 0
+
+    def test_failed_start_leaves_nothing(self) -> None:
+        """A strategy whose on_request_start raises leaves no queued prefill behind."""
+
+        class Broken(Home):
+            def on_request_start(self, request: RouteRequest, decision: Decision) -> None:
+                raise RuntimeError("boom")
+
+        fleet = Fleet()
+        fleet.add(Backend("b0"))
+        router = Router(fleet, Broken(), slo=SloChoice(Predictor(PRIORS)))
+        with pytest.raises(Exception, match="boom"):
+            router.acquire(_request("r1"))
+        assert router.predictor is not None and router.predictor.pending == 0
+        assert router.predictor.queued_tokens("b0") == 0
+
+    def test_bad_options(self) -> None:
+        """Options out of range are refused with the value named."""
+        with pytest.raises(ValueError, match=r"'tpot_weight' must be a non-negative number \(got -1\)"):
+            SloChoice(tpot_weight=-1)
+        with pytest.raises(ValueError, match=r"'load_factor' must be a number of at least 1 \(got 0.5\)"):
+            SloChoice(load_factor=0.5)
