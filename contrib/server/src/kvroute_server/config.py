@@ -585,6 +585,42 @@ class SloConfig:
         choices=PRIORITIES,
         help="Priority class of requests without x-priority",
     )
+    #: SLO-aware choice (`kvroute.SloChoice`): move a request off its cache home when the home is predicted to miss
+    #: its objectives and another backend within the load bound is predicted to meet them.
+    aware: bool = setting(
+        False, flag="--slo-aware", help="Choose among backends by predicted TTFT/TPOT against each request's objectives"
+    )
+    #: Without objectives, the SLO-aware choice minimises predicted TTFT + this times predicted TPOT.
+    tpot_weight: float = setting(
+        50.0, _non_negative_number, converter=_as_float, help="Weight of predicted TPOT against TTFT (no objectives)"
+    )
+    #: The predictor's priors (`kvroute.Priors`), used until a backend's own rates are learned and while its
+    #: engine telemetry is stale.
+    prefill_rate: float = setting(
+        10_000.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--slo-prefill-rate",
+        metavar="TOKENS_PER_S",
+        help="Prior prefill rate of a backend, in prompt tokens per second",
+    )
+    decode_step: float = setting(
+        0.02,
+        _positive_number,
+        converter=_as_float,
+        flag="--slo-decode-step",
+        metavar="SECONDS",
+        help="Prior seconds per output token of a request decoding alone",
+    )
+    ttft_overhead: float = setting(
+        0.02,
+        _non_negative_number,
+        converter=_as_float,
+        help="Prior seconds before a first token with nothing to prefill",
+    )
+    decode_load_weight: float = setting(
+        0.02, _non_negative_number, converter=_as_float, help="Share of a decode step each concurrent request adds"
+    )
     #: Per model (its name, as requests give it): ``{"ttft_ms": 500, "tpot_ms": 50, "priority": "critical"}``.
     models: Mapping[str, Mapping[str, Any]] = setting(
         factory=dict, help="Per-model objectives: {model: {ttft_ms, tpot_ms, priority}}"
@@ -592,6 +628,10 @@ class SloConfig:
 
     def __attrs_post_init__(self) -> None:
         _check_model_objectives(self.models)
+
+    def predicts(self, admission: AdmissionConfig) -> bool:
+        """Whether the router needs a predictor: for the SLO-aware choice, or for admission to judge by."""
+        return self.aware or admission.enabled
 
 
 _ADMISSION_MODES = ("off", "queue", "shed")

@@ -65,7 +65,7 @@ from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcom
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
-from kvroute_server.proxy.slo import SloHost
+from kvroute_server.proxy.slo import SloHost, slo_choice
 
 __all__ = ["ProxyApp"]
 
@@ -217,12 +217,13 @@ class ProxyApp:
             )
             if sessions.enabled
             else None,
+            slo=slo_choice(config),
         )
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
         self.slo = SloHost(config, self.router, self.metrics)
-        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows, self.slo.admission)
+        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows, self.slo)
         self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
         # The status page (docs/serve.md, "Status page").
         self.status = StatusRoutes.create(
