@@ -172,8 +172,10 @@ class Admission:
         *,
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        recheck_s: float = RECHECK_S,
     ) -> None:
         self.config = config
+        self.recheck_s = recheck_s
         self.router = router
         self.proxy_metrics = metrics
         self.metrics = metrics.slo
@@ -262,8 +264,9 @@ class Admission:
                     await self._shed(send, ex, id_header, objectives, miss, "deadline", waited=self.clock() - now)
                     return False
                 try:
-                    async with asyncio.timeout(min(remaining, RECHECK_S)):
+                    async with asyncio.timeout(min(remaining, self.recheck_s)):
                         await held.wake.wait()
+                    held.wake.clear()
                 except TimeoutError:
                     self._kick()
         finally:
@@ -323,17 +326,25 @@ class Admission:
         asyncio.get_running_loop().call_soon(self._pass)
 
     def _pass(self) -> None:
-        """Admit the first held request (in order, among the first `SCAN`) that a backend is predicted to meet."""
+        """Wake the held requests past their deadline (each answers for itself), then admit the first (in order,
+        among the first `SCAN`) that a backend is predicted to meet."""
         self._pass_scheduled = False
+        now = self.clock()
+        for held in self.queue:
+            if held.deadline <= now:
+                held.wake.set()
         for held in itertools.islice(self.queue, SCAN):
+            if held.deadline <= now:
+                continue
             if judge(self.router, held.request) is None:
                 self.queue.remove(held)
                 held.result = ADMITTED
                 held.wake.set()
                 return
 
-    def finished(self) -> None:
-        """A request of this process finished: its backend has room again."""
+    def wake(self) -> None:
+        """Decide the queue again soon: a request of this process finished (its backend has room again), or time
+        passed."""
         self._kick()
 
     def describe(self) -> dict[str, Any]:
@@ -358,7 +369,7 @@ class NoAdmission:
         """Always ``True``."""
         return True
 
-    def finished(self) -> None:
+    def wake(self) -> None:
         """Nothing to decide."""
 
     def describe(self) -> None:

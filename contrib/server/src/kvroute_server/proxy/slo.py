@@ -95,4 +95,4 @@ class SloHost:
         if prediction is not None and ex.ttft is not None and ex.outcome is RequestOutcome.OK:
             assert decision is not None
             self.metrics.predicted(decision.backend.id, prediction.ttft_s, ex.ttft)
-        self.admission.finished()
+        self.admission.wake()
