@@ -479,7 +479,8 @@ class ShadowMetrics:
 
 #: Wait in the admission queue, in seconds.
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-#: Observed TTFT over predicted TTFT: 0.75 and 1.25 are bounds, so "within 25 %" is read off two buckets.
+#: Predicted TTFT over observed TTFT: 0.75 and 1.25 are bounds, so the share predicted within 25 % of the observed
+#: TTFT is read off two buckets.
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 #: Absolute TTFT prediction error, in seconds.
 _ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -528,7 +529,7 @@ class SloMetrics:
         )
         self.ttft_ratio = Histogram(
             "kvroute_ttft_prediction_ratio",
-            "Observed TTFT (first byte of a stream) over the TTFT predicted when the request was routed, by backend.",
+            "TTFT predicted when the request was routed over the TTFT observed (first byte of a stream), by backend.",
             ["backend"],
             buckets=_RATIO_BUCKETS,
             registry=r,
@@ -564,5 +565,5 @@ class SloMetrics:
     def predicted(self, backend: str, predicted_s: float, observed_s: float) -> None:
         """Compare a request's predicted TTFT with the one observed."""
         self._child(self.ttft_error, backend).observe(abs(observed_s - predicted_s))
-        if predicted_s > 0:
-            self._child(self.ttft_ratio, backend).observe(observed_s / predicted_s)
+        if observed_s > 0:
+            self._child(self.ttft_ratio, backend).observe(predicted_s / observed_s)
