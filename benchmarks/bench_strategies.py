@@ -1,6 +1,6 @@
 """Benchmark strategy pick latency, membership-change cost and hash placements (not a test).
 
-Usage: python benchmarks/bench_strategies.py [--quick] [--only pick,change,placement,fleet7,sessions] [--json FILE]
+Usage: python benchmarks/bench_strategies.py [--quick] [--only pick,change,placement,fleet7,sessions,slo] [--json FILE]
 
 Sections (numbers go to docs/performance.md, "Strategy pick latency"):
 
@@ -22,6 +22,12 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   backends; lookup time; build time.
 * ``sessions`` (only when named): ``Router.acquire`` + ``release`` for bounded-load over 64 backends with
   sessions off, on without session ids (conversations bound), and on with a session id per request.
+* ``slo`` (only when named): the decision time (`Decision.duration_s`: the strategy's pick plus the
+  router's SLO-aware choice, `kvroute.slo_choice`) of bounded-load through ``Router.acquire``, at 16
+  and 64 backends, without the choice and with it in three cases: ``meets`` (objectives the home
+  meets: one prediction), ``misses`` (a 1 ms TTFT objective no backend meets: every candidate
+  predicted, the ``sink`` policy), ``none`` (no objectives: every candidate within the load bound
+  predicted). 32 KB routing text, 200 prefixes cycling, fresh engine loads, 0-7 requests in flight.
 * ``fleet7``: consistent-hash over 7 instances (SageMaker's published setup): spread of shares
   over 140,000 prompts, keys moved on 7 -> 8 and 7 -> 6, and how the orphans spread.
 """
@@ -124,6 +130,48 @@ def bench_pick(strategies: Sequence[str], quick: bool) -> list[dict[str, Any]]:
                     samples = samples[pool:]  # the first sighting of each warm prefix is a cold pick
                 rows.append({"strategy": spec, "backends": n, "mode": mode, **summary(samples)})
             router.close()
+    return rows
+
+
+# -- SLO-aware choice ------------------------------------------------------------------
+
+
+def bench_slo(quick: bool) -> list[dict[str, Any]]:
+    import attrs
+
+    from kvroute import EngineLoad, Objectives, Predictor
+    from kvroute.slo_choice import SloChoice
+
+    plugins = PluginManager()
+    text = base_text(3)
+    rows: list[dict[str, Any]] = []
+    cases: list[tuple[str, Objectives | None, bool]] = [
+        ("off", None, False),
+        ("meets", Objectives(ttft_s=3600.0, tpot_s=3600.0), True),
+        ("misses", Objectives(ttft_s=0.001), True),
+        ("none", None, True),
+    ]
+    count = 2000 if quick else 20000
+    for n in (16, 64):
+        for case, objectives, on in cases:
+            fleet = fleet_of(n)
+            rng = random.Random(n)
+            for state in fleet:
+                state.load = EngineLoad(running=rng.randrange(0, 40), waiting=rng.randrange(0, 4), observed_at=1e18)
+            slo = SloChoice(Predictor(), unmet="sink") if on else None
+            router = Router(fleet, plugins.create_strategy("bounded-load"), strategy_name="bounded-load", slo=slo)
+            samples: list[int] = []
+            gc.collect()
+            for i in range(count):
+                tag = f"slo-{i % 200:08d}|"
+                request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id=f"r{i}")
+                if objectives is not None:
+                    request = attrs.evolve(request, objectives=objectives)
+                lease = router.acquire(request)
+                samples.append(int(lease.decision.duration_s * 1e9))
+                router.release(lease)
+            router.close()
+            rows.append({"backends": n, "slo": case, **summary(samples[200:])})
     return rows
 
 
@@ -418,6 +466,9 @@ def main() -> None:
     if "sessions" in sections:
         results["sessions"] = bench_sessions(args.quick)
         print("## acquire + release with sessions (bounded-load, 64 backends)\n" + table(results["sessions"]) + "\n")
+    if "slo" in sections:
+        results["slo"] = bench_slo(args.quick)
+        print("## decision time with the SLO-aware choice (bounded-load)\n" + table(results["slo"]) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -16,8 +16,8 @@ from kvroute import (
     Objectives,
     Predictor,
     Priors,
-    RouteRequest,
     Router,
+    RouteRequest,
 )
 from kvroute.slo_choice import SLO_REASON, SloChoice
 

@@ -65,7 +65,7 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
     },
     # "-j," is how the first word of "-j, --jobs N" reads.
-    "simulate": {"--sessions", "--ray", "-j,"},
+    "simulate": {"--sessions", "--ray", "-j,", "--slo", "--load"},
 }
 
 

@@ -8,16 +8,22 @@ releases the lease.
 The model, per backend::
 
     TTFT = ttft_overhead_s + (queued prefill tokens ahead + uncached prompt tokens) / prefill rate
-    TPOT = decode_step_s * (1 + decode_load_weight * requests decoding alongside)
+    TPOT = decode_step_s * (1 + decode_load_weight * requests decoding alongside) [/ (1 - prefill share)]
 
 *Queued prefill tokens ahead* is the larger of two estimates: the uncached prompt tokens of
 requests this router sent there that have not produced a first token yet (in-flight accounting),
-and the engine's reported ``waiting`` requests times the backend's mean uncached prompt (the
+and the engine's reported ``waiting`` requests times the backend's typical (median) uncached prompt (the
 engine also counts other routers' requests). A data-parallel backend prefills on its ranks side
 by side: the queue of the rank the decision names (`EngineLoad.ranks`) counts when the engine
 reports one, else the backend's queue spread over its ranks. *Requests decoding alongside* are the
 engine's ``running`` when reported, else the router's in-flight count. The engine's ``kv_usage`` is
 not used: a full cache delays new requests only as the waiting queue already shows.
+
+With ``prefill_slows_decode=True`` (off by default: in the simulator it lowered goodput at every
+load), TPOT is also divided by ``1 - prefill share``, the share of the backend's time its prefills
+are expected to take while the request decodes (an engine mixing prefill chunks into decode steps,
+as vLLM's chunked prefill does, slows every decoding request by that much): the uncached tokens
+this router sent there over the last ``arrival_window_s`` seconds, per second, over its prefill rate, at most 0.95.
 
 The *prefill rate* (tokens/s) and the *decode step* (s) are learned per backend, so backends on
 different hardware get rates of their own: every observed TTFT gives a rate sample ``work /
@@ -37,8 +43,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 from attrs import validators as v
@@ -50,9 +57,7 @@ from kvroute.validators import expect
 __all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
-_non_negative = expect(
-    "a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError
-)
+_non_negative = expect("a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError)
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +136,13 @@ class _Rates:
     #: Uncached prompt tokens of this router's requests sent here that have no first token yet.
     queued_tokens: float = 0.0
     queued_requests: int = 0
+    #: Uncached tokens sent here, decayed with time constant ``arrival_window_s``, and when last decayed.
+    arrived: float = 0.0
+    arrived_at: float = 0.0
+    #: The medians, once each window holds ``min_samples`` (``None`` before): kept, not recomputed per prediction.
+    prefill_rate: float | None = None
+    decode_step: float | None = None
+    mean_uncached: float | None = None
 
 
 @attrs.define
@@ -141,6 +153,7 @@ class _Pending:
     prompt: float
     decode_load: float
     predicted: Prediction
+    slowdown: float = 1.0
     queued: bool = True
 
 
@@ -160,11 +173,25 @@ class Predictor:
         overrides: Mapping[str, Priors] | None = None,
         window: int = 64,
         min_samples: int = 3,
+        arrival_window_s: float = 10.0,
+        prefill_slows_decode: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 4096:
             raise ValueError(f"'window' must be an integer from 1 to 4096 (got {window!r}).")
         if not isinstance(min_samples, int) or isinstance(min_samples, bool) or not 1 <= min_samples <= window:
             raise ValueError(f"'min_samples' must be an integer from 1 to window={window} (got {min_samples!r}).")
+        if (
+            isinstance(arrival_window_s, bool)
+            or not isinstance(arrival_window_s, int | float)
+            or not (0 < arrival_window_s < math.inf)
+        ):
+            raise ValueError(f"'arrival_window_s' must be a positive number of seconds (got {arrival_window_s!r}).")
+        self.arrival_window_s = float(arrival_window_s)
+        #: Whether TPOT includes the prefill share's slowdown (engines mixing prefill chunks into decode steps).
+        self.prefill_slows_decode = bool(prefill_slows_decode)
+        #: The clock of the prefill share's window (a simulator passes its virtual time).
+        self.clock = clock
         self.priors = priors or Priors()
         self.overrides = dict(overrides or {})
         self.window = window
@@ -186,20 +213,20 @@ class Predictor:
             rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
         return rates
 
-    def _learned(self, samples: deque[float], prior: float) -> float:
-        return statistics.median(samples) if len(samples) >= self.min_samples else prior
+    def _median(self, samples: deque[float]) -> float | None:
+        return statistics.median(samples) if len(samples) >= self.min_samples else None
 
     def prefill_rate(self, backend_id: str) -> float:
         """Prompt tokens per second ``backend_id`` prefills: learned, or its prior."""
         rates = self._rates.get(backend_id)
-        prior = self.priors_for(backend_id).prefill_tokens_per_s
-        return prior if rates is None else self._learned(rates.prefill, prior)
+        learned = None if rates is None else rates.prefill_rate
+        return self.priors_for(backend_id).prefill_tokens_per_s if learned is None else learned
 
     def decode_step(self, backend_id: str) -> float:
         """Seconds per output token of a request decoding alone on ``backend_id``: learned, or its prior."""
         rates = self._rates.get(backend_id)
-        prior = self.priors_for(backend_id).decode_step_s
-        return prior if rates is None else self._learned(rates.decode, prior)
+        learned = None if rates is None else rates.decode_step
+        return self.priors_for(backend_id).decode_step_s if learned is None else learned
 
     def samples(self, backend_id: str) -> int:
         """TTFT samples ``backend_id``'s prefill rate rests on (at most ``window``)."""
@@ -229,8 +256,9 @@ class Predictor:
             ours /= size
             size = 1
         if waiting is not None:
-            prior = self.priors_for(state.id).uncached_tokens
-            mean = prior if rates is None else self._learned(rates.uncached, prior)
+            mean = None if rates is None else rates.mean_uncached
+            if mean is None:
+                mean = self.priors_for(state.id).uncached_tokens
             ours = max(ours, waiting * mean)
         ours /= size  # ranks prefill side by side
         if running is not None:
@@ -253,14 +281,30 @@ class Predictor:
         queued, decoding, stale = self._load(state, rank, now)
         return self._predict(state.id, queued, max(uncached_tokens, 0.0), decoding, stale)
 
+    def _slowdown(self, rates: _Rates | None, rate: float) -> float:
+        """``1 / (1 - prefill share)`` of a backend (see the module docstring)."""
+        if rates is None or not rates.arrived or not self.prefill_slows_decode:
+            return 1.0
+        age = self.clock() - rates.arrived_at
+        arrived = rates.arrived * math.exp(-age / self.arrival_window_s) if age > 0 else rates.arrived
+        share = min(arrived / self.arrival_window_s / rate, 0.95)
+        return 1.0 / (1.0 - share)
+
+    def prefill_share(self, backend_id: str) -> float:
+        """The share of ``backend_id``'s time its recent prefills take (see the module docstring)."""
+        return 1.0 - 1.0 / self._slowdown(self._rates.get(backend_id), self.prefill_rate(backend_id))
+
     def _predict(self, backend_id: str, queued: float, uncached: float, decoding: float, stale: bool) -> Prediction:
-        priors = self.priors_for(backend_id)
-        if stale:
-            rate, step = priors.prefill_tokens_per_s, priors.decode_step_s
-        else:
-            rate, step = self.prefill_rate(backend_id), self.decode_step(backend_id)
+        priors = self.overrides.get(backend_id, self.priors)
+        rate, step = priors.prefill_tokens_per_s, priors.decode_step_s
+        rates = None if stale else self._rates.get(backend_id)
+        if rates is not None:
+            if rates.prefill_rate is not None:
+                rate = rates.prefill_rate
+            if rates.decode_step is not None:
+                step = rates.decode_step
         ttft = priors.ttft_overhead_s + (queued + uncached) / rate
-        tpot = step * (1.0 + priors.decode_load_weight * decoding)
+        tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
         return Prediction(ttft, tpot, stale)
 
     # -- accounting (the router) ---------------------------------------------------------
@@ -289,8 +333,15 @@ class Predictor:
         rates = self._state(state.id)
         rates.queued_tokens += uncached
         rates.queued_requests += 1
+        slowdown = self._slowdown(rates, self.prefill_rate(state.id))
+        at = self.clock()
+        age = at - rates.arrived_at
+        rates.arrived = (
+            rates.arrived * math.exp(-age / self.arrival_window_s) if age > 0 else rates.arrived
+        ) + uncached
+        rates.arrived_at = at
         self._pending[request_id] = _Pending(
-            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction
+            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown
         )
         return prediction
 
@@ -358,16 +409,17 @@ class Predictor:
             cached = _finite(cached_tokens)
             if cached is not None:
                 uncached = max(pending.prompt - cached, 0.0)
-                rates.uncached.append(uncached)
-            elif pending.prompt:
-                rates.uncached.append(pending.uncached)
+            rates.uncached.append(uncached)
+            rates.mean_uncached = self._median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
             if work >= 1.0 and busy > 0:
                 rates.prefill.append(work / busy)
+                rates.prefill_rate = self._median(rates.prefill)
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
-            rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load))
+            rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
+            rates.decode_step = self._median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
@@ -385,10 +437,11 @@ class Predictor:
 
 
 def _finite(value: float | None) -> float | None:
-    if value is None or isinstance(value, bool):
+    if value is None or type(value) is bool:
         return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) and number >= 0 else None
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return None
+    return value if 0 <= value < math.inf else None

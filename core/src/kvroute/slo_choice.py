@@ -10,6 +10,9 @@ of a prefix strategy):
   lowest cost overall (its `Decision.prediction` then does not meet them: no candidate can);
 * a request without objectives goes to the candidate of lowest cost, the home winning ties.
 
+On a fleet of more than ``scan + 1`` candidates only ``scan`` of them besides the home are predicted
+(a window starting where the request id's hash points), which bounds the added decision time.
+
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
 (total in flight + 1) / total weight))``, so re-ranking never piles requests on one backend.
@@ -36,12 +39,18 @@ import attrs
 
 from kvroute.backend import BackendState
 from kvroute.cache_view import CacheView, PromptBlocks
+from kvroute.hashing import hash64
 from kvroute.predictor import Predictor
 from kvroute.request import RouteRequest
 from kvroute.slo import Prediction
 from kvroute.strategy import Decision
 
-__all__ = ["SLO_REASON", "ReuseEstimator", "SloChoice"]
+__all__ = ["SLO_REASON", "UNMET_POLICIES", "ReuseEstimator", "SloChoice"]
+
+#: Where a request no candidate can serve in time goes: the candidate of lowest predicted cost within the
+#: load bound (``cheapest``), the strategy's pick (``home``), or the candidate of the longest predicted TTFT,
+#: load bound or not (``sink``: late work piles up on one backend, so the others stay on time).
+UNMET_POLICIES = ("cheapest", "home", "sink")
 
 #: `Decision.reason` and `Decision.spill_reason` of a request the SLO-aware choice moved off its home.
 SLO_REASON = "slo"
@@ -76,8 +85,14 @@ class SloChoice:
         load_factor: float = 1.25,
         min_capacity: int = 16,
         view: CacheView | None = None,
+        unmet: str = "cheapest",
+        scan: int = 16,
         clock: Any = time.monotonic,
     ) -> None:
+        if isinstance(scan, bool) or not isinstance(scan, int) or scan < 1:
+            raise ValueError(f"'scan' must be a positive integer (got {scan!r}).")
+        if unmet not in UNMET_POLICIES:
+            raise ValueError(f"'unmet' must be one of {', '.join(UNMET_POLICIES)} (got {unmet!r}).")
         _non_negative("tpot_weight", tpot_weight)
         if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or not 1 <= load_factor < math.inf:
             raise ValueError(f"'load_factor' must be a number of at least 1 (got {load_factor!r}).")
@@ -88,8 +103,13 @@ class SloChoice:
         self.tpot_weight = float(tpot_weight)
         self.load_factor = float(load_factor)
         self.min_capacity = min_capacity
-        self.view = view or CacheView(block_size=64)
+        self.view = view or CacheView(block_size=512)
         self.clock = clock
+        #: At most this many candidates besides the home are predicted per decision (a window of the
+        #: candidates starting where the request id's hash points), so the cost stays flat on large fleets.
+        self.scan = scan
+        #: Where a request goes when no candidate is predicted to meet its objectives (`UNMET_POLICIES`).
+        self.unmet_policy = unmet
         #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
         self.moved = 0
         self.unmet = 0
@@ -100,16 +120,19 @@ class SloChoice:
     def _uncached(self, state: BackendState, blocks: PromptBlocks) -> int:
         return max(blocks.units - self.view.matched(state.id, blocks), 0)
 
-    def _home_uncached(self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks,
-                       strategy: object) -> int:
+    def _home_uncached(
+        self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks, strategy: object
+    ) -> int:
         detail: Mapping[str, Any] = decision.detail
-        matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
-        if isinstance(matched, int) and isinstance(tokens, int):
-            return max(tokens - matched, 0)
-        if isinstance(strategy, ReuseEstimator):
-            said = strategy.cached_tokens(request, decision)
+        if "matched_tokens" in detail:
+            matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
+            if type(matched) is int and type(tokens) is int:
+                return max(tokens - matched, 0)
+        estimate = getattr(strategy, "cached_tokens", None)  # ReuseEstimator (isinstance on a Protocol is slow)
+        if estimate is not None:
+            said = estimate(request, decision)
             if said is not None:
-                return max(said[0] - said[1], 0)
+                return max(int(said[0]) - int(said[1]), 0)
         return self._uncached(state, blocks)
 
     def choose(
@@ -146,11 +169,25 @@ class SloChoice:
 
         best_state, best, best_cost, best_uncached = state, home, cost(home), home_uncached
         best_meets = bool(wants and home.meets(objectives))
-        for c in candidates:
-            if c is state or c.in_flight >= max(floor, math.ceil(factor * c.weight * fair)):
+        sink = wants and self.unmet_policy == "sink"
+        worst_state, worst, worst_uncached = state, home, home_uncached
+        n = len(candidates)
+        window: Sequence[BackendState] = candidates
+        if n - 1 > self.scan:
+            start = hash64(request.request_id) % n
+            window = [candidates[(start + i) % n] for i in range(self.scan + 1)]
+        for c in window:
+            if c is state:
+                continue
+            bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
+            if bounded and not sink:
                 continue
             uncached = self._uncached(c, blocks)
             p = predictor.predict(c, uncached, now=now)
+            if sink and p.ttft_s > worst.ttft_s:
+                worst_state, worst, worst_uncached = c, p, uncached
+            if bounded:
+                continue
             c_cost = cost(p)
             if wants:
                 meets = bool(p.meets(objectives))
@@ -162,6 +199,10 @@ class SloChoice:
             best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
         if wants and not best_meets:
             self.unmet += 1
+            if self.unmet_policy == "home":
+                best_state, best = state, home
+            elif sink:
+                best_state, best, best_uncached = worst_state, worst, worst_uncached
         if best_state is state:
             return self._with(decision, home), state
         self.moved += 1

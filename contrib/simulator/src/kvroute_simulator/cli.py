@@ -17,7 +17,7 @@ from kvroute.errors import KvrouteError
 from kvroute.settings import option
 from kvroute.validators import parse_key_values
 from kvroute.warmup import SlowStart
-from kvroute_simulator.driver import Comparison, SimulationConfig, compare, parse_scale
+from kvroute_simulator.driver import Comparison, SimulationConfig, base_strategy, compare, parse_scale
 from kvroute_simulator.engine import EngineConfig
 from kvroute_simulator.parallel import default_jobs
 from kvroute_simulator.report import BASELINE, finite, plot_run, pyplot, render_joins, render_table, to_json
@@ -40,6 +40,8 @@ Examples:
   kvroute simulate --scale 120s:+1 --prefill 64 --slow-start 30    a warm join
   kvroute simulate --working-set 0.5,1.0 --jobs 4   strategies and sweep points in 4 worker processes
   kvroute simulate --trace t.jsonl -n 1000 --ray auto   runs as tasks on a Ray cluster
+  kvroute simulate --slo ttft=500ms,tpot=50ms -s bounded-load,bounded-load+slo   goodput, SLO-aware choice
+  kvroute simulate --slo ttft=500ms,tpot=50ms --load 0.8,1.0,1.2,1.5 --plot goodput.png   goodput against load
 """
 
 
@@ -134,6 +136,22 @@ def _field_option(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     metavar="SECONDS",
     help="Warm join: an instance --scale adds ramps from 10 % of its weight to all of it over SECONDS.",
 )
+@click.option(
+    "--slo",
+    "slo_text",
+    default=None,
+    metavar="OBJECTIVES",
+    help="Latency objectives of every request, e.g. ttft=500ms,tpot=50ms (bare numbers are ms): adds TPOT p99, "
+    "goodput (requests/s meeting all) and SLO attainment; a strategy named NAME+slo routes on them.",
+)
+@click.option(
+    "--load",
+    "loads_text",
+    default=None,
+    metavar="MULTIPLES",
+    help="Sweep the offered load as multiples of the fleet's measured capacity, e.g. 0.5,0.8,1.0,1.2,1.5 "
+    "(see docs/simulation.md for how the capacity is measured).",
+)
 @_field_option("prefill")
 @_field_option("sessions")
 @click.option(
@@ -172,6 +190,8 @@ def simulate(
     engine_option: Sequence[str],
     working_sets: str | None,
     slow_start: float | None,
+    slo_text: str | None,
+    loads_text: str | None,
     prefill: int,
     sessions: bool,
     jobs: int | None,
@@ -187,7 +207,8 @@ def simulate(
     instance is a vLLM-like engine model (Llama-3.1-70B on 8 x H100 by default). Prints,
     per strategy, TTFT p50/p90/p99, prefix-cache hit rate, output throughput, the smallest
     and largest share of requests an instance got, spills and the routing cost, each
-    against random, plus the hit rate's upper bound.
+    against random, plus the hit rate's upper bound. A strategy named NAME+slo is NAME with
+    the router's SLO-aware choice (kvroute.slo_choice).
     """
     from rich.console import Console
 
@@ -196,6 +217,15 @@ def simulate(
 
     configure_logging(log_level)
     started = time.perf_counter()
+    from kvroute_simulator.load import parse_loads, parse_slo
+
+    slo = parse_slo(slo_text) if slo_text is not None else None
+    loads = parse_loads(loads_text) if loads_text is not None else []
+    if loads and working_sets is not None:
+        raise click.BadParameter(
+            "--load sweeps the offered load and --working-set the cache size; give one of them (got both).",
+            param_hint="--load",
+        )
     try:
         if trace_path is not None:
             workload = "trace"
@@ -238,6 +268,7 @@ def simulate(
             slow_start=SlowStart(slow_start) if slow_start is not None else None,
             prefill=prefill,
             sessions=sessions,
+            slo=slo,
         )
         ratios = _ratios(working_sets)
         if ratios and "capacity_blocks" in engine_kwargs:
@@ -257,7 +288,7 @@ def simulate(
                 "no strategy plugin is installed, so there is nothing to compare. Install some, e.g. "
                 'pip install "kvroute[random,bounded-load]" (or "kvroute[all]").'
             )
-        unknown = [n for n in names if n not in plugins.strategies]
+        unknown = [n for n in names if base_strategy(n) not in plugins.strategies]
         if unknown:
             raise click.BadParameter(
                 f"unknown strategy {', '.join(map(repr, unknown))} (installed: {', '.join(installed)}); "
@@ -276,6 +307,12 @@ def simulate(
         show_progress = sys.stderr.isatty() if progress is None else progress
         requests_ = [a.engine_request() for a in arrivals]
         configs = [config.sized_for(requests_, ratio) for ratio in ratios] or [config]
+        if loads:
+            from kvroute_simulator.load import CAPACITY_STRATEGY, measure_capacity, sized_for_load
+
+            reference = CAPACITY_STRATEGY if CAPACITY_STRATEGY in installed else base_strategy(names[0])
+            capacity = measure_capacity(arrivals, config, plugins, reference)
+            configs = [sized_for_load(config, arrivals, load, capacity) for load in loads]
         if ray_address is not None and not ray_address.strip():
             raise click.BadParameter("expected a Ray address, auto or local (got an empty string).", param_hint="--ray")
         jobs = default_jobs() if jobs is None else jobs
@@ -288,6 +325,9 @@ def simulate(
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from None
 
+    if loads:
+        _print_load_sweep(comparisons, workload, seed, json_path, plot_path, started)
+        return
     if len(comparisons) > 1:
         shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
         _print_sweep(comparisons, workload, shown, seed, json_path, plot_path, started)
@@ -360,6 +400,37 @@ def _print_sweep(
         json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plot_path is not None:
         plot_sweep(comparisons, plot_path, pyplot())
+
+
+def _print_load_sweep(
+    comparisons: list[Comparison],
+    workload: str,
+    seed: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    started: float,
+) -> None:
+    """Print the load sweep's table; write {"capacity": ..., "sweep": [one run's JSON per load]} and its plot."""
+    from rich.console import Console
+
+    from kvroute_simulator.load import plot_load_sweep, render_load_sweep
+
+    wall = time.perf_counter() - started
+    first = comparisons[0]
+    title = (
+        f"kvroute simulate: load sweep, {workload}, {first.requests:,} requests, "
+        f"{first.config.instances} instances, seed {seed} ({wall:.1f} s)"
+    )
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)
+    console.print(render_load_sweep(comparisons, title))
+    if json_path is not None:
+        runs = [to_json(c, workload_options={}, seed=seed, wall=wall) for c in comparisons]
+        data = finite({"capacity": first.config.capacity, "sweep": runs})
+        json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if plot_path is not None:
+        plot_load_sweep(comparisons, plot_path, pyplot())
 
 
 def _run_parallel(

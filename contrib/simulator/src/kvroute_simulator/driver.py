@@ -47,12 +47,16 @@ import attrs
 import structlog
 
 from kvroute.backend import Backend, EngineLoad
-from kvroute.errors import NoBackendAvailable
+from kvroute.cache_view import CacheView
+from kvroute.errors import ConfigError, NoBackendAvailable
 from kvroute.fleet import Fleet
 from kvroute.plugins import PluginManager
+from kvroute.predictor import Predictor, Priors
 from kvroute.request import RouteRequest
 from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
+from kvroute.slo import Priority
+from kvroute.slo_choice import SloChoice
 from kvroute.strategy import Status
 from kvroute_simulator.arrivals import Arrival
 from kvroute_simulator.bound import ideal_hit_tokens, pooled_lru_hit_tokens
@@ -65,6 +69,9 @@ from kvroute_simulator.warm_join import Join, WarmJoins
 
 __all__ = [
     "NO_BACKEND",
+    "SHED",
+    "SLO_SUFFIX",
+    "base_strategy",
     "Comparison",
     "InstanceResult",
     "JoinResult",
@@ -86,6 +93,86 @@ if _RankLoad is not None and "ranks" not in attrs.fields_dict(EngineLoad):
 
 #: The rejection reason of a request that arrived while the fleet had no member.
 NO_BACKEND = "no instance in the fleet"
+
+#: The rejection reason of a request shed because no backend was predicted to meet its objectives.
+SHED = "shed: no instance predicted to meet the objectives"
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ConfigError(f"'{name}' must be true or false (got {value!r}).")
+
+
+#: A strategy named ``NAME+slo`` is ``NAME`` with the router's SLO-aware choice (`kvroute.slo_choice`);
+#: ``NAME+slo+shed`` also sheds what no instance is predicted to serve in time (as admission would).
+SLO_SUFFIX = "+slo"
+SHED_SUFFIX = "+shed"
+
+
+def base_strategy(name: str) -> str:
+    """The strategy plugin ``name`` runs: itself, or ``NAME`` of ``NAME+slo`` and ``NAME+slo+shed``."""
+    if name.endswith(SLO_SUFFIX + SHED_SUFFIX):
+        return name[: -len(SLO_SUFFIX + SHED_SUFFIX)]
+    return name[: -len(SLO_SUFFIX)] if name.endswith(SLO_SUFFIX) else name
+
+
+def slo_choice(
+    config: SimulationConfig, chars_per_token: int = 4, clock: Callable[[], float] | None = None, **options: Any
+) -> SloChoice:
+    """The SLO-aware choice of a ``NAME+slo`` run: priors from the engines' cost model.
+
+    Its cache view counts ``chars_per_token`` characters of the routing text as a token (the
+    simulated prompts' ratio), so predicted and engine-reported cached tokens compare.
+    """
+    cost = config.cost
+    per_token_ms = cost.prefill_per_token_ms + cost.attention_ms * 2000
+    priors = Priors(
+        prefill_tokens_per_s=1000.0 / per_token_ms if per_token_ms > 0 else 1e6,
+        ttft_overhead_s=(cost.decode_base_ms + cost.prefill_base_ms) / 1000.0,
+        decode_step_s=max(cost.decode_base_ms, 1e-3) / 1000.0,
+        decode_load_weight=(cost.decode_per_seq_ms + cost.kv_read_ms_per_token * 2000) / max(cost.decode_base_ms, 1e-3),
+    )
+    kinds: dict[str, Callable[[Any], Any]] = {
+        "tpot_weight": float,
+        "load_factor": float,
+        "min_capacity": int,
+        "unmet": str,
+        "scan": int,
+    }
+    values: dict[str, Any] = {}
+    for key, value in options.items():
+        kind = kinds.get(key)
+        if kind is None:
+            raise ConfigError(
+                f"the SLO-aware choice has no option 'slo_{key}' (expected one of: "
+                f"{', '.join('slo_' + k for k in kinds)})."
+            )
+        try:
+            values[key] = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"'slo_{key}' must be a {kind.__name__} (got {value!r}).") from None
+    view = CacheView(block_size=512, chars_per_token=chars_per_token)
+    try:
+        predictor = Predictor(priors) if clock is None else Predictor(priors, clock=clock)
+        return SloChoice(predictor, view=view, **values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _chars_per_token(arrivals: Sequence[Arrival]) -> int:
+    """Characters of routing text per prompt token in the first arrivals (at least 1)."""
+    chars = tokens = 0
+    for arrival in arrivals[:20]:
+        request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
+        chars += len(request.text)
+        tokens += arrival.prompt_len
+    return max(1, round(chars / tokens)) if tokens else 4
 
 
 def _takes_seed(factory: Callable[..., Any]) -> bool:
@@ -139,15 +226,28 @@ class _Run:
         for _ in range(config.instances):
             self._add(0.0)
         opts = dict(options)
-        registration = plugins.strategies.get(strategy)
+        base = base_strategy(strategy)
+        registration = plugins.strategies.get(base)
         if registration is not None and "seed" not in opts and _takes_seed(registration.factory):
             opts["seed"] = config.seed
         self.options = opts
         #: Virtual time of the event being handled: the clock of the router's sessions.
         self.now = 0.0
         sessions = Sessions(clock=lambda: self.now) if config.sessions else None
-        self.router = Router.create(self.fleet, strategy, opts, plugins=plugins, sessions=sessions)
+        slo_options = {k[len("slo_") :]: opts.pop(k) for k in [k for k in opts if k.startswith("slo_")]}
+        #: Admission as a host would do it, simply: shed (answer at once, as 429) a request no backend is
+        #: predicted to serve within its objectives, unless it is critical.
+        self.shed = _flag(slo_options.pop("shed", strategy.endswith(SHED_SUFFIX)), "slo_shed")
+        slo = (
+            slo_choice(config, _chars_per_token(arrivals), lambda: self.now, **slo_options)
+            if base != strategy
+            else None
+        )
+        self.router = Router.create(self.fleet, base, opts, plugins=plugins, sessions=sessions, slo=slo)
         self.strategy = strategy
+        self.objectives = config.slo
+        self.tpots: list[float] = []
+        self.slo_met = 0
         self.flights: dict[int, _Flight] = {}  # id(EngineSequence) -> flight
         self.finished_at: dict[str, float] = {}
         self.waiting_for: dict[str, list[Arrival]] = {}
@@ -160,6 +260,7 @@ class _Run:
         self.completed = 0
         self.decisions: dict[str, int] = {}
         self.first_arrival: float | None = None
+        self.last_arrival = 0.0
         self.last_finish = 0.0
         self.timeline: list[tuple[float, float, Mapping[str, int]]] = []
         self.window_start = 0.0
@@ -169,7 +270,7 @@ class _Run:
             config,
             self.fleet,
             self.router,
-            lambda fleet: Router.create(fleet, strategy, opts, plugins=plugins),
+            lambda fleet: Router.create(fleet, base, opts, plugins=plugins),
             self._timer,
         )
 
@@ -242,15 +343,28 @@ class _Run:
     def _route(self, arrival: Arrival, now: float) -> None:
         if self.first_arrival is None:
             self.first_arrival = now
+        self.last_arrival = now
         request = RouteRequest.from_openai(arrival.body, endpoint=arrival.endpoint, request_id=arrival.request_id)
+        if self.objectives is not None:
+            request = attrs.evolve(request, objectives=self.objectives)
         self._refresh_loads()
+        objectives = request.objectives
+        if self.shed and objectives is not None and objectives.priority is not Priority.CRITICAL:
+            # Admission decides before the request is counted anywhere: a dry run of the same decision.
+            try:
+                dry, _ = self.router.decide(request)
+            except NoBackendAvailable:
+                dry = None
+            if dry is not None and dry.prediction is not None and dry.prediction.meets(objectives) is False:
+                self._reject(SHED, arrival, now)
+                return
         try:
             lease = self.router.acquire(request)
         except NoBackendAvailable:
             self._reject(NO_BACKEND, arrival, now)
             return
-        self.warm.observe(request)
         decision = lease.decision
+        self.warm.observe(request)
         self.route_costs.append(decision.duration_s)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         if decision.spilled:
@@ -279,6 +393,22 @@ class _Run:
 
     def _finish(self, seq: EngineSequence, now: float) -> None:
         flight = self.flights.pop(id(seq))
+        tpot = None
+        if seq.first_token_time is not None and seq.generated > 1:
+            tpot = (now - seq.first_token_time) / (seq.generated - 1)
+            self.tpots.append(tpot)
+            predictor = self.router.predictor
+            if predictor is not None:
+                predictor.observe(flight.arrival.request_id, tpot_s=tpot)
+        slo = self.objectives
+        if slo is not None:
+            ttft = seq.ttft
+            if (
+                ttft is not None
+                and (slo.ttft_s is None or ttft <= slo.ttft_s)
+                and (slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s)
+            ):
+                self.slo_met += 1
         self.router.release(flight.lease)
         self.completed += 1
         self.last_finish = max(self.last_finish, now)
@@ -309,6 +439,7 @@ class _Run:
         scale = list(self.config.scale)
         ai = si = 0
         closed = self.config.closed_loop
+        time_scale = self.config.time_scale
         instances = self.instances
         inf = math.inf
         while True:
@@ -318,7 +449,7 @@ class _Run:
                 t = instance.engine.next_event_time()
                 if t is not None and t < t_engine:
                     t_engine, engine_id = t, backend_id
-            t_arrival = arrivals[ai].time if ai < len(arrivals) else inf
+            t_arrival = arrivals[ai].time * time_scale if ai < len(arrivals) else inf
             t_deferred = self.deferred[0][0] if self.deferred else inf
             t_scale = scale[si].time if si < len(scale) else inf
             t_timer = self.timers[0][0] if self.timers else inf
@@ -357,6 +488,9 @@ class _Run:
                     ttft = seq.ttft
                     assert ttft is not None
                     self.ttfts.append(ttft)
+                    predictor = self.router.predictor
+                    if predictor is not None:
+                        predictor.observe(flight.arrival.request_id, ttft_s=ttft, cached_tokens=seq.cached_tokens)
                     if flight.join is not None:
                         flight.join.record(ttft, flight.moved)
                 for seq in result.finished:
@@ -429,7 +563,28 @@ class _Run:
             timeline=tuple(self.timeline),
             ttfts=tuple(self.ttfts),
             joins=self.warm.results(),
+            **self._slo_figures(makespan),
         )
+
+    def _slo_figures(self, makespan: float) -> dict[str, Any]:
+        """TPOT quantiles, goodput and attainment against the objectives, and the predictor's error."""
+        tpots = sorted(self.tpots)
+        figures: dict[str, Any] = {"tpot_p50": quantile(tpots, 0.50), "tpot_p99": quantile(tpots, 0.99)}
+        if self.objectives is not None:
+            # Attainment times the offered rate: met requests per second of the arrivals' window (with one
+            # arrival, or all at once, of the makespan), so a backlog left at the end does not count against it.
+            window = self.last_arrival - (self.first_arrival or 0.0)
+            window = window * len(self.arrivals) / max(len(self.arrivals) - 1, 1) if window > 0 else makespan
+            figures["slo_met"] = self.slo_met
+            figures["goodput"] = self.slo_met / window if window > 0 else 0.0
+            figures["attainment"] = self.slo_met / len(self.arrivals) if self.arrivals else math.nan
+        slo = self.router.slo
+        if slo is not None:
+            errors = slo.predictor.errors
+            figures["slo_moved"] = slo.moved
+            figures["prediction_error_p50"] = errors.median_abs_error_s() if errors.count else math.nan
+            figures["predicted_within_25"] = errors.within(0.25) if errors.count else math.nan
+        return figures
 
 
 def simulate(

@@ -12,9 +12,10 @@ from typing import Any
 
 import click
 
+from kvroute.slo import Objectives
 from kvroute_simulator.results import Comparison, StrategyResult
 
-__all__ = ["BASELINE", "finite", "ms", "plot_run", "pyplot", "render_joins", "render_table", "to_json"]
+__all__ = ["BASELINE", "describe_slo", "finite", "ms", "plot_run", "pyplot", "render_joins", "render_table", "to_json"]
 
 #: The strategy every figure is compared with.
 BASELINE = "random"
@@ -24,6 +25,16 @@ def _percent_change(value: float, base: float) -> str:
     if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
         return ""
     return f" ({(value - base) / base * 100:+.0f}%)"
+
+
+def describe_slo(slo: Objectives) -> str:
+    """``TTFT <= 500 ms, TPOT <= 50 ms``."""
+    parts = []
+    if slo.ttft_s is not None:
+        parts.append(f"TTFT <= {slo.ttft_s * 1000:g} ms")
+    if slo.tpot_s is not None:
+        parts.append(f"TPOT <= {slo.tpot_s * 1000:g} ms")
+    return ", ".join(parts)
 
 
 def ms(seconds: float) -> str:
@@ -53,12 +64,23 @@ def render_table(comparison: Comparison, title: str) -> Any:
         "routing p50 / p99",
     ):
         table.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
+    slo = comparison.config.slo
+    if slo is not None:
+        for header in ("TPOT p99", "goodput req/s", "SLO attained"):
+            table.add_column(header, justify="right", no_wrap=True)
     for r in comparison.results:
 
         def vs(value: float, attr: str, r: StrategyResult = r) -> str:
             return "" if base is None or r is base else _percent_change(value, getattr(base, attr))
 
         hit_change = "" if base is None or r is base else f" ({(r.hit_rate - base.hit_rate) * 100:+.1f} pt)"
+        extra = []
+        if slo is not None:
+            extra = [
+                ms(r.tpot_p99),
+                f"{r.goodput:,.2f}" + vs(r.goodput, "goodput"),
+                f"{r.attainment * 100:.1f}%" if math.isfinite(r.attainment) else "-",
+            ]
         table.add_row(
             r.strategy,
             ms(r.ttft_p50) + vs(r.ttft_p50, "ttft_p50"),
@@ -69,6 +91,7 @@ def render_table(comparison: Comparison, title: str) -> Any:
             f"{r.share_min * 100:.1f}% / {r.share_max * 100:.1f}%",
             str(r.spills),
             f"{_us(r.route_cost_p50)} / {_us(r.route_cost_p99)}",
+            *extra,
         )
     return table
 
@@ -116,6 +139,10 @@ def _caption(comparison: Comparison) -> str:
     if comparison.baseline(BASELINE) is None:
         lines[1] = f"{BASELINE} did not run: no changes shown; a fair share is {fair:.1f}% per instance"
     config = comparison.config
+    if config.slo is not None:
+        lines.append(
+            f"objectives: {describe_slo(config.slo)}; goodput counts the requests meeting every one, per second"
+        )
     if config.working_set is not None or comparison.pooled_hit_rate < comparison.upper_bound_hit_rate - 1e-12:
         sized = "" if config.working_set is None else f", sized for a working set of {config.working_set:.0%}"
         lines.insert(
@@ -185,6 +212,9 @@ def to_json(comparison: Comparison, *, workload_options: Mapping[str, Any], seed
         "upper_bound_hit_rate": comparison.upper_bound_hit_rate,
         "pooled_hit_rate": comparison.pooled_hit_rate,
         "working_set": config.working_set,
+        "slo": None if config.slo is None else {"ttft_s": config.slo.ttft_s, "tpot_s": config.slo.tpot_s},
+        "load": config.load,
+        "capacity": config.capacity,
         "warm_join": {
             "slow_start": None if config.slow_start is None else config.slow_start.period,
             "prefill": config.prefill,

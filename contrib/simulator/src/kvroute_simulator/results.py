@@ -92,6 +92,19 @@ class StrategyResult:
     ttfts: tuple[float, ...] = attrs.field(repr=False)
     #: One per instance a scale event added.
     joins: tuple[JoinResult, ...] = ()
+    #: Time per output token after the first, over the requests of more than one output token.
+    tpot_p50: float = math.nan
+    tpot_p99: float = math.nan
+    #: With objectives (``--slo``): requests that met both; goodput, those per second of the arrivals' window
+    #: (attainment times the offered rate); attainment, their share of every request (rejected ones missed).
+    slo_met: int = 0
+    goodput: float = math.nan
+    attainment: float = math.nan
+    #: With an SLO-aware router: median |observed - predicted| TTFT, and the share predicted within 25 %.
+    prediction_error_p50: float = math.nan
+    predicted_within_25: float = math.nan
+    #: Decisions the SLO-aware choice moved off the strategy's pick.
+    slo_moved: int = 0
 
     def to_json(self, *, include_samples: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (TTFT samples only with ``include_samples``)."""

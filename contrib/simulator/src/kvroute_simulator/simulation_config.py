@@ -11,7 +11,8 @@ import click
 
 from kvroute.errors import ConfigError
 from kvroute.settings import setting
-from kvroute.validators import integer, optional, positive_integer, positive_number
+from kvroute.slo import Objectives
+from kvroute.validators import integer, non_negative_number, optional, positive_integer, positive_number
 from kvroute.warmup import SlowStart
 from kvroute_simulator.bound import reused_blocks
 from kvroute_simulator.engine_config import CostModel, EngineConfig
@@ -88,6 +89,15 @@ class SimulationConfig:
         flag="--sessions",
         help="The router keeps sessions and conversations on their backend (kvroute.sessions), as kvroute serve does.",
     )
+    #: Every request's latency objectives (``--slo``): goodput and attainment are counted against them, and
+    #: an SLO-aware router (a strategy named ``NAME+slo``) routes on them.
+    slo: Objectives | None = None
+    #: Arrival times are multiplied by this (``--load``: 0.5 brings requests twice as fast; 0: all at once).
+    time_scale: float = attrs.field(default=1.0, validator=non_negative_number)
+    #: The offered load this fleet runs at, as a multiple of its measured capacity (``--load``), if any.
+    load: float | None = attrs.field(default=None, validator=optional(positive_number))
+    #: The capacity (requests/s) ``load`` is a multiple of, when measured.
+    capacity: float | None = attrs.field(default=None, validator=optional(positive_number))
 
     @property
     def fleet_blocks(self) -> int:
