@@ -45,7 +45,10 @@ def slo_choice(config: ServerConfig) -> SloChoice | None:
             decode_load_weight=slo.decode_load_weight,
         )
         return SloChoice(
-            Predictor(priors), aware=slo.aware, tpot_weight=slo.tpot_weight, view=cache_view_factory(config)()
+            Predictor(priors),
+            aware=slo.aware,
+            tpot_weight=slo.tpot_weight,
+            view=cache_view_factory(config)() if config.cache_view else None,
         )
     except ValueError as exc:
         raise ConfigError(f"[slo]: {exc}") from None
