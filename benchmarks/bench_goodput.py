@@ -13,7 +13,8 @@ as headers (``x-slo-ttft-ms``, ``x-slo-tpot-ms``): TTFT 500 ms and TPOT 50 ms of
 that is times the time scale on the wall clock (2,000 ms and 200 ms at time scale 4). SGLang's router
 ignores them.
 
-The rates: the fleet's capacity is measured first (a closed loop of ``engines x 8`` clients through plain
+The rates: the fleet's capacity is measured first (a closed loop of ``engines x max-num-seqs`` clients (at most
+32 per engine) through plain
 ``kvroute serve`` for ``--calibrate`` seconds: completed requests per second), then each row runs at
 ``--loads`` times it (0.6, 1.0, 1.5: below, at and above capacity), ``--duration`` seconds of arrivals.
 
@@ -23,10 +24,12 @@ the proxy polls the engines' load), and SGLang's router (``sglang-router`` 0.3.2
 virtual environment, installed as bench_vs_sglang.py does) with ``--policy cache_aware``. Every row starts
 fresh engines and a fresh router, stopped by pid afterwards.
 
-Per row (client-side): requests sent; served (200 and a whole stream); shed (429, admission's answer);
-goodput (served requests that met both objectives, per second of the arrival window); attainment (that as a
-share of all requests sent); TTFT p50 and p99 and TPOT p50 of the served ones. TTFT is the time to the
-first SSE data event, TPOT (time of the last event - the first) / (completion tokens - 1).
+Per row (client-side, except the last two columns): requests sent; served (200 and a whole stream); shed (429,
+admission's answer); goodput (served requests that met both objectives, per second of the arrival window);
+attainment (that as a share of all requests sent); TTFT p50 and p99 and TPOT p50 of the served ones. TTFT is the
+time to the first SSE data event, TPOT (time of the last event - the first) / (completion tokens - 1). The last
+two columns are the proxy's own (``/status.json``'s ``slo.predictions``, kvroute rows that predict): the share
+of streams whose TTFT was predicted within 25 % of the one observed, and the median absolute error.
 
 Run: ``nice -n 10 python benchmarks/bench_goodput.py`` (5 rows x 3 loads; about 10 minutes on 2 cores);
 ``--only NAME,...`` (substrings of the row names), ``--loads``, ``--duration``, ``--engines``,
@@ -45,6 +48,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -209,7 +213,7 @@ def fleet_and_router(row: Row, args: argparse.Namespace, sglang: Path) -> Iterat
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             emulate = [*KVROUTE, "emulate", "--port", str(port), "--model", MODEL, "--time-scale", str(args.time_scale),
-                       "--max-num-seqs", str(MAX_NUM_SEQS), "--num-gpu-blocks", str(BLOCKS)]  # fmt: skip
+                       "--max-num-seqs", str(args.max_num_seqs), "--num-gpu-blocks", str(BLOCKS)]  # fmt: skip
             stack.enter_context(started(emulate, url + "/health"))
             urls.append(url)
         port = free_port()
@@ -250,6 +254,21 @@ def summarise(results: Sequence[Result], window: float, scale: float) -> dict[st
     }
 
 
+def predictor_quality(url: str) -> dict[str, Any]:
+    """The proxy's TTFT predictions against the observed first bytes (``/status.json``), when it predicts."""
+    with urllib.request.urlopen(url + "/status.json", timeout=10) as response:
+        predictions = json.load(response)["slo"]["predictions"]
+    return {"within_25pct": predictions["within_25pct"], "median_abs_error_ms": predictions["median_abs_error_ms"]}
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} ms"
+
+
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
@@ -259,6 +278,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="each engine's batch seats [8]")
     parser.add_argument("--loads", default="0.6,1.0,1.5", help="multiples of the measured capacity [0.6,1.0,1.5]")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run [20]")
     parser.add_argument("--calibrate", type=float, default=20.0, help="seconds of the capacity run [20]")
@@ -280,7 +300,9 @@ def main() -> None:
     capacity = args.capacity
     if capacity is None:
         with fleet_and_router(ROWS[0], args, sglang) as url:
-            capacity = asyncio.run(closed_loop(url, systems, pool, args.engines * MAX_NUM_SEQS, args.calibrate))
+            capacity = asyncio.run(
+                closed_loop(url, systems, pool, args.engines * min(args.max_num_seqs, 32), args.calibrate)
+            )
         print(f"capacity: {capacity:.2f} requests/s ({args.engines} engines, time scale {scale})", file=sys.stderr)
     out: list[dict[str, Any]] = []
     for load in loads:
@@ -292,7 +314,9 @@ def main() -> None:
             t0 = time.monotonic()
             with fleet_and_router(row, args, sglang) as url:
                 results = asyncio.run(open_loop(url, systems, requests, rate, scale))
+                predictions = predictor_quality(url) if row.kind == "kvroute" else {}
             summary = summarise(results, window, scale)
+            summary.update(predictions)
             summary.update(row=row.name, load=load, rate=rate, wall_s=time.monotonic() - t0)
             out.append(summary)
             print(json.dumps(summary), file=sys.stderr)
@@ -300,13 +324,13 @@ def main() -> None:
           f"TPOT {TPOT_S * scale * 1000:.0f} ms (wall clock, time scale {scale:g}); load average "
           f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
     print("| load | rate (req/s) | router | sent | served | shed | goodput (req/s) | attainment "
-          "| TTFT p50 | TTFT p99 | TPOT p50 |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| TTFT p50 | TTFT p99 | TPOT p50 | TTFT predicted within 25 % | median abs. error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in out:
         print(
             f"| {s['load']:g}x | {s['rate']:.1f} | {s['row']} | {s['sent']} | {s['served']} | {s['shed']} | "
             f"{s['goodput']:.2f} | {100 * s['attainment']:.1f}% | {ms(s['ttft_p50'])} ms | {ms(s['ttft_p99'])} ms | "
-            f"{ms(s['tpot_p50'])} ms |"
+            f"{ms(s['tpot_p50'])} ms | {pct(s.get('within_25pct'))} | {num(s.get('median_abs_error_ms'))} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"capacity": capacity, "rows": out}, indent=2))
