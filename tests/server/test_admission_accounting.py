@@ -157,9 +157,10 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_held_that_could_go(self) -> None:
-        """After the loop settles, every held request is one that no backend is predicted to meet in time."""
+        """After the loop settles, every held request is one that no backend is predicted to meet within the time
+        its objective has left."""
         for held in self.admission.queue:
-            assert judge(self.router, held.request) is not None
+            assert self.admission.judge_held(held, self.now) is not None
 
     @invariant()
     def held_requests_are_live(self) -> None:

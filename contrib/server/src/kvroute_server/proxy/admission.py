@@ -133,8 +133,9 @@ class AdmissionQueue:
         return True
 
 
-def judge(router: Router, request: RouteRequest) -> Prediction | None:
-    """The prediction that misses ``request``'s objectives, or ``None`` when it meets them (or nothing can tell).
+def judge(router: Router, request: RouteRequest, objectives: Objectives | None = None) -> Prediction | None:
+    """The prediction that misses ``request``'s objectives (or ``objectives``, when given), or ``None`` when it meets
+    them (or nothing can tell).
 
     A dry-run decision (`Router.decide`): nothing is counted in flight. No prediction (a strategy without a
     predictor), or no backend at all, is ``None``: the request goes on and the forwarder answers as ever.
@@ -144,7 +145,7 @@ def judge(router: Router, request: RouteRequest) -> Prediction | None:
     except KvrouteError:
         return None
     prediction = decision.prediction
-    if prediction is None or prediction.meets(request.objectives) is not False:
+    if prediction is None or prediction.meets(objectives or request.objectives) is not False:
         return None
     return prediction
 
@@ -336,11 +337,21 @@ class Admission:
         for held in itertools.islice(self.queue, SCAN):
             if held.deadline <= now:
                 continue
-            if judge(self.router, held.request) is None:
+            if self.judge_held(held, now) is None:
                 self.queue.remove(held)
                 held.result = ADMITTED
                 held.wake.set()
                 return
+
+    def judge_held(self, held: Held, now: float) -> Prediction | None:
+        """`judge` for a held request: its TTFT objective less the time it has waited (its budget left)."""
+        objectives = held.request.objectives
+        if objectives is not None and objectives.ttft_s is not None:
+            left = objectives.ttft_s - (now - held.enqueued)
+            if left <= 0:
+                return Prediction(math.inf)
+            objectives = attrs.evolve(objectives, ttft_s=left)
+        return judge(self.router, held.request, objectives)
 
     def wake(self) -> None:
         """Decide the queue again soon: a request of this process finished (its backend has room again), or time
