@@ -78,14 +78,16 @@ class TestChoice:
 
     def test_nothing_meets(self) -> None:
         """When no candidate can meet the objective, the prediction says so (the admission contract)."""
-        router = _router()
+        router = _router(unmet="cheapest")
         for b, tokens in (("b0", 4000), ("b1", 3000), ("b2", 5000)):
             _queue(router, b, tokens)
         request = _request("r1", objectives=Objectives(ttft_s=1.0))
         decision, _ = router.decide(request)
         assert decision.prediction is not None and decision.prediction.meets(request.objectives) is False
         assert decision.backend.id == "b1"  # the least bad
-        assert router.slo is not None and router.slo.unmet == 1
+        assert router.slo is not None and router.slo.unmet == 0  # a dry run counts nothing
+        router.release(router.acquire(_request("r2", objectives=Objectives(ttft_s=1.0))))
+        assert router.slo.unmet == 1
 
     def test_cache_keeps_home_without_objective(self) -> None:
         """Without objectives the lowest predicted cost wins: a home holding the prompt beats idle cold backends."""
@@ -127,6 +129,16 @@ class TestChoice:
         assert decision.prediction is not None and decision.prediction.stale
         assert "stale=True" in decision.explain()
 
+    @pytest.mark.parametrize(("unmet", "chosen"), [("home", "b0"), ("cheapest", "b1"), ("sink", "b2")])
+    def test_unmet_policies(self, unmet: str, chosen: str) -> None:
+        """A request nothing can serve in time stays home, goes to the least bad, or to the worst (the sink)."""
+        router = _router(unmet=unmet)
+        for b, tokens in (("b0", 4000), ("b1", 3000), ("b2", 5000)):
+            _queue(router, b, tokens)
+        decision, _ = router.decide(_request("r1", objectives=Objectives(ttft_s=1.0)))
+        assert decision.backend.id == chosen
+        assert decision.prediction is not None and decision.prediction.meets(Objectives(ttft_s=1.0)) is False
+
 
 class TestAccounting:
     def test_lease_queues_and_release_forgets(self) -> None:
@@ -163,3 +175,40 @@ class TestAccounting:
             SloChoice(tpot_weight=-1)
         with pytest.raises(ValueError, match=r"'load_factor' must be a number of at least 1 \(got 0.5\)"):
             SloChoice(load_factor=0.5)
+
+
+class TestFastPath:
+    def test_kept_decision_copies_every_field(self) -> None:
+        """The kept decision copies every field of the strategy's (fails when `Decision` gains one it drops)."""
+        from kvroute import Backend, Prediction
+
+        fields = {a.name for a in attrs.fields(Decision)}
+        original = Decision(
+            Backend("b0"),
+            reason="r",
+            strategy="s",
+            key=3,
+            spilled=True,
+            detail={"x": 1},
+            duration_s=0.5,
+            spill_reason="why",
+            data_parallel_rank=2,
+        )
+        kept = SloChoice._with(original, Prediction(0.25))
+        for name in fields - {"detail", "prediction"}:
+            assert getattr(kept, name) == getattr(original, name), name
+        assert kept.detail == {"x": 1, "predicted_ttft_ms": 250.0}
+        assert kept.prediction == Prediction(0.25)
+
+
+class TestLargeFleet:
+    def test_meeting_candidate_found_outside_the_window(self) -> None:
+        """On a fleet larger than the scan window, a candidate that meets is found wherever it is."""
+        router = _router(12, scan=2)
+        for i in range(12):
+            if i != 7:
+                _queue(router, f"b{i}", 5000 + i)
+        for rid in ("r1", "r2", "r3", "r4"):
+            decision, _ = router.decide(_request(rid, objectives=Objectives(ttft_s=1.5)))
+            assert decision.backend.id == "b7", rid
+            assert decision.prediction is not None and decision.prediction.meets(Objectives(ttft_s=1.5))

@@ -27,6 +27,7 @@ from kvroute.router import Lease, Router
 from kvroute.sessions import Sessions
 from kvroute.shadow import ShadowSet, Verdict
 from kvroute.slo import Objectives, Prediction, Priority
+from kvroute.slo_choice import SloChoice
 from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "Router",
     "Sessions",
     "ShadowSet",
+    "SloChoice",
     "SpillReason",
     "Status",
     "Strategy",

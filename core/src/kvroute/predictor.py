@@ -42,7 +42,6 @@ when the request was sent, for the host to export.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -117,7 +116,7 @@ class PredictionErrors:
         """Median of ``|observed - predicted|`` over the recent pairs (``None`` before any)."""
         if not self._pairs:
             return None
-        return statistics.median(abs(o - p) for p, o in self._pairs)
+        return _median(abs(o - p) for p, o in self._pairs)
 
     def within(self, share: float = 0.25) -> float | None:
         """Share of recent pairs whose prediction was within ``share`` of the observed TTFT (``None`` before any)."""
@@ -213,8 +212,8 @@ class Predictor:
             rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
         return rates
 
-    def _median(self, samples: deque[float]) -> float | None:
-        return statistics.median(samples) if len(samples) >= self.min_samples else None
+    def _window_median(self, samples: deque[float]) -> float | None:
+        return _median(samples) if len(samples) >= self.min_samples else None
 
     def prefill_rate(self, backend_id: str) -> float:
         """Prompt tokens per second ``backend_id`` prefills: learned, or its prior."""
@@ -238,14 +237,19 @@ class Predictor:
     def _load(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, bool]:
         """(queued prefill tokens ahead, requests decoding alongside, stale) for ``state``."""
         rates = self._rates.get(state.id)
-        ours = rates.queued_tokens if rates is not None else 0.0
-        ours_requests = rates.queued_requests if rates is not None else 0
-        decoding = float(max(state.in_flight - ours_requests, 0))
+        if rates is None:
+            ours, decoding = 0.0, float(state.in_flight)
+        else:
+            ours = rates.queued_tokens
+            decoding = float(max(state.in_flight - rates.queued_requests, 0))
         load = state.load
-        if load is None or load.age(now) > state.load_max_age:
-            size = state.data_parallel_size
-            return ours / size, decoding / size, load is not None
-        size = state.data_parallel_size
+        size = state.backend.data_parallel_size
+        if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
+            size = load.data_parallel_size
+        if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
+            if size > 1:
+                return ours / size, decoding / size, load is not None
+            return ours, decoding, load is not None
         waiting, running = load.waiting, load.running
         if rank is not None and load.ranks:
             # The named rank's own queue; this router's requests assumed spread over the ranks.
@@ -258,11 +262,13 @@ class Predictor:
         if waiting is not None:
             mean = None if rates is None else rates.mean_uncached
             if mean is None:
-                mean = self.priors_for(state.id).uncached_tokens
-            ours = max(ours, waiting * mean)
-        ours /= size  # ranks prefill side by side
+                mean = self.overrides.get(state.id, self.priors).uncached_tokens
+            if waiting * mean > ours:
+                ours = waiting * mean
+        if size > 1:
+            ours /= size  # ranks prefill side by side
         if running is not None:
-            decoding = float(running) / size
+            decoding = running / size
         return ours, decoding, False
 
     def predict(
@@ -410,16 +416,16 @@ class Predictor:
             if cached is not None:
                 uncached = max(pending.prompt - cached, 0.0)
             rates.uncached.append(uncached)
-            rates.mean_uncached = self._median(rates.uncached)
+            rates.mean_uncached = self._window_median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
             if work >= 1.0 and busy > 0:
                 rates.prefill.append(work / busy)
-                rates.prefill_rate = self._median(rates.prefill)
+                rates.prefill_rate = self._window_median(rates.prefill)
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
-            rates.decode_step = self._median(rates.decode)
+            rates.decode_step = self._window_median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
@@ -434,6 +440,13 @@ class Predictor:
             }
             for b in ids
         }
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median (``statistics.median`` without importing it: ``import kvroute`` stays light)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _finite(value: float | None) -> float | None:

@@ -6,12 +6,15 @@ of a prefix strategy):
 
 * a request with objectives (`RouteRequest.objectives`) stays on its home when the home is
   predicted to meet them; otherwise it goes to the candidate within the load bound predicted to
-  meet them at the lowest cost (``TTFT + tpot_weight * TPOT``), and when none is, to the one of
-  lowest cost overall (its `Decision.prediction` then does not meet them: no candidate can);
+  meet them at the lowest cost (``TTFT + tpot_weight * TPOT``), and when none is, where ``unmet``
+  says (`UNMET_POLICIES`; its `Decision.prediction` then does not meet them: no candidate can);
 * a request without objectives goes to the candidate of lowest cost, the home winning ties.
 
 On a fleet of more than ``scan + 1`` candidates only ``scan`` of them besides the home are predicted
-(a window starting where the request id's hash points), which bounds the added decision time.
+(a window starting where the request id's hash points), which bounds the added decision time; a
+request with objectives that none of them meets has the other candidates predicted too, so that a
+prediction that does not meet its objectives always means that no candidate within the load bound
+is predicted to (the signal a host's admission acts on). Candidates at their load bound never count.
 
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
@@ -47,9 +50,11 @@ from kvroute.strategy import Decision
 
 __all__ = ["SLO_REASON", "UNMET_POLICIES", "ReuseEstimator", "SloChoice"]
 
-#: Where a request no candidate can serve in time goes: the candidate of lowest predicted cost within the
-#: load bound (``cheapest``), the strategy's pick (``home``), or the candidate of the longest predicted TTFT,
-#: load bound or not (``sink``: late work piles up on one backend, so the others stay on time).
+#: Where a request no candidate can serve in time goes: the strategy's pick (``home``, the default), the
+#: candidate of lowest predicted cost within the load bound (``cheapest``), or the candidate of the longest
+#: predicted TTFT, load bound or not (``sink``: late work piles up on one backend, so the others stay on
+#: time). In the simulator past capacity ``sink`` raised goodput most and ``cheapest`` lowered it below the
+#: plain strategy's (docs/performance.md).
 UNMET_POLICIES = ("cheapest", "home", "sink")
 
 #: `Decision.reason` and `Decision.spill_reason` of a request the SLO-aware choice moved off its home.
@@ -85,8 +90,8 @@ class SloChoice:
         load_factor: float = 1.25,
         min_capacity: int = 16,
         view: CacheView | None = None,
-        unmet: str = "cheapest",
-        scan: int = 16,
+        unmet: str = "home",
+        scan: int = 8,
         clock: Any = time.monotonic,
     ) -> None:
         if isinstance(scan, bool) or not isinstance(scan, int) or scan < 1:
@@ -110,7 +115,8 @@ class SloChoice:
         self.scan = scan
         #: Where a request goes when no candidate is predicted to meet its objectives (`UNMET_POLICIES`).
         self.unmet_policy = unmet
-        #: Decisions moved off the strategy's pick, and requests with objectives no candidate met.
+        #: Leased decisions moved off the strategy's pick, and leased requests with objectives no candidate
+        #: was predicted to meet (counted in `started`, so dry runs do not count).
         self.moved = 0
         self.unmet = 0
         self._last: tuple[str, PromptBlocks, int] | None = None
@@ -153,8 +159,6 @@ class SloChoice:
         objectives = request.objectives
         wants = objectives is not None and objectives.any
         if not self.aware or len(candidates) == 1 or (wants and home.meets(objectives)):
-            if wants and not home.meets(objectives):
-                self.unmet += 1
             return self._with(decision, home), state
         weight = self.tpot_weight
         total = weight_sum = 0.0
@@ -172,40 +176,44 @@ class SloChoice:
         sink = wants and self.unmet_policy == "sink"
         worst_state, worst, worst_uncached = state, home, home_uncached
         n = len(candidates)
-        window: Sequence[BackendState] = candidates
+        windows: list[Sequence[BackendState]] = [candidates]
         if n - 1 > self.scan:
+            # A window of ``scan`` candidates first; the rest only when a request with objectives finds
+            # none meeting them there (so a miss means no candidate within the bound can meet them).
             start = hash64(request.request_id) % n
-            window = [candidates[(start + i) % n] for i in range(self.scan + 1)]
-        for c in window:
-            if c is state:
-                continue
-            bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
-            if bounded and not sink:
-                continue
-            uncached = self._uncached(c, blocks)
-            p = predictor.predict(c, uncached, now=now)
-            if sink and p.ttft_s > worst.ttft_s:
-                worst_state, worst, worst_uncached = c, p, uncached
-            if bounded:
-                continue
-            c_cost = cost(p)
-            if wants:
-                meets = bool(p.meets(objectives))
-                if (meets, -c_cost) <= (best_meets, -best_cost):
+            order = [candidates[(start + i) % n] for i in range(n)]
+            windows = [order[: self.scan + 1], order[self.scan + 1 :]] if wants else [order[: self.scan + 1]]
+        for k, window in enumerate(windows):
+            if k and best_meets:
+                break
+            for c in window:
+                if c is state:
                     continue
-                best_meets = meets
-            elif c_cost >= best_cost:
-                continue
-            best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
+                bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
+                if bounded and not sink:
+                    continue
+                uncached = self._uncached(c, blocks)
+                p = predictor.predict(c, uncached, now=now)
+                if sink and p.ttft_s > worst.ttft_s:
+                    worst_state, worst, worst_uncached = c, p, uncached
+                if bounded:
+                    continue
+                c_cost = cost(p)
+                if wants:
+                    meets = bool(p.meets(objectives))
+                    if (meets, -c_cost) <= (best_meets, -best_cost):
+                        continue
+                    best_meets = meets
+                elif c_cost >= best_cost:
+                    continue
+                best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
         if wants and not best_meets:
-            self.unmet += 1
             if self.unmet_policy == "home":
                 best_state, best = state, home
             elif sink:
                 best_state, best, best_uncached = worst_state, worst, worst_uncached
         if best_state is state:
             return self._with(decision, home), state
-        self.moved += 1
         self._last = (request.request_id, blocks, best_uncached)
         detail: dict[str, Any] = {
             "home": state.id,
@@ -233,7 +241,20 @@ class SloChoice:
         detail["predicted_ttft_ms"] = round(prediction.ttft_s * 1000, 1)
         if prediction.stale:
             detail["stale"] = True
-        return attrs.evolve(decision, prediction=prediction, detail=detail)
+        if type(decision) is not Decision:  # a subclass may add fields: evolve copies them
+            return attrs.evolve(decision, prediction=prediction, detail=detail)
+        return Decision(
+            backend=decision.backend,
+            reason=decision.reason,
+            strategy=decision.strategy,
+            key=decision.key,
+            spilled=decision.spilled,
+            detail=detail,
+            duration_s=decision.duration_s,
+            spill_reason=decision.spill_reason,
+            data_parallel_rank=decision.data_parallel_rank,
+            prediction=prediction,
+        )
 
     # -- accounting (the router) ---------------------------------------------------------
 
@@ -247,6 +268,10 @@ class SloChoice:
             blocks = self.view.blocks(request)
             uncached = self._uncached(state, blocks)
         prediction = decision.prediction
+        if decision.reason == SLO_REASON:
+            self.moved += 1
+        if prediction is not None and prediction.meets(request.objectives) is False:
+            self.unmet += 1
         self.predictor.started(
             request.request_id,
             state,

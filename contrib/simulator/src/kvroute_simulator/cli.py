@@ -142,7 +142,8 @@ def _field_option(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     default=None,
     metavar="OBJECTIVES",
     help="Latency objectives of every request, e.g. ttft=500ms,tpot=50ms (bare numbers are ms): adds TPOT p99, "
-    "goodput (requests/s meeting all) and SLO attainment; a strategy named NAME+slo routes on them.",
+    "goodput (requests/s meeting all) and SLO attainment; a strategy named NAME+slo routes on them, "
+    "NAME+slo+shed also sheds what it predicts no instance can serve in time.",
 )
 @click.option(
     "--load",
