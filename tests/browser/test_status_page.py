@@ -12,7 +12,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser.conftest import PREFIXES, TOKEN, Proxy, Traffic
-from tests.server.harness import chat_body, http
+from tests.server.admission_harness import LONG, OBJECTIVE_MS, Occupier, prompt
+from tests.server.harness import Servers, chat_body, http
 
 #: How long the page may take to show a change (it polls every 2 s).
 SHOW_WITHIN = 15.0
@@ -194,3 +195,30 @@ class TestStatusPageInBrowser:
         page.click('#auth-form button[type="submit"]')
         page.wait_for_selector('#backends tr[data-backend="solo"]', timeout=SHOW_WITHIN * 1000)
         assert page.locator("#auth").is_hidden()
+
+
+class TestAdmissionCard:
+    """The Admission card, against ``kvroute serve --admission shed`` and one real-time emulated engine."""
+
+    def test_card_shows_shed_requests(self, chromium: Any, servers: Servers) -> None:
+        """A request shed while the engine is busy shows in the card with /status.json's numbers."""
+        engine = servers.emulator(time_scale=1.0)
+        proxy = Proxy([f"id=solo,url={engine.url}"], "--admission", "shed", "--slo-prefill-rate", "500")
+        try:
+            page = open_page(chromium, proxy)
+            assert page.is_visible("#admission-card")
+            assert page.inner_text("#admission-held") == "0 held"
+            with Occupier(proxy, LONG):  # type: ignore[arg-type]
+                body = chat_body(prompt("shed"), max_tokens=4)
+                code, headers, _ = http(
+                    "POST", proxy.url + "/v1/chat/completions", body, headers={"x-slo-ttft-ms": str(OBJECTIVE_MS)}
+                )
+                assert code == 429 and headers["retry-after"]
+            next_refresh(page)
+            slo = status_json(proxy)["slo"]  # type: ignore[arg-type]
+            assert slo["shed"] == {"standard": {"predicted_miss": 1}}
+            detail = page.inner_text("#admission-detail")
+            assert detail.startswith("shed, up to 256 held; shed standard 1"), detail
+            assert page.errors == []
+        finally:
+            proxy.stop()

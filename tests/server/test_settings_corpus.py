@@ -46,6 +46,27 @@ ADDED: dict[str, Any] = {
         "max_sessions": 100000,
         "conversations": True,
     },
+    "slo": {
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "priority": "standard",
+        "aware": False,
+        "tpot_weight": 50.0,
+        "prefill_rate": 10000.0,
+        "decode_step": 0.02,
+        "ttft_overhead": 0.02,
+        "decode_load_weight": 0.02,
+        "models": {},
+    },
+    "admission": {
+        "mode": "off",
+        "queue_size": 256,
+        "order": "deadline",
+        "max_wait": 30.0,
+        "critical": "auto",
+        "standard": "auto",
+        "sheddable": "auto",
+    },
 }
 #: Keys of nested tables added since, with their defaults: ``{table: {key: default}}``.
 ADDED_NESTED: dict[str, dict[str, Any]] = {"timeouts": {"deadline_floor": 5.0, "deadline_factor": 4.0}}
@@ -63,6 +84,9 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("detection", "consecutive-errors", "consecutive-deadlines")),
         *(f"--outlier-{name}" for name in ("success-rate-ratio", "latency-factor", "min-requests", "window")),
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
+        *(f"--slo-{name}" for name in ("ttft-ms", "tpot-ms", "priority", "aware", "prefill-rate", "decode-step")),
+        "--admission",
+        *(f"--admission-{name}" for name in ("queue-size", "order", "max-wait", "critical", "standard", "sheddable")),
     },
     # "-j," is how the first word of "-j, --jobs N" reads.
     "simulate": {"--sessions", "--ray", "-j,", "--slo", "--load"},

@@ -33,6 +33,8 @@ from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_val
 
 __all__ = [
     "DEFAULT_STRATEGY",
+    "PRIORITIES",
+    "AdmissionConfig",
     "BackendConfig",
     "DiscoveryConfig",
     "DiscoveryPolicy",
@@ -42,6 +44,7 @@ __all__ = [
     "Setting",
     "TimeoutConfig",
     "SessionConfig",
+    "SloConfig",
     "WarmJoinConfig",
     "apply_settings",
     "config_from_mapping",
@@ -509,6 +512,211 @@ class SessionConfig:
     )
 
 
+#: The priority classes (`kvroute.Priority`), most important first.
+PRIORITIES = ("critical", "standard", "sheddable")
+#: The largest latency objective taken, in milliseconds (one hour): anything larger is a mistake, not an objective.
+MAX_OBJECTIVE_MS = 3_600_000.0
+_OBJECTIVE_KEYS = {"ttft_ms", "tpot_ms", "priority"}
+
+
+def _optional_objective(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_OBJECTIVE_MS
+    if not ok:
+        raise ConfigError(
+            f"'{attribute.name}' must be a number of milliseconds in (0, {MAX_OBJECTIVE_MS:.0f}], or unset "
+            f"(got {value!r})."
+        )
+
+
+def _check_model_objectives(models: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each ``[slo.models."NAME"]`` table: only ``ttft_ms``, ``tpot_ms`` and ``priority``, each valid."""
+    for model, table in models.items():
+        where = f"[slo.models.{model!r}]"
+        _refuse_unknown(table, _OBJECTIVE_KEYS, where)
+        for key in ("ttft_ms", "tpot_ms"):
+            value = table.get(key)
+            if value is not None and not (
+                isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_OBJECTIVE_MS
+            ):
+                raise ConfigError(
+                    f"{where} '{key}' must be a number of milliseconds in (0, {MAX_OBJECTIVE_MS:.0f}] (got {value!r})."
+                )
+        priority = table.get("priority")
+        if priority is not None and priority not in PRIORITIES:
+            raise ConfigError(f"{where} 'priority' must be one of {', '.join(PRIORITIES)} (got {priority!r}).")
+
+
+@attrs.frozen
+class SloConfig:
+    """Latency objectives a request gets when its headers name none (docs/serve.md, "Objectives and admission").
+
+    A request's ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (or llm-d's ``x-llm-d-slo-ttft-ms`` /
+    ``x-llm-d-slo-tpot-ms``) and ``x-priority`` headers win; then its model's table in ``models``
+    (``{ttft_ms, tpot_ms, priority}``, any of them); then ``ttft_ms``, ``tpot_ms`` and ``priority``
+    here. Unset objectives are none: the request is routed as before.
+    """
+
+    ttft_ms: float | None = setting(
+        None,
+        _optional_objective,
+        converter=_as_float,
+        flag="--slo-ttft-ms",
+        click_type=float,
+        metavar="MS",
+        show_default=False,
+        help="Time-to-first-token objective of requests that name none, in ms [default: none]",
+    )
+    tpot_ms: float | None = setting(
+        None,
+        _optional_objective,
+        converter=_as_float,
+        flag="--slo-tpot-ms",
+        click_type=float,
+        metavar="MS",
+        show_default=False,
+        help="Time-per-output-token objective of requests that name none, in ms [default: none]",
+    )
+    priority: str = setting(
+        "standard",
+        _one_of(PRIORITIES),
+        flag="--slo-priority",
+        choices=PRIORITIES,
+        help="Priority class of requests without x-priority",
+    )
+    #: SLO-aware choice (`kvroute.SloChoice`): move a request off its cache home when the home is predicted to miss
+    #: its objectives and another backend within the load bound is predicted to meet them.
+    aware: bool = setting(
+        False, flag="--slo-aware", help="Choose among backends by predicted TTFT/TPOT against each request's objectives"
+    )
+    #: Without objectives, the SLO-aware choice minimises predicted TTFT + this times predicted TPOT.
+    tpot_weight: float = setting(
+        50.0, _non_negative_number, converter=_as_float, help="Weight of predicted TPOT against TTFT (no objectives)"
+    )
+    #: The predictor's priors (`kvroute.Priors`), used until a backend's own rates are learned and while its
+    #: engine telemetry is stale.
+    prefill_rate: float = setting(
+        10_000.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--slo-prefill-rate",
+        metavar="TOKENS_PER_S",
+        help="Prior prefill rate of a backend, in prompt tokens per second",
+    )
+    decode_step: float = setting(
+        0.02,
+        _positive_number,
+        converter=_as_float,
+        flag="--slo-decode-step",
+        metavar="SECONDS",
+        help="Prior seconds per output token of a request decoding alone",
+    )
+    ttft_overhead: float = setting(
+        0.02,
+        _non_negative_number,
+        converter=_as_float,
+        help="Prior seconds before a first token with nothing to prefill",
+    )
+    decode_load_weight: float = setting(
+        0.02, _non_negative_number, converter=_as_float, help="Share of a decode step each concurrent request adds"
+    )
+    #: Per model (its name, as requests give it): ``{"ttft_ms": 500, "tpot_ms": 50, "priority": "critical"}``.
+    models: Mapping[str, Mapping[str, Any]] = setting(
+        factory=dict, help="Per-model objectives: {model: {ttft_ms, tpot_ms, priority}}"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        _check_model_objectives(self.models)
+
+    def predicts(self, admission: AdmissionConfig) -> bool:
+        """Whether the router needs a predictor: for the SLO-aware choice, or for admission to judge by."""
+        return self.aware or admission.enabled
+
+
+_ADMISSION_MODES = ("off", "queue", "shed")
+_ADMISSION_ORDERS = ("deadline", "service_time")
+_CLASS_ACTIONS = ("auto", "queue", "shed", "send")
+#: The largest admission queue (entries, per worker).
+MAX_ADMISSION_QUEUE = 100_000
+_queue_size = expect(f"an integer from 1 to {MAX_ADMISSION_QUEUE}", *INTEGER, v.ge(1), v.le(MAX_ADMISSION_QUEUE))
+
+
+@attrs.frozen
+class AdmissionConfig:
+    """What the proxy does with a request no backend is predicted to serve within its objectives (off by default).
+
+    ``mode = "queue"``: such requests wait in a bounded queue (per worker, ``queue_size`` entries,
+    ordered by ``order``) until a backend is predicted to meet them, their deadline passes, or at most
+    ``max_wait`` seconds; sheddable ones are shed at once. ``mode = "shed"``: they are answered 429
+    with ``Retry-After`` at once; critical ones wait instead. ``critical``, ``standard`` and
+    ``sheddable`` override a class's action (``queue``, ``shed``, ``send``: forward anyway); critical
+    requests are never shed. See docs/serve.md, "Objectives and admission".
+    """
+
+    mode: str = setting(
+        "off",
+        _one_of(_ADMISSION_MODES),
+        flag="--admission",
+        choices=_ADMISSION_MODES,
+        help="Requests predicted to miss their objectives on every backend: off, queue them, or shed them (429)",
+    )
+    queue_size: int = setting(
+        256, _queue_size, flag="--admission-queue-size", metavar="N", help="Most requests held at once, per worker"
+    )
+    order: str = setting(
+        "deadline",
+        _one_of(_ADMISSION_ORDERS),
+        flag="--admission-order",
+        choices=_ADMISSION_ORDERS,
+        help="Which held request goes first: earliest deadline, or shortest predicted service time",
+    )
+    max_wait: float = setting(
+        30.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--admission-max-wait",
+        metavar="SECONDS",
+        help="Longest a request is held (also the deadline of one without a TTFT objective)",
+    )
+    critical: str = setting(
+        "auto",
+        expect("one of auto, queue, send (critical requests are never shed)", v.in_(("auto", "queue", "send"))),
+        flag="--admission-critical",
+        choices=("auto", "queue", "send"),
+        help="Action for critical requests predicted to miss (never shed); auto: queue",
+    )
+    standard: str = setting(
+        "auto",
+        _one_of(_CLASS_ACTIONS),
+        flag="--admission-standard",
+        choices=_CLASS_ACTIONS,
+        help="Action for standard requests predicted to miss; auto: the mode's",
+    )
+    sheddable: str = setting(
+        "auto",
+        _one_of(_CLASS_ACTIONS),
+        flag="--admission-sheddable",
+        choices=_CLASS_ACTIONS,
+        help="Action for sheddable requests predicted to miss; auto: shed",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def action(self, priority: str) -> str:
+        """What happens to a request of class ``priority`` that no backend is predicted to serve in time."""
+        chosen = getattr(self, priority)
+        if chosen != "auto":
+            return str(chosen)
+        if priority == "critical":
+            return "queue"
+        if priority == "sheddable":
+            return "shed"
+        return "queue" if self.mode == "queue" else "shed"
+
+
 _STATUS_MODES = ("on", "admin", "off")
 #: Most decisions the status page may keep (each is a few hundred bytes of JSON when shown).
 MAX_STATUS_DECISIONS = 10_000
@@ -626,6 +834,10 @@ class ServerConfig:
         choices=_HTTP_PROTOCOLS,
         help="HTTP/1.1 server protocol: kvroute's own (faster) or uvicorn's httptools",
     )
+    #: Default latency objectives and priority (``[slo]``, ``--slo-*``); headers win.
+    slo: SloConfig = attrs.field(factory=SloConfig)
+    #: Holding or shedding requests predicted to miss their objectives (``[admission]``, ``--admission*``).
+    admission: AdmissionConfig = attrs.field(factory=AdmissionConfig)
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -839,7 +1051,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
-    for name in ("discovery_policy", "warm_join", "sessions"):
+    for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission"):
         values.update(_read_table(data, name))
     values[("backends",)] = config.backends + backends
     values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
@@ -868,6 +1080,8 @@ for _cls in (
     DiscoveryPolicy,
     WarmJoinConfig,
     SessionConfig,
+    SloConfig,
+    AdmissionConfig,
     BackendConfig,
     DiscoveryConfig,
     ServerConfig,

@@ -31,7 +31,15 @@ from kvroute.sessions import Sessions
 from kvroute.shadow import Verdict
 from kvroute.strategy import Decision
 
-__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "ProxyMetrics", "RequestOutcome", "ShadowMetrics", "render_merged"]
+__all__ = [
+    "CONTENT_TYPE",
+    "MULTIPROC_ENV",
+    "ProxyMetrics",
+    "RequestOutcome",
+    "ShadowMetrics",
+    "SloMetrics",
+    "render_merged",
+]
 
 #: The environment variable prometheus-client reads, once, when it is imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -222,6 +230,8 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        # Objectives, admission and TTFT predictions (docs/serve.md#objectives-and-admission).
+        self.slo = SloMetrics(r)
         self._sessions_seen = (0, 0)  # (expired, evicted) already counted
         self._decision = self.decision_seconds.labels(strategy)
         self._children: dict[tuple[object, ...], Any] = {}
@@ -465,3 +475,95 @@ class ShadowMetrics:
             reusable.inc(verdict.reuse.best)
             if agreements is not None and verdict.agrees:
                 agreements.inc()
+
+
+#: Wait in the admission queue, in seconds.
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Predicted TTFT over observed TTFT: 0.75 and 1.25 are bounds, so the share predicted within 25 % of the observed
+#: TTFT is read off two buckets.
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
+#: Absolute TTFT prediction error, in seconds.
+_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SloMetrics:
+    """Objectives, admission and TTFT predictions (docs/serve.md, "Objectives and admission").
+
+    With several workers the queue length is summed over the live workers (each has its own queue).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.objectives_ignored = Counter(
+            "kvroute_objectives_ignored",
+            "Objective or priority headers not used, by reason (the default stood).",
+            ["reason"],
+            registry=r,
+        )
+        self.admission = Counter(
+            "kvroute_admission_requests",
+            "Requests with objectives judged by admission, by priority class and result "
+            "(met: routed at once; queued; sent: predicted to miss, sent anyway; shed: answered 429 at once).",
+            ["priority", "result"],
+            registry=r,
+        )
+        self.shed_requests = Counter(
+            "kvroute_shed_requests",
+            "Requests answered 429 by admission, by priority class and reason (predicted_miss, queue_full, deadline).",
+            ["priority", "reason"],
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "kvroute_admission_queue_length",
+            "Requests held in the admission queue (summed over workers: each has its own queue).",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.wait = Histogram(
+            "kvroute_admission_wait_seconds",
+            "Time requests were held in the admission queue, by priority class and how the wait ended "
+            "(admitted, sent_late, shed, cancelled).",
+            ["priority", "result"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.ttft_ratio = Histogram(
+            "kvroute_ttft_prediction_ratio",
+            "TTFT predicted when the request was routed over the TTFT observed (first byte of a stream), by backend.",
+            ["backend"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "kvroute_ttft_prediction_error_seconds",
+            "Absolute difference between observed and predicted TTFT, by backend.",
+            ["backend"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def ignored(self, reason: str) -> None:
+        self._child(self.objectives_ignored, reason).inc()
+
+    def admitted(self, priority: str, result: str) -> None:
+        self._child(self.admission, priority, result).inc()
+
+    def shed(self, priority: str, reason: str) -> None:
+        self._child(self.shed_requests, priority, reason).inc()
+
+    def waited(self, priority: str, result: str, seconds: float) -> None:
+        self._child(self.wait, priority, result).observe(seconds)
+
+    def predicted(self, backend: str, predicted_s: float, observed_s: float) -> None:
+        """Compare a request's predicted TTFT with the one observed."""
+        self._child(self.ttft_error, backend).observe(abs(observed_s - predicted_s))
+        if observed_s > 0:
+            self._child(self.ttft_ratio, backend).observe(predicted_s / observed_s)

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.fleet import Fleet
 from kvroute.router import Router
 from kvroute.strategy import Decision
-from kvroute_server.config import ServerConfig
+from kvroute_server.config import PRIORITIES, ServerConfig
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.fleet.discovery import Discovery, NoDiscovery
 from kvroute_server.http.asgi import App, Receive, RouteTable, Scope, Send, send_bytes, send_json
@@ -140,6 +140,10 @@ class _Samples:
 
     def per_backend(self, name: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
         return {k[0]: v for k, v in self.sum_by(name, "backend", where=where).items()}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
 
 
 def _number(value: float) -> int | float:
@@ -324,6 +328,66 @@ class StatusView:
             },
             "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
             "sessions": self._sessions(samples) if self.config.sessions.enabled else None,
+            "slo": self._slo(samples),
+        }
+
+    def _slo(self, samples: _Samples) -> dict[str, Any]:
+        """Objectives, admission (settings, the queue summed over workers, results, shed requests) and how well
+        TTFT was predicted (docs/serve.md, "Objectives and admission")."""
+
+        def nested(name: str, outer: str, inner: str) -> dict[str, dict[str, int | float]]:
+            out: dict[str, dict[str, int | float]] = {}
+            for (a, b), value in sorted(samples.sum_by(name, outer, inner).items()):
+                if value:
+                    out.setdefault(a, {})[b] = _number(value)
+            return out
+
+        c, a = self.config.slo, self.config.admission
+        admission = None
+        if a.enabled:
+            admission = {
+                "mode": a.mode,
+                "queue_size": a.queue_size,
+                "order": a.order,
+                "max_wait_s": a.max_wait,
+                "actions": {p: a.action(p) for p in PRIORITIES},
+                "queued": _number(sum(samples.sum_by("kvroute_admission_queue_length").values())),
+            }
+        wait_count = samples.sum_by("kvroute_admission_wait_seconds_count", "result")
+        wait_sum = samples.sum_by("kvroute_admission_wait_seconds_sum", "result")
+        ratio = samples.sum_by("kvroute_ttft_prediction_ratio_bucket", "le")
+        observed = sum(samples.sum_by("kvroute_ttft_prediction_ratio_count").values())
+        within = ratio.get(("1.25",), 0.0) - ratio.get(("0.75",), 0.0)
+        error_sum = sum(samples.sum_by("kvroute_ttft_prediction_error_seconds_sum").values())
+        predictor = self.router.predictor
+        return {
+            "aware": c.aware,
+            "defaults": {
+                "ttft_ms": c.ttft_ms,
+                "tpot_ms": c.tpot_ms,
+                "priority": c.priority,
+                "models": sorted(c.models),
+            },
+            "admission": admission,
+            "requests": nested("kvroute_admission_requests_total", "priority", "result"),
+            "shed": nested("kvroute_shed_requests_total", "priority", "reason"),
+            "waits": {
+                k[0]: {"count": _number(n), "mean_ms": round(1000 * wait_sum.get(k, 0.0) / n, 2)}
+                for k, n in sorted(wait_count.items())
+                if n
+            },
+            "objectives_ignored": {
+                k[0]: _number(v)
+                for k, v in sorted(samples.sum_by("kvroute_objectives_ignored_total", "reason").items())
+            },
+            "predictions": {
+                "observed": _number(observed),
+                "within_25pct": round(within / observed, 4) if observed else None,
+                "mean_abs_error_ms": round(1000 * error_sum / observed, 2) if observed else None,
+                # This worker's predictor: learned rates per backend, and its own recent errors.
+                "rates": _jsonable(predictor.summary()) if predictor is not None else None,
+                "median_abs_error_ms": _ms(predictor.errors.median_abs_error_s()) if predictor is not None else None,
+            },
         }
 
     def _sessions(self, samples: _Samples) -> dict[str, Any]:
@@ -402,8 +466,10 @@ class StatusView:
             "index": self.worker.index,
             "count": count,
             # What is merged over every worker, and what is this worker's own.
-            "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow"],
-            "own": ["decisions", "spills_to", "engine", "healthy", "draining"] if count > 1 else [],
+            "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow", "slo"],
+            "own": ["decisions", "spills_to", "engine", "healthy", "draining", "slo.predictions.rates"]
+            if count > 1
+            else [],
         }
 
     def _fleet(self, rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

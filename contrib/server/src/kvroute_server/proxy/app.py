@@ -65,6 +65,7 @@ from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcom
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
+from kvroute_server.proxy.slo import SloHost, slo_choice
 
 __all__ = ["ProxyApp"]
 
@@ -216,10 +217,13 @@ class ProxyApp:
             )
             if sessions.enabled
             else None,
+            slo=slo_choice(config),
         )
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
-        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
+        # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
+        self.slo = SloHost(config, self.router, self.metrics)
+        self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows, self.slo)
         self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
         # The status page (docs/serve.md, "Status page").
         self.status = StatusRoutes.create(
@@ -446,6 +450,7 @@ class ProxyApp:
         except InvalidBody as exc:
             await reject(self.metrics, send, 400, str(exc), code=exc.code, param=exc.param, headers=[id_header], ex=ex)
             return
+        request = self.slo.apply(request, scope["headers"])
         ex.model = request.model
         ex.stream = request.stream
         if request.session_ignored is not None:
@@ -456,6 +461,7 @@ class ProxyApp:
         duration = time.perf_counter() - ex.started
         self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
         self.status.finished(ex, duration)
+        self.slo.finished(ex)
         if self.config.access_log:
             _access_line(ex, self.router.strategy_name, duration)
 

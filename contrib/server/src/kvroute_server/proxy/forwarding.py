@@ -36,6 +36,7 @@ from kvroute_server.proxy.answers import prompt_tokens_estimate
 from kvroute_server.proxy.client_watch import watch_client
 from kvroute_server.proxy.headers import filter_request_headers
 from kvroute_server.proxy.relay import Exchange, Failure, Header, relay_stream, relay_whole
+from kvroute_server.proxy.slo import SloHost
 
 __all__ = ["Exchange", "Forwarder", "count_reject", "reject"]
 
@@ -84,8 +85,11 @@ class Forwarder:
         backends: BackendSet,
         metrics: ProxyMetrics,
         shadows: ProxyShadows | NoShadows,
+        slo: SloHost | None = None,
     ) -> None:
         self.config = config
+        #: Objectives, admission and the latency predictor's observations (`kvroute_server.proxy.slo`).
+        self.slo = slo or SloHost(config, router, metrics)
         self.router = router
         self.backends = backends
         self.metrics = metrics
@@ -112,7 +116,8 @@ class Forwarder:
         assert task is not None
         stop_watching = watch_client(scope, receive, ex, task)
         try:
-            await self._attempts(request, raw, scope, send, ex, id_header)
+            if await self.slo.admission.admit(request, send, ex, id_header):  # False: answered (shed)
+                await self._attempts(request, raw, scope, send, ex, id_header)
         except asyncio.CancelledError:
             if not ex.client_gone:
                 raise
@@ -285,7 +290,11 @@ class Forwarder:
             if sse and status < 400:
                 ex.ttft = first_byte
                 self.metrics.child(self.metrics.ttft, backend_id).observe(ex.ttft)
-                return await relay_stream(self, response, first, send, ex, id_header)
+                self.slo.first_byte(request, first_byte)
+                failure = await relay_stream(self, response, first, send, ex, id_header)
+                if failure is None and ex.outcome is RequestOutcome.OK:
+                    self.slo.stream_done(request, ex, time.perf_counter() - sent_at)
+                return failure
             return await relay_whole(self, response, first, send, ex, id_header, first_byte)
         finally:
             if response is not None:

@@ -84,6 +84,8 @@ class Exchange:
     #: The prompt's size estimate in tokens and the generation budget (the outlier detector's likeness).
     prompt_tokens: int = 0
     max_tokens: int | None = None
+    #: ``usage.completion_tokens`` of the answer, when the engine reported it (TPOT for the latency predictor).
+    completion_tokens: int | None = None
 
 
 @attrs.define
@@ -134,7 +136,7 @@ async def relay_whole(
         return Failure("invalid_answer", f"{backend_id} answered {status} with a body that is not JSON ({kind})")
     sniffer = UsageSniffer()
     sniffer.feed(body)
-    _record_usage(fw.metrics, backend_id, sniffer)
+    _record_usage(fw.metrics, backend_id, sniffer, ex)
     ok = status < 400  # a 4xx is the client's: the backend answered, but its time is no first-byte sample
     fw.outliers.succeeded(
         backend_id,
@@ -220,7 +222,7 @@ async def relay_stream(
             fw.backends.health.connection_failed(backend_id, ex.error)
         await _end_broken(fw, send, ex, sniffer, f"The backend's stream {why} after it started ({backend_id}).")
         return None
-    _record_usage(fw.metrics, backend_id, sniffer)
+    _record_usage(fw.metrics, backend_id, sniffer, ex)
     if not ends_with_done(pending if pending.strip() else tail):  # closed early: a partial event is dropped
         ex.error = f"{backend_id}: stream ended without [DONE]"
         await _end_broken(fw, send, ex, None, f"The backend's stream ended early ({backend_id}).")
@@ -234,8 +236,9 @@ async def relay_stream(
     return None
 
 
-def _record_usage(metrics: ProxyMetrics, backend_id: str, sniffer: UsageSniffer) -> None:
-    """Count the prompt and cached tokens the engine reported in its usage."""
+def _record_usage(metrics: ProxyMetrics, backend_id: str, sniffer: UsageSniffer, ex: Exchange) -> None:
+    """Count the prompt and cached tokens the engine reported in its usage; keep its output tokens in ``ex``."""
+    ex.completion_tokens = sniffer.completion_tokens
     if sniffer.prompt_tokens is not None:
         metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
     if sniffer.cached_tokens is not None:
@@ -250,4 +253,4 @@ async def _end_broken(fw: Relayer, send: Send, ex: Exchange, sniffer: UsageSniff
     body = stream_error_event(message, "upstream_stream_error")
     await send({"type": "http.response.body", "body": body, "more_body": False})
     if sniffer is not None:
-        _record_usage(fw.metrics, ex.backend, sniffer)
+        _record_usage(fw.metrics, ex.backend, sniffer, ex)
