@@ -61,9 +61,10 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
-from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcome
+from kvroute_server.ops.metrics import CONTENT_TYPE, OPENMETRICS, ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
+from kvroute_server.ops.tracing import create_tracing
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
 
 __all__ = ["ProxyApp"]
@@ -221,6 +222,8 @@ class ProxyApp:
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows)
         self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
+        # OpenTelemetry spans (docs/tracing.md): NoTracing unless an OTLP endpoint is configured.
+        self.tracing = create_tracing(config.tracing, self.fleet, self.metrics, str(self.worker.index))
         # The status page (docs/serve.md, "Status page").
         self.status = StatusRoutes.create(
             config, self.fleet, self.backends, self.router, self.metrics, self.discovery, self.worker
@@ -262,6 +265,7 @@ class ProxyApp:
             self.forwarder.upstream.close()  # the forwarded requests' idle keep-alive connections
             self.router.close()
             self.shadows.close()
+            self.tracing.close()  # export what is queued, bounded in time
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -334,6 +338,11 @@ class ProxyApp:
         await send_json(send, 200 if routable else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # OpenMetrics (with the histograms' trace-id exemplars) for a scraper that asks for it, as Prometheus does.
+        accept = next((value for name, value in scope["headers"] if name == b"accept"), b"")
+        if b"application/openmetrics-text" in accept:
+            await send_bytes(send, 200, self.metrics.render(openmetrics=True), content_type=OPENMETRICS)
+            return
         await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE)
 
     # -- proxied routes ---------------------------------------------------------------
@@ -395,6 +404,7 @@ class ProxyApp:
             elif name in self._route_headers:
                 route_headers[self._route_headers[name]] = value.decode("latin-1")
         ex = Exchange(request_id or os.urandom(16).hex(), started)
+        ex.trace = self.tracing.start(scope, ex.request_id)
         scope[_SCOPE_REQUEST_ID] = ex.request_id
         if self._shared_metrics:
             self.metrics.worker_in_flight_child.inc()
@@ -454,7 +464,8 @@ class ProxyApp:
 
     def _finish(self, ex: Exchange) -> None:
         duration = time.perf_counter() - ex.started
-        self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
+        self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None, ex.trace.exemplar)
+        ex.trace.end(ex, duration)
         self.status.finished(ex, duration)
         if self.config.access_log:
             _access_line(ex, self.router.strategy_name, duration)

@@ -22,6 +22,7 @@ from kvroute_server.fleet.outliers import OutlierDetector
 from kvroute_server.http.asgi import Send
 from kvroute_server.http.client import UpstreamResponse
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
+from kvroute_server.ops.tracing import NO_TRACE, RequestTrace
 from kvroute_server.proxy.answers import (
     answered_like,
     ends_with_done,
@@ -84,6 +85,12 @@ class Exchange:
     #: The prompt's size estimate in tokens and the generation budget (the outlier detector's likeness).
     prompt_tokens: int = 0
     max_tokens: int | None = None
+    #: The token counts the backend reported in its usage, when it did.
+    usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    #: The request's spans (`kvroute_server.ops.tracing`): `NO_TRACE` when tracing is off.
+    trace: RequestTrace = NO_TRACE
 
 
 @attrs.define
@@ -134,7 +141,7 @@ async def relay_whole(
         return Failure("invalid_answer", f"{backend_id} answered {status} with a body that is not JSON ({kind})")
     sniffer = UsageSniffer()
     sniffer.feed(body)
-    _record_usage(fw.metrics, backend_id, sniffer)
+    _record_usage(fw.metrics, backend_id, sniffer, ex)
     ok = status < 400  # a 4xx is the client's: the backend answered, but its time is no first-byte sample
     fw.outliers.succeeded(
         backend_id,
@@ -220,7 +227,7 @@ async def relay_stream(
             fw.backends.health.connection_failed(backend_id, ex.error)
         await _end_broken(fw, send, ex, sniffer, f"The backend's stream {why} after it started ({backend_id}).")
         return None
-    _record_usage(fw.metrics, backend_id, sniffer)
+    _record_usage(fw.metrics, backend_id, sniffer, ex)
     if not ends_with_done(pending if pending.strip() else tail):  # closed early: a partial event is dropped
         ex.error = f"{backend_id}: stream ended without [DONE]"
         await _end_broken(fw, send, ex, None, f"The backend's stream ended early ({backend_id}).")
@@ -234,8 +241,10 @@ async def relay_stream(
     return None
 
 
-def _record_usage(metrics: ProxyMetrics, backend_id: str, sniffer: UsageSniffer) -> None:
-    """Count the prompt and cached tokens the engine reported in its usage."""
+def _record_usage(metrics: ProxyMetrics, backend_id: str, sniffer: UsageSniffer, ex: Exchange) -> None:
+    """Count the prompt and cached tokens the engine reported in its usage, and keep its counts in ``ex``."""
+    ex.usage_prompt_tokens, ex.usage_cached_tokens = sniffer.prompt_tokens, sniffer.cached_tokens
+    ex.usage_completion_tokens = sniffer.completion_tokens
     if sniffer.prompt_tokens is not None:
         metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
     if sniffer.cached_tokens is not None:
@@ -250,4 +259,4 @@ async def _end_broken(fw: Relayer, send: Send, ex: Exchange, sniffer: UsageSniff
     body = stream_error_event(message, "upstream_stream_error")
     await send({"type": "http.response.body", "body": body, "more_body": False})
     if sniffer is not None:
-        _record_usage(fw.metrics, ex.backend, sniffer)
+        _record_usage(fw.metrics, ex.backend, sniffer, ex)

@@ -12,11 +12,13 @@ __all__ = ["UsageSniffer"]
 #: such a value is not matched, so a hostile backend cannot make the sniffer raise.
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,18})(?!\d)')
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,18})(?!\d)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,18})(?!\d)')
 
 
 @attrs.define
 class UsageSniffer:
-    """Finds ``usage.prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` in passing bytes.
+    """Finds ``usage.prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``usage.completion_tokens`` in
+    passing bytes.
 
     Bytes are scanned only when a chunk mentions ``usage``; a short tail of the previous
     chunk is kept so that a number split across two chunks is still found. The last
@@ -25,6 +27,7 @@ class UsageSniffer:
 
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    completion_tokens: int | None = None
     _tail: bytes = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -40,6 +43,9 @@ class UsageSniffer:
         cached = _last_number(_CACHED, b'"cached_tokens"', data)
         if cached is not None:
             self.cached_tokens = cached
+        completion = _last_number(_COMPLETION, b'"completion_tokens"', data)
+        if completion is not None:
+            self.completion_tokens = completion
 
 
 def _last_number(pattern: re.Pattern[bytes], key: bytes, data: bytes) -> int | None:
