@@ -386,6 +386,13 @@ class ProxyMetrics:
         """Register the shadow comparison's metrics (only when shadows are configured), every series at 0."""
         return ShadowMetrics(self.registry, live, shadows)
 
+    def exposition(self, accept: bytes) -> tuple[bytes, bytes]:
+        """``/metrics``' body and content type: OpenMetrics (with the histograms' trace-id exemplars) for a scraper
+        whose ``Accept`` asks for it, as Prometheus does, else the classic text format."""
+        if b"application/openmetrics-text" in accept:
+            return self.render(openmetrics=True), OPENMETRICS
+        return self.render(), CONTENT_TYPE
+
     def render(self, *, openmetrics: bool = False) -> bytes:
         """The exposition text: this process's registry, or every worker's values merged; in the OpenMetrics format
         (with exemplars, which prometheus-client keeps only in one process) when asked."""

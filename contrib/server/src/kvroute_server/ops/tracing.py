@@ -14,7 +14,7 @@ kvroute-tracing's bounded processor, from a thread: a slow or absent collector d
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvroute.errors import ConfigError
 from kvroute.fleet import Fleet
@@ -26,39 +26,70 @@ from kvroute_server.ops.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
     from kvroute.shadow import ShadowRound
+    from kvroute_server.ops.tracing_otel import ProxyTracing
 
 __all__ = ["NO_TRACE", "NoTracing", "RequestTrace", "create_tracing"]
 
 
-class RequestTrace:
-    """One request's spans; this base class is the no-op used when tracing is off (`NO_TRACE`)."""
-
-    __slots__ = ()
+class RequestTrace(Protocol):
+    """One request's spans: `NO_TRACE` when tracing is off, else a `kvroute_server.ops.tracing_otel.LiveTrace`."""
 
     #: The exemplar (``{"trace_id": ...}``) the request's histograms carry, ``None`` when not sampled.
-    exemplar: dict[str, str] | None = None
+    @property
+    def exemplar(self) -> dict[str, str] | None: ...
 
     def counting(self, send: Send) -> Send:
         """``send``, wrapped to count the body bytes sent to the client when traced."""
-        return send
+        ...
 
     def routed(self, request: RouteRequest, decision: Decision, exclude: set[str], shadow: ShadowRound | None) -> None:
         """A routing decision was made (before its attempt)."""
+        ...
 
     def attempt(self, backend_id: str, number: int, headers: dict[str, str]) -> None:
         """An attempt starts: its span begins and its context is written into the upstream ``headers``."""
+        ...
 
     def first_byte(self, seconds: float, status: int) -> None:
         """The attempt's backend answered (status and first body bytes) after ``seconds``."""
+        ...
 
     def attempt_done(self, failure: Any, status: int) -> None:
         """The attempt ended: ``failure`` (a `Failure`) when it may be retried, else ``None``."""
+        ...
 
     def end(self, ex: Any, duration: float) -> None:
         """The request ended: the server span gets the outcome and ends."""
+        ...
 
 
-NO_TRACE = RequestTrace()
+class _NoTrace:
+    """Tracing off: every method does nothing."""
+
+    __slots__ = ()
+
+    exemplar = None
+
+    def counting(self, send: Send) -> Send:
+        return send
+
+    def routed(self, request: RouteRequest, decision: Decision, exclude: set[str], shadow: ShadowRound | None) -> None:
+        pass
+
+    def attempt(self, backend_id: str, number: int, headers: dict[str, str]) -> None:
+        pass
+
+    def first_byte(self, seconds: float, status: int) -> None:
+        pass
+
+    def attempt_done(self, failure: Any, status: int) -> None:
+        pass
+
+    def end(self, ex: Any, duration: float) -> None:
+        pass
+
+
+NO_TRACE: RequestTrace = _NoTrace()
 
 
 class NoTracing:
@@ -73,10 +104,9 @@ class NoTracing:
         pass
 
 
-Tracing = Any  # NoTracing, or kvroute_server.ops.tracing_otel.ProxyTracing
-
-
-def create_tracing(config: TracingConfig, fleet: Fleet, metrics: ProxyMetrics, worker: str = "0") -> Tracing:
+def create_tracing(
+    config: TracingConfig, fleet: Fleet, metrics: ProxyMetrics, worker: str = "0"
+) -> NoTracing | ProxyTracing:
     """`ProxyTracing` when an OTLP endpoint is configured (settings or ``OTEL_*``), else `NoTracing`."""
     wanted = config.endpoint is not None or any(
         os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")

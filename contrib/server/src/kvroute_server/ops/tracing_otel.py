@@ -20,7 +20,6 @@ from kvroute.request import RouteRequest
 from kvroute.strategy import Decision
 from kvroute_server.http.asgi import Scope, Send
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
-from kvroute_server.ops.tracing import RequestTrace
 from kvroute_tracing import ExportSettings, decision_attributes, names, request_attributes
 
 if TYPE_CHECKING:
@@ -76,7 +75,7 @@ class ProxyTracing:
     def _count_drop(self, reason: str, count: int) -> None:
         self._dropped[reason].inc(count)
 
-    def start(self, scope: Scope, request_id: str) -> RequestTrace:
+    def start(self, scope: Scope, request_id: str) -> LiveTrace:
         """The request's server span, continuing the client's trace context if it sent one."""
         return LiveTrace(self, scope, request_id)
 
@@ -88,7 +87,7 @@ class ProxyTracing:
         self.processor.shutdown()
 
 
-class LiveTrace(RequestTrace):
+class LiveTrace:
     """One traced request: the server span, the current attempt's span, what the attempts sent."""
 
     __slots__ = ("_attempt", "_bytes", "_retry_cause", "_sent_at", "_tracing", "exemplar", "server")

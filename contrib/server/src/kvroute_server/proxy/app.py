@@ -61,7 +61,7 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
-from kvroute_server.ops.metrics import CONTENT_TYPE, OPENMETRICS, ProxyMetrics, RequestOutcome
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.ops.tracing import create_tracing
@@ -338,12 +338,8 @@ class ProxyApp:
         await send_json(send, 200 if routable else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # OpenMetrics (with the histograms' trace-id exemplars) for a scraper that asks for it, as Prometheus does.
-        accept = next((value for name, value in scope["headers"] if name == b"accept"), b"")
-        if b"application/openmetrics-text" in accept:
-            await send_bytes(send, 200, self.metrics.render(openmetrics=True), content_type=OPENMETRICS)
-            return
-        await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE)
+        body, content_type = self.metrics.exposition(next((v for k, v in scope["headers"] if k == b"accept"), b""))
+        await send_bytes(send, 200, body, content_type=content_type)
 
     # -- proxied routes ---------------------------------------------------------------
 
