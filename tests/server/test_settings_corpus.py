@@ -46,6 +46,7 @@ ADDED: dict[str, Any] = {
         "max_sessions": 100000,
         "conversations": True,
     },
+    "tracing": {"endpoint": None, "protocol": None, "sample_ratio": None, "service_name": None, "max_queue": 2048},
 }
 #: Keys of nested tables added since, with their defaults: ``{table: {key: default}}``.
 ADDED_NESTED: dict[str, dict[str, Any]] = {"timeouts": {"deadline_floor": 5.0, "deadline_factor": 4.0}}
@@ -63,6 +64,9 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("detection", "consecutive-errors", "consecutive-deadlines")),
         *(f"--outlier-{name}" for name in ("success-rate-ratio", "latency-factor", "min-requests", "window")),
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
+        "--otlp-endpoint",
+        "--otlp-protocol",
+        "--trace-sample-ratio",
     },
     # "-j," is how the first word of "-j, --jobs N" reads.
     "simulate": {"--sessions", "--ray", "-j,"},
