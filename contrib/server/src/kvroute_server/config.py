@@ -556,6 +556,7 @@ class TracingConfig:
         converter=_as_float,
         flag="--trace-sample-ratio",
         metavar="RATIO",
+        click_type=float,
         show_default=False,
         help="Share of new traces sampled, parent-based [default: env OTEL_TRACES_SAMPLER, else all]",
     )

@@ -206,6 +206,7 @@ class BoundedSpanProcessor(SpanProcessor):
         self._idle = threading.Event()
         self._idle.set()
         self._stopping = False
+        self._closed = False  # the exporter is shut down: what is still queued is dropped
         #: Spans dropped so far, by reason (also reported to ``on_drop``), and spans exported.
         self.dropped: collections.Counter[str] = collections.Counter()
         self.exported = 0
@@ -258,6 +259,9 @@ class BoundedSpanProcessor(SpanProcessor):
                 return
 
     def _export(self, batch: Sequence[ReadableSpan]) -> None:
+        if self._closed:
+            self._drop("export_failed", len(batch))
+            return
         try:
             result = self._exporter.export(batch)
         except Exception as exc:
@@ -287,6 +291,7 @@ class BoundedSpanProcessor(SpanProcessor):
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
+        self._closed = True
         closer = threading.Thread(target=self._exporter.shutdown, name="kvroute-span-export-close", daemon=True)
         closer.start()
         closer.join(max(0.1, timeout_s / 5))
