@@ -16,8 +16,7 @@ from concurrent import futures
 from typing import Any
 
 import attrs
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
@@ -171,6 +170,9 @@ class GrpcReceiver(_Store):
     """OTLP/gRPC on ``127.0.0.1:port``: a grpc server implementing the trace service's ``Export``."""
 
     def __init__(self) -> None:
+        import grpc  # only here: the HTTP receiver's users (the monitoring env) need no grpcio
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
         super().__init__()
         receiver = self
 
