@@ -12,8 +12,9 @@ Setup, all on loopback, every process started and stopped by this script (by pid
 * **Targets**: nginx directly, SGLang's router (``sglang-router`` from PyPI, installed in its
   own virtual environment under the cache directory when missing) with ``cache_aware`` and
   ``round_robin``, and ``kvroute serve`` with ``bounded-load``, ``tokenizer-prefix``,
-  ``bounded-load --workers 2`` and ``bounded-load`` with tracing on (``--otlp-endpoint`` to an
-  OTLP/HTTP sink in this process that answers every export 200 unread; needs ``kvroute[tracing]``),
+  ``bounded-load --workers 2`` and ``bounded-load`` with tracing on, every request or 1 % of them
+  sampled (``--otlp-endpoint`` to an OTLP/HTTP sink in this process that answers every export 200
+  unread; needs ``kvroute[tracing]``),
   every router with its default options and its log sent to /dev/null. Each run starts its target
   fresh and stops it afterwards; the targets' order rotates between rounds, so that a machine's
   drift hits them all alike.
@@ -387,6 +388,12 @@ TARGETS = (
     Target("kvroute tokenizer-prefix", "kvroute", ("--strategy", "tokenizer-prefix")),
     Target("kvroute bounded-load --workers 2", "kvroute", ("--strategy", "bounded-load", "--workers", "2")),
     Target("kvroute bounded-load with tracing", "kvroute", ("--strategy", "bounded-load"), traced=True),
+    Target(
+        "kvroute bounded-load with tracing at 1 %",
+        "kvroute",
+        ("--strategy", "bounded-load", "--trace-sample-ratio", "0.01"),
+        traced=True,
+    ),
 )
 REFERENCE = TARGETS[1].name
 
