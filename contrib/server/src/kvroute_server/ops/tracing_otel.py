@@ -88,9 +88,23 @@ class ProxyTracing:
 
 
 class LiveTrace:
-    """One traced request: the server span, the current attempt's span, what the attempts sent."""
+    """One traced request: the server span, the current attempt's span, what the attempts sent.
 
-    __slots__ = ("_attempt", "_bytes", "_retry_cause", "_sent_at", "_tracing", "exemplar", "server")
+    A request the sampler left out costs the server span's sampling decision and one ``traceparent`` (flag
+    ``00``, the server span's id) written into each attempt's headers: no other span is started.
+    """
+
+    __slots__ = (
+        "_attempt",
+        "_bytes",
+        "_context",
+        "_retry_cause",
+        "_sent_at",
+        "_tracing",
+        "_unsampled",
+        "exemplar",
+        "server",
+    )
 
     def __init__(self, tracing: ProxyTracing, scope: Scope, request_id: str) -> None:
         carrier = {
@@ -108,14 +122,24 @@ class LiveTrace:
             kind=SpanKind.SERVER,
             attributes={names.HTTP_METHOD: method, names.URL_PATH: path, names.REQUEST_ID: request_id},
         )
-        context = self.server.get_span_context()
-        self.exemplar = {"trace_id": f"{context.trace_id:032x}"} if context.trace_flags.sampled else None
+        self._context = set_span_in_context(self.server)
+        span_context = self.server.get_span_context()
+        self._unsampled: dict[str, str] | None = None
+        if span_context.trace_flags.sampled:
+            self.exemplar: dict[str, str] | None = {"trace_id": f"{span_context.trace_id:032x}"}
+        else:
+            self.exemplar = None
+            self._unsampled = {}
+            tracing.propagator.inject(self._unsampled, context=self._context)
         self._attempt: Span | None = None
         self._bytes = 0
         self._sent_at = 0
         self._retry_cause: str | None = None
 
     def counting(self, send: Send) -> Send:
+        if self._unsampled is not None:
+            return send
+
         async def counted(message: Any) -> None:
             if message["type"] == "http.response.body":
                 self._bytes += len(message.get("body", b""))
@@ -124,15 +148,15 @@ class LiveTrace:
         return counted
 
     def routed(self, request: RouteRequest, decision: Decision, exclude: set[str], shadow: ShadowRound | None) -> None:
-        if not self.server.is_recording():
+        if self._unsampled is not None:
             return
         end = time.time_ns()
         span = self._tracing.tracer.start_span(
             names.ROUTE_SPAN,
-            context=set_span_in_context(self.server),
+            context=self._context,
             start_time=end - int(decision.duration_s * 1e9),
+            attributes=decision_attributes(decision, self._tracing.candidates(request.model, exclude)),
         )
-        span.set_attributes(decision_attributes(decision, self._tracing.candidates(request.model, exclude)))
         if shadow is not None:
             live = shadow.live
             span.set_attribute(names.PREDICTED_REUSE, live.reuse.chosen)
@@ -143,11 +167,14 @@ class LiveTrace:
         self.server.set_attributes(request_attributes(request))
 
     def attempt(self, backend_id: str, number: int, headers: dict[str, str]) -> None:
+        if self._unsampled is not None:
+            headers.update(self._unsampled)
+            return
         attributes: dict[str, Any] = {names.ATTEMPT: number, names.ATTEMPT_BACKEND: backend_id}
         if self._retry_cause is not None:
             attributes[names.RETRY_CAUSE] = self._retry_cause
         span = self._tracing.tracer.start_span(
-            names.ATTEMPT_SPAN, context=set_span_in_context(self.server), kind=SpanKind.CLIENT, attributes=attributes
+            names.ATTEMPT_SPAN, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
         )
         self._attempt = span
         self._sent_at = self._bytes
