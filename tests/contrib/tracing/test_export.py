@@ -160,7 +160,8 @@ class TestBoundedProcessor:
             receiver.stop()
 
     def test_full_queue_drops_without_waiting(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """With the collector hung, on_end never blocks: spans beyond the queue are dropped and counted at once."""
+        """With the collector hung, on_end never waits on the exporter: spans beyond the queue are dropped and counted
+        (the 5 s bound only tells a wait, which would last the exporter's 30 s timeout, from none)."""
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "30")
         receiver = HttpReceiver("hang").start()
         settings = resolve(receiver.url, None, None, None, 5, environ={})
