@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvroute_server import ServerThread, TracingConfig
+from kvroute_server import BackendConfig, HealthConfig, ProxyApp, ServerConfig, ServerThread, TracingConfig
 from kvroute_server.ops.tracing import NoTracing
 from tests.contrib.tracing.receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
 from tests.server.gray_engine import GrayEngine
@@ -186,6 +186,28 @@ class TestPropagation:
         sent = engine.headers[-1]
         assert sent["traceparent"] == f"00-{trace_id}-{attempt.span_id}-01"
         assert sent["tracestate"] == "vendor=abc"
+
+    def test_attempt_names_the_data_parallel_rank_sent(
+        self, servers: Servers, receiver: HttpReceiver, engines: list[GrayEngine]
+    ) -> None:
+        """For a backend with 4 data-parallel ranks, the attempt span names the rank the engine was sent."""
+        engine = _engine(engines)
+        backend = BackendConfig(id="dp", url=engine.url, adapter_options={"data_parallel_size": 4})
+        config = ServerConfig(
+            backends=(backend,),
+            strategy="consistent-hash",
+            health=HealthConfig(interval=0, discover_models=False),
+            access_log=False,
+            tracing=TracingConfig(endpoint=receiver.url),
+        )
+        proxy = ServerThread(ProxyApp(config)).start()
+        servers.started.append(proxy)
+        header, trace_id, _ = _traceparent(random.Random(12))
+        _chat(_client(proxy), header)
+        _flush(proxy)
+        attempt = _by_name(receiver.trace(trace_id, 3), "kvroute.attempt")[0]
+        sent = int(engine.headers[-1]["x-data-parallel-rank"])
+        assert attempt.attributes["kvroute.attempt.data_parallel_rank"] == sent
 
     def test_tracing_off_passes_the_client_context_through(
         self, servers: Servers, engines: list[GrayEngine], monkeypatch: pytest.MonkeyPatch

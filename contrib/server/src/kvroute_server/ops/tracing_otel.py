@@ -16,6 +16,7 @@ from prometheus_client import Counter
 
 import kvroute_tracing
 from kvroute.fleet import Fleet
+from kvroute.ranks import RANK_HEADER
 from kvroute.request import RouteRequest
 from kvroute.strategy import Decision
 from kvroute_server.http.asgi import Scope, Send
@@ -171,6 +172,9 @@ class LiveTrace:
             headers.update(self._unsampled)
             return
         attributes: dict[str, Any] = {names.ATTEMPT: number, names.ATTEMPT_BACKEND: backend_id}
+        rank = headers.get(RANK_HEADER)  # the rank the proxy chose for this backend, if it has several
+        if rank is not None:
+            attributes[names.ATTEMPT_RANK] = int(rank)
         if self._retry_cause is not None:
             attributes[names.RETRY_CAUSE] = self._retry_cause
         span = self._tracing.tracer.start_span(
