@@ -11,10 +11,13 @@ Setup, all on loopback, every process started and stopped by this script (by pid
   followed by its own question; ``"stream": true`` in the streaming part.
 * **Targets**: nginx directly, SGLang's router (``sglang-router`` from PyPI, installed in its
   own virtual environment under the cache directory when missing) with ``cache_aware`` and
-  ``round_robin``, and ``kvroute serve`` with ``bounded-load``, ``tokenizer-prefix`` and
-  ``bounded-load --workers 2``, every router with its default options and its log sent to
-  /dev/null. Each run starts its target fresh and stops it afterwards; the targets' order
-  rotates between rounds, so that a machine's drift hits them all alike.
+  ``round_robin``, and ``kvroute serve`` with ``bounded-load``, ``tokenizer-prefix``,
+  ``bounded-load --workers 2`` and ``bounded-load`` with tracing on, every request or 1 % of them
+  sampled (``--otlp-endpoint`` to an OTLP/HTTP sink in this process that answers every export 200
+  unread; needs ``kvroute[tracing]``),
+  every router with its default options and its log sent to /dev/null. Each run starts its target
+  fresh and stops it afterwards; the targets' order rotates between rounds, so that a machine's
+  drift hits them all alike.
 
 The table gives each target's median over the rounds (req/s, and the medians of its p50 and
 p99), the proxy's CPU time per request (its process and its children, from /proc), and the
@@ -353,6 +356,8 @@ class Target:
     args: tuple[str, ...] = ()
     #: For a kvroute target: another kvroute_server source tree to run (``--baseline``), first on PYTHONPATH.
     server_src: str | None = None
+    #: For a kvroute target: export spans (every request sampled) to the script's OTLP sink.
+    traced: bool = False
 
     def env(self) -> dict[str, str] | None:
         if self.server_src is None:
@@ -360,11 +365,16 @@ class Target:
         path = os.pathsep.join(p for p in (self.server_src, os.environ.get("PYTHONPATH")) if p)
         return {**os.environ, "PYTHONPATH": path}
 
-    def command(self, port: int, backends: Sequence[str], sglang: Path, extra: Sequence[str]) -> list[str]:
+    def command(
+        self, port: int, backends: Sequence[str], sglang: Path, extra: Sequence[str], otlp: str | None = None
+    ) -> list[str]:
         if self.kind == "sglang":
             return [str(sglang), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
                     "--log-level", "warn", *self.args]  # fmt: skip
         command = [PYTHON, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port), *self.args, *extra]
+        if self.traced:
+            assert otlp is not None, "a traced target needs the OTLP sink"
+            command += ["--otlp-endpoint", otlp]
         for i, url in enumerate(backends):
             command += ["--backend", f"e{i}={url}"]
         return command
@@ -377,6 +387,13 @@ TARGETS = (
     Target("kvroute bounded-load", "kvroute", ("--strategy", "bounded-load")),
     Target("kvroute tokenizer-prefix", "kvroute", ("--strategy", "tokenizer-prefix")),
     Target("kvroute bounded-load --workers 2", "kvroute", ("--strategy", "bounded-load", "--workers", "2")),
+    Target("kvroute bounded-load with tracing", "kvroute", ("--strategy", "bounded-load"), traced=True),
+    Target(
+        "kvroute bounded-load with tracing at 1 %",
+        "kvroute",
+        ("--strategy", "bounded-load", "--trace-sample-ratio", "0.01"),
+        traced=True,
+    ),
 )
 REFERENCE = TARGETS[1].name
 
@@ -391,6 +408,7 @@ def measure(
     warmup: float,
     sglang: Path,
     extra: Sequence[str],
+    otlp: str | None = None,
 ) -> Run:
     """Start ``target`` in front of ``backends``, warm it up, run wrk once and stop it."""
     if target.kind == "nginx":
@@ -398,7 +416,7 @@ def measure(
         return Run(requests / seconds, p50, p99, requests, bad, errors, None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with started(target.command(port, backends, sglang, extra), url + "/health", target.env()) as proc:
+    with started(target.command(port, backends, sglang, extra, otlp), url + "/health", target.env()) as proc:
         if warmup > 0:  # connection pools, first-use caches, the JIT-less warm-up of a Python process
             wrk(url, script, warmup, connections)
         before = cpu_seconds(proc.pid)
@@ -428,6 +446,33 @@ class Row:
     def cpu(self) -> float | None:
         values = [r.cpu_us_per_request for r in self.runs if r.cpu_us_per_request is not None]
         return statistics.median(values) if values else None
+
+
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[str]:
+    """An OTLP/HTTP endpoint on loopback that answers every export 200 without decoding it (the traced target's
+    collector: what is measured is the proxy's cost of making and exporting spans, not a collector's)."""
+    import http.server
+    import threading
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def table(mode: str, rows: Sequence[Row]) -> str:
@@ -499,7 +544,11 @@ def main() -> None:
     modes = ["whole", "stream"] if args.mode == "both" else [args.mode]
     load = os.getloadavg()[0]
     results: dict[str, list[Row]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp, engines(Path(tmp)) as urls:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp,
+        engines(Path(tmp)) as urls,
+        otlp_sink() as otlp,
+    ):
         for mode in modes:
             script = lua_script(Path(tmp), stream=mode == "stream")
             runs: dict[str, list[Run]] = {t.name: [] for t in targets}
@@ -515,6 +564,7 @@ def main() -> None:
                         warmup=args.warmup,
                         sglang=sglang,
                         extra=args.kvroute_arg,
+                        otlp=otlp,
                     )
                     runs[target.name].append(run)
                     print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,9 @@ def require(program: str) -> str:
     return found
 
 
-def serve_config(fleet_file: Path, options: Mapping[str, Any]) -> str:
+def serve_config(fleet_file: Path, options: Mapping[str, Any], otlp_endpoint: str | None = None) -> str:
     """A `kvroute serve` TOML file: fast probes, two shadow strategies, the fleet read from ``fleet_file`` by file
-    discovery."""
+    discovery, and tracing to ``otlp_endpoint`` when given (the histograms' exemplars)."""
     lines = [
         "[server]",
         f'admin_token = "{ADMIN}"',
@@ -68,6 +69,8 @@ def serve_config(fleet_file: Path, options: Mapping[str, Any]) -> str:
         f"target = {json.dumps(str(fleet_file))}",
         "interval = 0.5",
     ]
+    if otlp_endpoint is not None:
+        lines += ["[tracing]", f"endpoint = {json.dumps(otlp_endpoint)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -77,13 +80,17 @@ def fleet_file(engines: Sequence[Process]) -> str:
 
 
 async def start_proxy(
-    client: httpx.AsyncClient, engines: Sequence[Process], directory: Path, options: Mapping[str, Any]
+    client: httpx.AsyncClient,
+    engines: Sequence[Process],
+    directory: Path,
+    options: Mapping[str, Any],
+    otlp_endpoint: str | None = None,
 ) -> Process:
     """`kvroute serve` over ``engines`` (found through a discovery file), ready once every engine is routable."""
     fleet = directory / "fleet.toml"
     fleet.write_text(fleet_file(engines))
     config = directory / "kvroute.toml"
-    config.write_text(serve_config(fleet, options))
+    config.write_text(serve_config(fleet, options, otlp_endpoint))
     port = free_port()
     proxy = Process(
         "kvroute-serve",
@@ -132,6 +139,7 @@ class Prometheus:
             f"--storage.tsdb.path={directory / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
+            "--enable-feature=exemplar-storage",  # the histograms' trace ids (docs/tracing.md)
         ]
         self.process = Process("prometheus", args, port)
         self.url = self.process.url
@@ -167,6 +175,17 @@ class Prometheus:
         """Each target's scrape URL and health."""
         found = (await client.get(self.url + "/api/v1/targets")).json()
         return {t["scrapeUrl"]: t["health"] for t in found["data"]["activeTargets"]}
+
+    async def exemplars(self, client: httpx.AsyncClient, selector: str) -> list[dict[str, str]]:
+        """The label sets of every exemplar Prometheus stored for ``selector`` in the last hour."""
+        now = time.time()
+        answer = await client.get(
+            self.url + "/api/v1/query_exemplars", params={"query": selector, "start": now - 3600, "end": now}
+        )
+        found = answer.json()
+        if found.get("status") != "success":
+            raise AssertionError(f"Prometheus refused exemplars of {selector!r}: got {answer.status_code} {found}")
+        return [e["labels"] for series in found["data"] for e in series["exemplars"]]
 
     async def rules(self, client: httpx.AsyncClient) -> list[dict[str, Any]]:
         """Every loaded rule with its health and last error."""

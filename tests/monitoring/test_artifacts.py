@@ -120,6 +120,15 @@ class TestDashboard:
             assert not cells & taken, f"{panel['title']!r} overlaps another panel at {grid}"
             taken |= cells
 
+    def test_latency_panels_show_exemplars(self) -> None:
+        """Every query of the TTFT and request-duration histograms asks Grafana for their trace-id exemplars."""
+        targets = [t for p in query_panels() for t in p["targets"]]
+        latency = [
+            t for t in targets if re.search(r"kvroute_(upstream_ttft|request_duration)_seconds_bucket", t["expr"])
+        ]
+        assert len(latency) == 5, f"expected 3 TTFT and 2 duration queries, got {len(latency)}"
+        assert all(t.get("exemplar") is True for t in latency), [t["refId"] for t in latency if not t.get("exemplar")]
+
     @pytest.mark.parametrize(
         "needle",
         [
@@ -128,6 +137,7 @@ class TestDashboard:
             "histogram_quantile(0.5, sum by (backend, le) (rate(kvroute_upstream_ttft_seconds_bucket",
             "histogram_quantile(0.9, sum by (backend, le) (rate(kvroute_upstream_ttft_seconds_bucket",
             "histogram_quantile(0.99, sum by (backend, le) (rate(kvroute_upstream_ttft_seconds_bucket",
+            "histogram_quantile(0.99, sum by (backend, le) (rate(kvroute_request_duration_seconds_bucket",
             "vllm:prefix_cache_hits_total",
             "kvroute_prompt_tokens_cached_total",
             "kvroute_in_flight",

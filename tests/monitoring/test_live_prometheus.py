@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import anyio
 import httpx
 import pytest
 
+from tests.contrib.tracing.receiver import HttpReceiver
 from tests.monitoring.stack import DASHBOARD, Prometheus, proxy_requests, require, start_proxy
 from tests.replicas.processes import Process, body, start_engines, until
 
@@ -92,8 +93,18 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture(scope="module")
+def collector() -> Iterator[HttpReceiver]:
+    """The OTLP receiver the proxy exports its spans to (its sampled requests' trace ids are the exemplars)."""
+    receiver = HttpReceiver().start()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()
+
+
+@pytest.fixture(scope="module")
 async def stack(
-    client: httpx.AsyncClient, tmp_path_factory: pytest.TempPathFactory
+    client: httpx.AsyncClient, tmp_path_factory: pytest.TempPathFactory, collector: HttpReceiver
 ) -> AsyncIterator[tuple[Prometheus, Process]]:
     """The stack after its traffic, with Prometheus holding every request the proxy counted."""
     require("prometheus")  # before starting anything: fail at once, naming the package
@@ -101,7 +112,8 @@ async def stack(
     engines = await start_engines(client, ENGINES, time_scale=0.05)
     started: list[Any] = list(engines)
     try:
-        proxy = await start_proxy(client, engines, directory, {"prefix_length": 1024, "concurrency_threshold": 2})
+        options = {"prefix_length": 1024, "concurrency_threshold": 2}
+        proxy = await start_proxy(client, engines, directory, options, otlp_endpoint=collector.url)
         started.append(proxy)
         prometheus = Prometheus(directory, proxy, engines)
         started.append(prometheus)
@@ -288,3 +300,28 @@ class TestRulesAgainstPrometheus:
         assert not broken, f"expected every alert rule healthy, got {broken}"
         firing = [a["name"] for a in alerts if a["state"] == "firing"]
         assert not firing, f"expected no alert firing on a healthy fleet, got {firing}"
+
+
+class TestExemplars:
+    """The histograms' trace-id exemplars, scraped as OpenMetrics into Prometheus' exemplar storage."""
+
+    @pytest.mark.parametrize(
+        "histogram", ["kvroute_request_duration_seconds_bucket", "kvroute_upstream_ttft_seconds_bucket"]
+    )
+    async def test_exemplars_name_traces_the_collector_got(
+        self,
+        client: httpx.AsyncClient,
+        stack: tuple[Prometheus, Process],
+        collector: HttpReceiver,
+        histogram: str,
+    ) -> None:
+        """Prometheus holds exemplars of the dashboard's latency histograms whose trace ids are traces the proxy
+        exported to the collector."""
+        prometheus, _ = stack
+        found = await prometheus.exemplars(client, f'{histogram}{{job="kvroute"}}')
+        trace_ids = {labels["trace_id"] for labels in found if "trace_id" in labels}
+        assert trace_ids, f"expected exemplars with a trace_id on {histogram}, got {found[:5]}"
+        exported = {s.trace_id for s in collector.wait_for(lambda spans: len(spans) > 0)}
+        assert trace_ids & exported, (
+            f"expected exemplar trace ids among the exported traces, got {sorted(trace_ids)[:5]}"
+        )

@@ -13,7 +13,7 @@ thread. Its `fault` may change while it runs:
 - ``comment_first``: a good stream that starts with a comment-only event (``: keep-alive``);
 - ``no_done``: a stream that ends cleanly (last chunk sent) without its ``data: [DONE]`` event.
 
-Every completion request is counted (`completions`, with the time it arrived); only this object's own
+Every completion request is counted (`completions`, with the time it arrived, and `headers`); only this object's own
 thread and sockets are ever stopped.
 """
 
@@ -43,6 +43,8 @@ class GrayEngine:
         self.port = 0
         #: Arrival times (monotonic) of completion requests.
         self.completions: list[float] = []
+        #: The headers of each completion request (lower-cased names), in arrival order.
+        self.headers: list[dict[str, str]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
@@ -108,6 +110,8 @@ class GrayEngine:
                     k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)
                 }
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+                if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+                    self.headers.append(headers)
                 if not await self._answer(method, path, body, reader, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError):

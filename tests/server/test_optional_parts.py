@@ -10,18 +10,21 @@ from kvroute_server.fleet.warm_join import NoWarmJoin
 from kvroute_server.ops.admin import NoAdminApi
 from kvroute_server.ops.shadow import NoShadows
 from kvroute_server.ops.status import NoStatusRoutes
+from kvroute_server.ops.tracing import NO_TRACE, NoTracing
 from tests.server.harness import Servers, chat_body, http, in_loop
 
 
 class TestOptionalPartsOff:
     def test_off_parts_are_null_objects(self, servers: Servers) -> None:
-        """Without discovery, warm join, shadows, admin token or status page, the proxy holds their null objects."""
+        """Without discovery, warm join, shadows, admin token, status page or OTLP endpoint, the proxy holds their null
+        objects."""
         proxy = servers.proxy(servers.emulators(1), status="off")
         app = proxy.app
         assert isinstance(app, ProxyApp)
         assert isinstance(app.discovery, NoDiscovery) and isinstance(app.warm_join, NoWarmJoin)
         assert isinstance(app.shadows, NoShadows) and isinstance(app.admin, NoAdminApi)
-        assert isinstance(app.status, NoStatusRoutes)
+        assert isinstance(app.status, NoStatusRoutes) and isinstance(app.tracing, NoTracing)
+        assert app.tracing.start({"headers": []}, "r") is NO_TRACE
         assert in_loop(proxy, lambda: app.warm_join.warming) == []
 
     def test_answers_without_them(self, servers: Servers) -> None:

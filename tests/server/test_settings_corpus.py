@@ -67,6 +67,7 @@ ADDED: dict[str, Any] = {
         "standard": "auto",
         "sheddable": "auto",
     },
+    "tracing": {"endpoint": None, "protocol": None, "sample_ratio": None, "service_name": None, "max_queue": 2048},
 }
 #: Keys of nested tables added since, with their defaults: ``{table: {key: default}}``.
 ADDED_NESTED: dict[str, dict[str, Any]] = {"timeouts": {"deadline_floor": 5.0, "deadline_factor": 4.0}}
@@ -87,6 +88,9 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--slo-{name}" for name in ("ttft-ms", "tpot-ms", "priority", "aware", "prefill-rate", "decode-step")),
         "--admission",
         *(f"--admission-{name}" for name in ("queue-size", "order", "max-wait", "critical", "standard", "sheddable")),
+        "--otlp-endpoint",
+        "--otlp-protocol",
+        "--trace-sample-ratio",
     },
     # "-j," is how the first word of "-j, --jobs N" reads.
     "simulate": {"--sessions", "--ray", "-j,", "--slo", "--load"},

@@ -193,6 +193,14 @@ class TestUsageSniffer:
             sniffer.feed(body[start:end])
         assert (sniffer.prompt_tokens, sniffer.cached_tokens) == (1234, 1024)
 
+    def test_completion_tokens_beside_their_details(self) -> None:
+        """usage.completion_tokens is found, and completion_tokens_details (a table, not a count) does not hide it."""
+        sniffer = UsageSniffer()
+        sniffer.feed(
+            USAGE_EVENT.replace(b'"prompt_tokens_details"', b'"completion_tokens_details":{},"prompt_tokens_details"')
+        )
+        assert (sniffer.prompt_tokens, sniffer.completion_tokens, sniffer.cached_tokens) == (1234, 5, 1024)
+
     def test_last_usage_wins(self) -> None:
         """With two usage objects in the bytes, the later one's numbers are kept."""
         sniffer = UsageSniffer()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         ServerConfig,
         SessionConfig,
         TimeoutConfig,
+        TracingConfig,
         load_toml,
     )
     from kvroute_server.http.runner import ServerThread, run_server
@@ -32,6 +33,7 @@ _EXPORTS = {
     "ServerConfig": "kvroute_server.config",
     "SessionConfig": "kvroute_server.config",
     "TimeoutConfig": "kvroute_server.config",
+    "TracingConfig": "kvroute_server.config",
     "load_toml": "kvroute_server.config",
     "ServerThread": "kvroute_server.http.runner",
     "run_server": "kvroute_server.http.runner",
@@ -47,6 +49,7 @@ __all__ = [
     "ServerThread",
     "SessionConfig",
     "TimeoutConfig",
+    "TracingConfig",
     "import_sagemaker",
     "load_sagemaker",
     "load_toml",

@@ -45,6 +45,7 @@ __all__ = [
     "TimeoutConfig",
     "SessionConfig",
     "SloConfig",
+    "TracingConfig",
     "WarmJoinConfig",
     "apply_settings",
     "config_from_mapping",
@@ -715,6 +716,60 @@ class AdmissionConfig:
         if priority == "sheddable":
             return "shed"
         return "queue" if self.mode == "queue" else "shed"
+_OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+_ratio = expect("a number from 0 to 1", *NUMBER, v.ge(0), v.le(1))
+
+
+def _otlp_endpoint(value: Any) -> Any:
+    """``--otlp-endpoint``: an http(s) URL with a host, trailing slash dropped; anything else for the validator."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        return value
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"'otlp_endpoint' must be an http:// or https:// URL with a host (got {value!r}).")
+    return value.rstrip("/")
+
+
+@attrs.frozen
+class TracingConfig:
+    """OpenTelemetry tracing (docs/tracing.md): on when an OTLP endpoint is set here or in ``OTEL_EXPORTER_OTLP_*``.
+
+    Unset values fall back to the standard ``OTEL_*`` environment variables (protocol, sampler, service
+    name), then to OpenTelemetry's defaults. Needs ``kvroute[tracing]``.
+    """
+
+    endpoint: str | None = setting(
+        None,
+        converter=_otlp_endpoint,
+        flag="--otlp-endpoint",
+        metavar="URL",
+        show_default=False,
+        help="Export traces over OTLP to this collector URL (env OTEL_EXPORTER_OTLP_ENDPOINT); unset: tracing off",
+    )
+    protocol: str | None = setting(
+        None,
+        v.optional(_one_of(_OTLP_PROTOCOLS)),
+        flag="--otlp-protocol",
+        choices=_OTLP_PROTOCOLS,
+        show_default=False,
+        help="OTLP protocol [default: env OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf]",
+    )
+    sample_ratio: float | None = setting(
+        None,
+        v.optional(_ratio),
+        converter=_as_float,
+        flag="--trace-sample-ratio",
+        metavar="RATIO",
+        click_type=float,
+        show_default=False,
+        help="Share of new traces sampled, parent-based [default: env OTEL_TRACES_SAMPLER, else all]",
+    )
+    service_name: str | None = setting(
+        None, show_default=False, help="service.name of the spans [default: env OTEL_SERVICE_NAME, else kvroute]"
+    )
+    max_queue: int = setting(2048, _positive_int, help="Finished spans waiting for export at most; more are dropped")
 
 
 _STATUS_MODES = ("on", "admin", "off")
@@ -825,6 +880,8 @@ class ServerConfig:
     warm_join: WarmJoinConfig = attrs.field(factory=WarmJoinConfig)
     #: Session affinity (``[sessions]``, ``--sessions``, ``--session-*``).
     sessions: SessionConfig = attrs.field(factory=SessionConfig)
+    #: OpenTelemetry tracing (``[tracing]``, ``--otlp-endpoint``...): off unless an endpoint is configured.
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
     #: The server protocol of each client connection: kvroute's own (`kvroute_server.http.protocol`) or uvicorn's.
     http: str = setting(
         "kvroute",
@@ -1051,7 +1108,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
-    for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission"):
+    for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission", "tracing"):
         values.update(_read_table(data, name))
     values[("backends",)] = config.backends + backends
     values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
@@ -1082,6 +1139,7 @@ for _cls in (
     SessionConfig,
     SloConfig,
     AdmissionConfig,
+    TracingConfig,
     BackendConfig,
     DiscoveryConfig,
     ServerConfig,

@@ -23,6 +23,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from kvroute.errors import ConfigError
@@ -34,6 +35,7 @@ from kvroute.strategy import Decision
 __all__ = [
     "CONTENT_TYPE",
     "MULTIPROC_ENV",
+    "OPENMETRICS",
     "ProxyMetrics",
     "RequestOutcome",
     "ShadowMetrics",
@@ -45,6 +47,8 @@ __all__ = [
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+#: The OpenMetrics exposition's type: the one that carries exemplars (the histograms' trace ids, docs/tracing.md).
+OPENMETRICS = openmetrics.CONTENT_TYPE_LATEST.encode()
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -237,7 +241,7 @@ class ProxyMetrics:
         self._children: dict[tuple[object, ...], Any] = {}
         # `request_done`'s bound methods, made on first use (a series exists once it has a value).
         self._count_done: dict[tuple[str, RequestOutcome], Callable[[], None]] = {}
-        self._observe_duration: dict[str, Callable[[float], None]] = {}
+        self._observe_duration: dict[str, Callable[[float, dict[str, str] | None], None]] = {}
         self._fleet = fleet
         if not shared:
             r.register(_FleetCollector(fleet))
@@ -355,8 +359,15 @@ class ProxyMetrics:
     def observe_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)
 
-    def request_done(self, backend: str, outcome: RequestOutcome, duration: float | None) -> None:
-        """Count a finished request, and observe its duration when it reached a backend (once per request)."""
+    def request_done(
+        self,
+        backend: str,
+        outcome: RequestOutcome,
+        duration: float | None,
+        exemplar: dict[str, str] | None = None,
+    ) -> None:
+        """Count a finished request, and observe its duration when it reached a backend (once per request);
+        ``exemplar`` (a traced request's ``{"trace_id": ...}``) goes with the observation."""
         count = self._count_done.get((backend, outcome))
         if count is None:
             count = self._count_done[backend, outcome] = self.requests.labels(backend, self.strategy, outcome).inc
@@ -365,7 +376,7 @@ class ProxyMetrics:
             observe = self._observe_duration.get(backend)
             if observe is None:
                 observe = self._observe_duration[backend] = self.duration.labels(backend).observe
-            observe(duration)
+            observe(duration, exemplar)
         if self.shared:
             self._worker_requests.inc()
 
@@ -378,9 +389,18 @@ class ProxyMetrics:
         """Register the shadow comparison's metrics (only when shadows are configured), every series at 0."""
         return ShadowMetrics(self.registry, live, shadows)
 
-    def render(self) -> bytes:
-        """The exposition text: this process's registry, or every worker's values merged."""
-        return render_merged(self._merged) if self.shared else generate_latest(self.registry)
+    def exposition(self, accept: bytes) -> tuple[bytes, bytes]:
+        """``/metrics``' body and content type: OpenMetrics (with the histograms' trace-id exemplars) for a scraper
+        whose ``Accept`` asks for it, as Prometheus does, else the classic text format."""
+        if b"application/openmetrics-text" in accept:
+            return self.render(openmetrics=True), OPENMETRICS
+        return self.render(), CONTENT_TYPE
+
+    def render(self, *, openmetrics: bool = False) -> bytes:
+        """The exposition text: this process's registry, or every worker's values merged; in the OpenMetrics format
+        (with exemplars, which prometheus-client keeps only in one process) when asked."""
+        generate = _openmetrics_latest if openmetrics else generate_latest
+        return render_merged(self._merged, generate) if self.shared else generate(self.registry)
 
 
 #: How often `render_merged` reads the workers' files again after catching one being created.
@@ -388,7 +408,13 @@ _MERGE_ATTEMPTS = 5
 _MERGE_RETRY_S = 0.005
 
 
-def render_merged(registry: CollectorRegistry) -> bytes:
+def _openmetrics_latest(registry: CollectorRegistry) -> bytes:
+    return openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def render_merged(
+    registry: CollectorRegistry, generate: Callable[[CollectorRegistry], bytes] = generate_latest
+) -> bytes:
     """``generate_latest`` over the workers' multiprocess files, read again when one is caught being created.
 
     A worker that starts (or restarts after a crash) creates its file empty and sizes it a moment
@@ -398,7 +424,7 @@ def render_merged(registry: CollectorRegistry) -> bytes:
     """
     for attempt in range(_MERGE_ATTEMPTS):
         try:
-            return generate_latest(registry)
+            return generate(registry)
         except struct.error:
             if attempt + 1 == _MERGE_ATTEMPTS:
                 raise

@@ -61,9 +61,10 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
-from kvroute_server.ops.metrics import CONTENT_TYPE, ProxyMetrics, RequestOutcome
+from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
+from kvroute_server.ops.tracing import create_tracing
 from kvroute_server.proxy.forwarding import Exchange, Forwarder, count_reject, reject
 from kvroute_server.proxy.slo import SloHost, slo_choice
 
@@ -225,6 +226,8 @@ class ProxyApp:
         self.slo = SloHost(config, self.router, self.metrics)
         self.forwarder = Forwarder(config, self.router, self.backends, self.metrics, self.shadows, self.slo)
         self.admin = AdminApi.create(self.backends, config.admin_token, worker=self.worker)
+        # OpenTelemetry spans (docs/tracing.md): NoTracing unless an OTLP endpoint is configured.
+        self.tracing = create_tracing(config.tracing, self.fleet, self.metrics, str(self.worker.index))
         # The status page (docs/serve.md, "Status page").
         self.status = StatusRoutes.create(
             config, self.fleet, self.backends, self.router, self.metrics, self.discovery, self.worker
@@ -266,6 +269,7 @@ class ProxyApp:
             self.forwarder.upstream.close()  # the forwarded requests' idle keep-alive connections
             self.router.close()
             self.shadows.close()
+            self.tracing.close()  # export what is queued, bounded in time
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -338,7 +342,8 @@ class ProxyApp:
         await send_json(send, 200 if routable else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE)
+        body, content_type = self.metrics.exposition(next((v for k, v in scope["headers"] if k == b"accept"), b""))
+        await send_bytes(send, 200, body, content_type=content_type)
 
     # -- proxied routes ---------------------------------------------------------------
 
@@ -399,6 +404,7 @@ class ProxyApp:
             elif name in self._route_headers:
                 route_headers[self._route_headers[name]] = value.decode("latin-1")
         ex = Exchange(request_id or os.urandom(16).hex(), started)
+        ex.trace = self.tracing.start(scope, ex.request_id)
         scope[_SCOPE_REQUEST_ID] = ex.request_id
         if self._shared_metrics:
             self.metrics.worker_in_flight_child.inc()
@@ -459,7 +465,8 @@ class ProxyApp:
 
     def _finish(self, ex: Exchange) -> None:
         duration = time.perf_counter() - ex.started
-        self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None)
+        self.metrics.request_done(ex.backend, ex.outcome, duration if ex.backend != "none" else None, ex.trace.exemplar)
+        ex.trace.end(ex, duration)
         self.status.finished(ex, duration)
         self.slo.finished(ex)
         if self.config.access_log:

@@ -115,6 +115,7 @@ class Forwarder:
         task = asyncio.current_task()
         assert task is not None
         stop_watching = watch_client(scope, receive, ex, task)
+        send = ex.trace.counting(send)  # the same ``send`` when tracing is off
         try:
             if await self.slo.admission.admit(request, send, ex, id_header):  # False: answered (shed)
                 await self._attempts(request, raw, scope, send, ex, id_header)
@@ -157,6 +158,7 @@ class Forwarder:
                         self.metrics.child(self.metrics.spills, self.router.strategy_name, str(cause)).inc()
                     if self.router.sessions is not None:
                         self.metrics.session_routed(decision, self.router.sessions)
+                    ex.trace.routed(request, decision, avoid, ex.shadow)
                     if self._shared_metrics:
                         gauge = self.metrics.in_flight_child(decision.backend.id)
                         gauge.inc()
@@ -166,6 +168,7 @@ class Forwarder:
                             gauge.dec()
                     else:
                         failure = await self._attempt(lease, request, raw, scope, send, ex, id_header, failed)
+                    ex.trace.attempt_done(failure, ex.status)
                     if failure is not None:
                         lease.fail(failure.message)
             except NoBackendAvailable as exc:
@@ -253,6 +256,7 @@ class Forwarder:
             rank=rank,
             forged=forged,
         )
+        ex.trace.attempt(backend_id, ex.attempts, headers)  # its span, and its context into the headers
         if forged and ex.attempts == 1:
             self.metrics.child(self.metrics.dropped_headers, forged[0]).inc()
         if rank is not None:
@@ -287,9 +291,10 @@ class Forwarder:
             status = response.status
             sse = response.content_type == _SSE
             first_byte = time.perf_counter() - sent_at
+            ex.trace.first_byte(first_byte, status)
             if sse and status < 400:
                 ex.ttft = first_byte
-                self.metrics.child(self.metrics.ttft, backend_id).observe(ex.ttft)
+                self.metrics.child(self.metrics.ttft, backend_id).observe(ex.ttft, ex.trace.exemplar)
                 self.slo.first_byte(request, first_byte)
                 failure = await relay_stream(self, response, first, send, ex, id_header)
                 if failure is None and ex.outcome is RequestOutcome.OK:

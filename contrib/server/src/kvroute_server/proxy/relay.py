@@ -22,6 +22,7 @@ from kvroute_server.fleet.outliers import OutlierDetector
 from kvroute_server.http.asgi import Send
 from kvroute_server.http.client import UpstreamResponse
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
+from kvroute_server.ops.tracing import NO_TRACE, RequestTrace
 from kvroute_server.proxy.answers import (
     answered_like,
     ends_with_done,
@@ -84,8 +85,12 @@ class Exchange:
     #: The prompt's size estimate in tokens and the generation budget (the outlier detector's likeness).
     prompt_tokens: int = 0
     max_tokens: int | None = None
-    #: ``usage.completion_tokens`` of the answer, when the engine reported it (TPOT for the latency predictor).
-    completion_tokens: int | None = None
+    #: The token counts the backend reported in its usage, when it did.
+    usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    #: The request's spans (`kvroute_server.ops.tracing`): `NO_TRACE` when tracing is off.
+    trace: RequestTrace = NO_TRACE
 
 
 @attrs.define
@@ -237,8 +242,9 @@ async def relay_stream(
 
 
 def _record_usage(metrics: ProxyMetrics, backend_id: str, sniffer: UsageSniffer, ex: Exchange) -> None:
-    """Count the prompt and cached tokens the engine reported in its usage; keep its output tokens in ``ex``."""
-    ex.completion_tokens = sniffer.completion_tokens
+    """Count the prompt and cached tokens the engine reported in its usage, and keep its counts in ``ex``."""
+    ex.usage_prompt_tokens, ex.usage_cached_tokens = sniffer.prompt_tokens, sniffer.cached_tokens
+    ex.usage_completion_tokens = sniffer.completion_tokens
     if sniffer.prompt_tokens is not None:
         metrics.child(metrics.prompt_tokens, backend_id).inc(sniffer.prompt_tokens)
     if sniffer.cached_tokens is not None:

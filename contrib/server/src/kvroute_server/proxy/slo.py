@@ -85,7 +85,7 @@ class SloHost:
     def stream_done(self, request: RouteRequest, ex: Exchange, elapsed_s: float) -> None:
         """A stream ended whole ``elapsed_s`` after it was sent: its time per output token, from its usage."""
         predictor = self.router.predictor
-        tokens = ex.completion_tokens
+        tokens = ex.usage_completion_tokens
         if predictor is None or ex.ttft is None or tokens is None or tokens < 2:
             return
         with self.router.fleet.lock:

@@ -17,7 +17,8 @@ _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,18})(?!\d)')
 
 @attrs.define
 class UsageSniffer:
-    """Finds ``usage.prompt_tokens``, ``completion_tokens`` and ``prompt_tokens_details.cached_tokens`` in bytes.
+    """Finds ``usage.prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``usage.completion_tokens`` in
+    passing bytes.
 
     Bytes are scanned only when a chunk mentions ``usage``; a short tail of the previous
     chunk is kept so that a number split across two chunks is still found. The last
