@@ -716,6 +716,8 @@ class AdmissionConfig:
         if priority == "sheddable":
             return "shed"
         return "queue" if self.mode == "queue" else "shed"
+
+
 _OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 _ratio = expect("a number from 0 to 1", *NUMBER, v.ge(0), v.le(1))
 
