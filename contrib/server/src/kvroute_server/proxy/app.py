@@ -166,6 +166,21 @@ async def _internal_error(metrics: ProxyMetrics, scope: Scope, guard: _ResponseG
     )
 
 
+def _sessions(config: ServerConfig) -> tuple[tuple[SessionSource, ...], dict[bytes, str], Sessions | None]:
+    """The session-id sources, the request headers the parser reads (the route headers and the sources'),
+    and the router's bindings; no sources and no bindings when sessions are off."""
+    settings = config.sessions
+    sources = parse_sources(settings.sources) if settings.enabled else ()
+    headers = dict(_ROUTE_HEADERS)
+    for source in sources:
+        if source.kind == "header":
+            headers[source.name.encode("latin-1")] = source.name
+    if not settings.enabled:
+        return sources, headers, None
+    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, conversations=settings.conversations)
+    return sources, headers, sessions
+
+
 class ProxyApp:
     """The OpenAI-compatible routing proxy (an ASGI 3 application with lifespan).
 
@@ -202,23 +217,9 @@ class ProxyApp:
         )
         self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
         # Sessions (docs/serve.md, "Sessions"): the sources the request parser reads, and the router's bindings.
-        sessions = config.sessions
-        self._session_sources = parse_sources(sessions.sources) if sessions.enabled else ()
-        self._route_headers = dict(_ROUTE_HEADERS)
-        for source in self._session_sources:
-            if source.kind == "header":
-                self._route_headers[source.name.encode("latin-1")] = source.name
+        self._session_sources, self._route_headers, sessions = _sessions(config)
         self.router = Router.create(
-            self.fleet,
-            config.strategy,
-            config.options,
-            plugins=self.plugins,
-            sessions=Sessions(
-                ttl_s=sessions.ttl, max_sessions=sessions.max_sessions, conversations=sessions.conversations
-            )
-            if sessions.enabled
-            else None,
-            slo=slo_choice(config),
+            self.fleet, config.strategy, config.options, plugins=self.plugins, sessions=sessions, slo=slo_choice(config)
         )
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
