@@ -159,7 +159,10 @@ def _retry_after(miss: Prediction | None, objectives: Objectives, fallback: int)
 
 
 def _ms(seconds: float | None) -> str:
-    return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
+    if seconds is None:
+        return "none"
+    ms = seconds * 1000
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.3g} ms"  # an objective of 0.001 ms is not "0 ms"
 
 
 class Admission:
