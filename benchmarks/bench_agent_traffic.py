@@ -16,7 +16,8 @@ turns per 7 instances). Results in docs/performance.md ("Agent traffic in the si
 Run: ``python benchmarks/bench_agent_traffic.py`` (seed 0; about 25 minutes on 2 cores, most of
 it the 64-instance rows); ``--instances 4,16`` or ``--workloads agentic`` for fewer rows,
 ``--strategies bounded-load`` for one strategy, ``-W KEY=VALUE`` for a workload option
-(``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``).
+(``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``), ``-o STRATEGY.KEY=VALUE``
+for a strategy option (``-o bounded-load.share_factor=off``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-W", "--workload-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--sessions", action="store_true", help="the router keeps sessions (kvroute.sessions)")
+    parser.add_argument(
+        "-o", "--strategy-option", action="append", default=[], metavar="STRATEGY.KEY=VALUE", help="a strategy option"
+    )
     args = parser.parse_args(argv)
     configure_logging("warning")
     extra = {k: _value(v) for k, _, v in (item.partition("=") for item in args.workload_option)}
     strategies = [s for s in args.strategies.split(",") if s]
+    strategy_options: dict[str, dict[str, str]] = {}
+    for item in args.strategy_option:
+        name, _, rest = item.partition(".")
+        option, _, value = rest.partition("=")
+        strategy_options.setdefault(name, {})[option] = value
     print("| workload | instances | strategy | hit rate | bound | of the bound | busiest / idlest vs fair | targets |")
     print("|---|---|---|---|---|---|---|---|")
     failed = 0
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             arrivals = list(make_workload(workload, **options).arrivals())
             started = time.perf_counter()
             config = SimulationConfig(instances=instances, seed=args.seed, sessions=args.sessions)
-            comparison = compare(arrivals, strategies, config, workload=workload)
+            comparison = compare(arrivals, strategies, config, options=strategy_options, workload=workload)
             bound = comparison.upper_bound_hit_rate
             for result in comparison.results:
                 ratio = result.hit_rate / bound if bound else 0.0

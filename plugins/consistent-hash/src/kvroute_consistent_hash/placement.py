@@ -158,6 +158,10 @@ class Rendezvous:
         states = self.states
         return (states[i] for i in self.ranking(key, model))
 
+    def member(self, backend_id: str) -> int | None:
+        """Index of the member with id ``backend_id``; ``None`` if there is none."""
+        return self._by_backend_id.get(backend_id)
+
     def index(self, state: BackendState) -> int | None:
         """Index of a member, by identity or else by backend id; ``None`` if it is not a member."""
         found = self._by_object.get(id(state))
