@@ -16,8 +16,8 @@ turns per 7 instances). Results in docs/performance.md ("Agent traffic in the si
 Run: ``python benchmarks/bench_agent_traffic.py`` (seed 0; about 25 minutes on 2 cores, most of
 it the 64-instance rows); ``--instances 4,16`` or ``--workloads agentic`` for fewer rows,
 ``--strategies bounded-load`` for one strategy, ``-W KEY=VALUE`` for a workload option
-(``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``), ``-o STRATEGY.KEY=VALUE``
-for a strategy option (``-o bounded-load.share_factor=off``).
+(``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``),
+``-o STRATEGY.KEY=VALUE`` for a strategy option (``-o bounded-load.share_factor=off``).
 """
 
 from __future__ import annotations

@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         options.setdefault(name, {})[option] = value
     seeds = [int(s) for s in args.seeds.split(",")]
     namings = [n for n in args.namings.split(",") if n]
-    print("| workload | strategy | hit rate per seed (worst-best over namings) | worst / best over namings (worst seed) | busiest vs fair (worst run) |")
+    print(
+        "| workload | strategy | hit rate per seed (worst-best over namings) "
+        "| worst / best over namings (worst seed) | busiest vs fair (worst run) |"
+    )
     print("|---|---|---|---|---|")
     for name in args.workloads.split(","):
         workload, workload_options, engine_options = WORKLOADS[name]

@@ -58,7 +58,9 @@ def agent_traffic(seed: int, sessions: int = 64) -> list[tuple[int, RouteRequest
         cursors[s] += 1
 
 
-def run(r: Router, traffic: list[tuple[int, RouteRequest]], in_flight: int = 4) -> tuple[Counter[str], dict[int, set[str]]]:
+def run(
+    r: Router, traffic: list[tuple[int, RouteRequest]], in_flight: int = 4
+) -> tuple[Counter[str], dict[int, set[str]]]:
     """Route ``traffic`` with ``in_flight`` requests held at a time; requests per backend, backends per session."""
     per_backend: Counter[str] = Counter()
     per_session: defaultdict[int, set[str]] = defaultdict(set)
@@ -93,7 +95,9 @@ class TestAgentTraffic:
     def test_pure_hashing_is_lumpier(self) -> None:
         """The same traffic with share_factor=off (the placement before the bound): the busiest backend takes more
         than 1.4x a fair share on some of the seeds the bound passes, so the check above can fail."""
-        worst = max(busiest(run(router(share_factor="off"), agent_traffic(seed, sessions=160))[0], 8) for seed in range(5))
+        worst = max(
+            busiest(run(router(share_factor="off"), agent_traffic(seed, sessions=160))[0], 8) for seed in range(5)
+        )
         assert worst > 1.4
 
     def test_a_cold_preamble_does_not_park_its_first_conversations(self) -> None:

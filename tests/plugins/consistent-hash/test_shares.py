@@ -85,7 +85,9 @@ class TestConsistentHashOption:
             r = Router.create(fleet, "consistent-hash", options)
             counts: dict[str, int] = {}
             for n in range(12):
-                lease = r.acquire(chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{n}"}]))
+                lease = r.acquire(
+                    chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{n}"}])
+                )
                 counts[lease.backend.id] = counts.get(lease.backend.id, 0) + 1
                 r.release(lease)
             assert least <= max(counts.values()) <= most, (options, counts)

@@ -74,6 +74,9 @@ class Balanced:
     __slots__ = (
         "_order",
         "_ranks",
+        "_total_weight",
+        "candidates",
+        "choices",
         "held",
         "holder",
         "home",
@@ -81,9 +84,6 @@ class Balanced:
         "key",
         "model",
         "placement",
-        "_total_weight",
-        "candidates",
-        "choices",
         "shares",
         "view",
     )
