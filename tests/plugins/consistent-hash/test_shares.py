@@ -1,9 +1,10 @@
-"""`Shares`: the recent requests' window, the share cap, the keys' holders, and consistent-hash's share option."""
+"""`Shares` (the recent requests' window, the share cap, the keys' holders), the share option and `Rendezvous.head`."""
 
 from __future__ import annotations
 
 import pytest
-from kvroute_consistent_hash import ConsistentHash, Shares
+from kvroute_consistent_hash import ConsistentHash, Rendezvous, Shares
+from kvroute_consistent_hash.placement import HEAD
 from kvroute_consistent_hash.shares import auto_window
 
 from kvroute import Backend, ConfigError, Fleet, Router
@@ -91,3 +92,14 @@ class TestConsistentHashOption:
                 counts[lease.backend.id] = counts.get(lease.backend.id, 0) + 1
                 r.release(lease)
             assert least <= max(counts.values()) <= most, (options, counts)
+
+
+class TestHead:
+    @pytest.mark.parametrize("weights", [(1.0,) * 9, (1.0, 2.0, 0.5, 3.0, 1.0, 1.0, 2.0), (1.0, 1.0)])
+    def test_head_is_the_start_of_the_ranking(self, weights: tuple[float, ...]) -> None:
+        """`Rendezvous.head` (no full sort) is the first HEAD members of `ranking`, with or without its cache."""
+        states = list(Fleet([Backend(f"b{i}", weight=w) for i, w in enumerate(weights)]))
+        for cache_size in (0, 64):
+            placement = Rendezvous(states, cache_size=cache_size)
+            for key in range(0, 2**64, 2**57 + 12345):
+                assert placement.head(key) == placement.ranking(key)[:HEAD]

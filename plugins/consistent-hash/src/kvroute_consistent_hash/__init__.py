@@ -35,7 +35,7 @@ from kvroute.keys import (
 )
 from kvroute.options import int_option, optional_float_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
-from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
+from kvroute_consistent_hash.placement import HEAD, CandidateView, Rendezvous, backend_seed
 from kvroute_consistent_hash.shares import Shares
 
 __all__ = [
@@ -136,15 +136,29 @@ class Balanced:
     def order(self) -> list[kvroute.BackendState]:
         """The candidates in the key's preference order."""
         if self._order is None:
-            order: list[kvroute.BackendState] = []
-            get = self.view.get
-            for rank, index in enumerate(self.placement.ranking(self.key, self.model)):
+            ranked = list(self._ranked())
+            self._ranks = [rank for rank, _ in ranked]
+            self._order = [state for _, state in ranked]
+        return self._order
+
+    def _ranked(self) -> Iterator[tuple[int, kvroute.BackendState]]:
+        """(rank, candidate) in the key's order: the memoized head first, the full ranking only past it."""
+        if self._order is not None:
+            yield from zip(self._ranks, self._order, strict=True)
+            return
+        get, placement = self.view.get, self.placement
+        head = placement.head(self.key, self.model)
+        for rank, index in enumerate(head):
+            state = get(index)
+            if state is not None:
+                yield rank, state
+        if len(head) < HEAD:
+            return
+        for rank, index in enumerate(placement.ranking(self.key, self.model)):
+            if rank >= len(head):
                 state = get(index)
                 if state is not None:
-                    order.append(state)
-                    self._ranks.append(rank)
-            self._order = order
-        return self._order
+                    yield rank, state
 
     def preferred(self) -> Iterator[kvroute.BackendState]:
         """The candidates, best first (lazily: the order is computed only as far as the walk goes).
@@ -182,7 +196,7 @@ class Balanced:
         home = self.home
         if home is not None:
             yield home
-        for state in self.order:
+        for _, state in self._ranked():
             if state is not home:
                 yield state
 
@@ -192,8 +206,7 @@ class Balanced:
 
     def rank(self, state: kvroute.BackendState) -> int:
         """Position of ``state`` in the key's order over every member serving the model (0: the home)."""
-        order = self.order
-        return next(rank for rank, s in zip(self._ranks, order, strict=True) if s is state)
+        return next(rank for rank, s in self._ranked() if s is state)
 
 
 @attrs.define
