@@ -143,25 +143,23 @@ class TestSessions:
             for s in order
         ]
 
-    def test_sessions_spread_and_stay(self) -> None:
-        """56 sessions of 1-12 requests on 7 backends through the session table: each session stays on one backend
-        and the busiest takes at most 1.3x a fair share."""
+    def test_session_ids_go_to_their_hash_home_whatever_the_shares(self) -> None:
+        """56 sessions of 1-12 requests through the session table: each goes to the home its id hashes to (what an
+        idle router decides), however lumpy, so replicas that never saw each other's traffic agree."""
         r = router(7, sessions=Sessions())
+        idle = router(7, sessions=Sessions())
         per_backend: Counter[str] = Counter()
-        where: defaultdict[str, set[str]] = defaultdict(set)
         for request in self._traffic(0):
             lease = r.acquire(request)
             per_backend[lease.backend.id] += 1
-            assert request.session_id is not None
-            where[request.session_id].add(lease.backend.id)
+            assert lease.backend.id == idle.decide(request)[0].backend.id
             r.release(lease)
-        assert all(len(b) == 1 for b in where.values())
-        assert busiest(per_backend, 7) <= 1.3, per_backend
+        assert busiest(per_backend, 7) > 1.1  # the shares would have spread them: they did not apply
 
-    def test_replicas_that_see_the_same_requests_agree(self) -> None:
-        """Two routers fed the same requests (each its own window of shares) make the same decision every time."""
-        a, b = router(7, sessions=Sessions()), router(7, sessions=Sessions())
-        for request in self._traffic(1):
+    def test_replicas_that_see_the_same_conversations_agree(self) -> None:
+        """Two routers fed the same agent conversations (each its own window of shares) decide alike every time."""
+        a, b = router(sessions=Sessions()), router(sessions=Sessions())
+        for _, request in agent_traffic(3, sessions=40):
             la, lb = a.acquire(request), b.acquire(request)
             assert la.backend.id == lb.backend.id
             a.release(la)

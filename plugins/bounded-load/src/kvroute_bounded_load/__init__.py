@@ -143,15 +143,18 @@ class BoundedLoad(ConsistentHash):
         *,
         conversation: int | None = None,
         choices: int = 1,
+        balance: bool = False,
     ) -> kvroute.Decision:
         """Place an already computed key under both bounds: the first of `ConsistentHash.balanced`'s order with room.
 
-        That is the backend holding the key's conversation (or the key), else the first backend of the
-        key's order with share room, as long as it has room for a request; else the next with room,
-        else the least loaded. With the share bound off (or a hot key replicated), `place_home`.
+        With ``balance`` (`pick` sets it): the backend holding the key's conversation (or the key),
+        else the first backend of the key's order with share room, as long as it has room for a
+        request; else the next with room, else the least loaded. Without it (a session id placed by
+        the session table, which every replica must place alike), with the share bound off, or for a
+        hot key being replicated: `place_home`.
         """
         balanced = None
-        if not (self.hot_replicas > 1 and key in self._key_in_flight):
+        if balance and not (self.hot_replicas > 1 and key in self._key_in_flight):
             balanced = self.balanced(key, model, candidates, conversation, choices)
         if balanced is None:
             return self.place_home(key, model, candidates)

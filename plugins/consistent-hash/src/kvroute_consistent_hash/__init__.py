@@ -366,7 +366,12 @@ class ConsistentHash(kvroute.BaseStrategy):
         if self._shares is None or request.affinity_key is not None:
             return self.place_home(key, request.model, candidates)
         return self.place(
-            key, request.model, candidates, conversation=self._conversation(request), choices=self.share_choices
+            key,
+            request.model,
+            candidates,
+            conversation=self._conversation(request),
+            choices=self.share_choices,
+            balance=True,
         )
 
     def balanced(
@@ -419,15 +424,17 @@ class ConsistentHash(kvroute.BaseStrategy):
         *,
         conversation: int | None = None,
         choices: int = 1,
+        balance: bool = False,
     ) -> kvroute.Decision:
-        """Place an already computed key: its holder, else the first backend of its order with share room.
+        """Place an already computed key; with ``balance``, under the share bound.
 
-        With the share bound off, `place_home`. ``conversation`` is the request's conversation key, if
-        any; ``choices`` 2 compares the first two backends with share room (`Balanced.preferred`). A
-        caller placing a session id (`kvroute.sessions`) leaves it at 1: the first backend with share
-        room is what every replica computes alike, a comparison of two loads less so.
+        Without ``balance`` (the default, what the session table uses for a session id: every
+        replica must send a new session to the same backend without seeing the same traffic), or
+        with the share bound off, `place_home`. With it: the holder of ``conversation`` or ``key``,
+        else the first backend of the key's order with share room (``choices`` 2: the less loaded
+        of the first two, `Balanced.preferred`).
         """
-        balanced = self.balanced(key, model, candidates, conversation, choices)
+        balanced = self.balanced(key, model, candidates, conversation, choices) if balance else None
         if balanced is None:
             return self.place_home(key, model, candidates)
         chosen = next(balanced.preferred())
