@@ -17,7 +17,8 @@ Run: ``python benchmarks/bench_agent_traffic.py`` (seed 0; about 25 minutes on 2
 it the 64-instance rows); ``--instances 4,16`` or ``--workloads agentic`` for fewer rows,
 ``--strategies bounded-load`` for one strategy, ``-W KEY=VALUE`` for a workload option
 (``-W session_ids=true``), ``--sessions`` for a router that keeps sessions (``kvroute simulate --sessions``),
-``-o STRATEGY.KEY=VALUE`` for a strategy option (``-o tokenizer-prefix.cold_choices=2``).
+``-o STRATEGY.KEY=VALUE`` for a strategy option (``-o tokenizer-prefix.cold_choices=2``,
+``-o bounded-load.share_factor=off``).
 """
 
 from __future__ import annotations

@@ -81,10 +81,17 @@ def hot_head_allowance(arrivals: list[Arrival], config: SimulationConfig, prompt
 
 @functools.cache
 def run(name: str, tmp: Path) -> tuple[Comparison, float]:
-    """bounded-load and tokenizer-prefix (default options) over one case, and its hot-head allowance."""
+    """bounded-load (hash placement with bounded loads) and tokenizer-prefix (default options) over one case, and
+    its hot-head allowance.
+
+    bounded-load runs with ``share_factor=off``: its share bound (issues 23 and 24) also balances the recent
+    requests below the in-flight cap, which tokenizer-prefix does not claim; the reference here is hash
+    placement under the same load bound, as when these tests were written.
+    """
     arrivals, instances = case_arrivals(name, tmp)
     config = SimulationConfig(instances=instances)
-    comparison = compare(arrivals, ["bounded-load", "tokenizer-prefix"], config, workload=name)
+    options = {"bounded-load": {"share_factor": "off"}}
+    comparison = compare(arrivals, ["bounded-load", "tokenizer-prefix"], config, options=options, workload=name)
     return comparison, hot_head_allowance(arrivals, config, comparison.prompt_tokens)
 
 

@@ -7,8 +7,9 @@ two kinds of keys:
 * ``session``: the request names its session (`RouteRequest.session_id`, read from the sources
   in `kvroute.session_ids`). With no binding yet, the session is placed by its own key: a
   strategy with ``place(key, model, candidates)`` (the consistent-hash family) puts it on the
-  key's rendezvous home under its load bound, so every router replica sends a new session to
-  the same backend without talking to the others; any other strategy picks as usual.
+  key's rendezvous home under its load bound (not under bounded-load's share bound, which
+  depends on the traffic each replica saw), so every router replica sends a new session to the
+  same backend without talking to the others; any other strategy picks as usual.
 * ``conversation``: no session id, but the strategy can tell one conversation's turns apart
   (an optional ``conversation_key(request) -> int | None`` method: the same key for every
   turn). The first turn goes where the strategy sends it; later turns follow it, even after

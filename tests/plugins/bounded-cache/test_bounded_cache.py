@@ -9,6 +9,7 @@ from kvroute_bounded_cache import BoundedCache, Footprints
 
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
+from tests.helpers import chat
 
 #: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
@@ -143,8 +144,9 @@ class TestBoundedCache:
         assert place_each(r, PROMPTS) == [_home(strategy, p) for p in PROMPTS]
 
     def test_stale_telemetry_does_not_steer(self) -> None:
-        """Capacity older than load_max_age is ignored: cache_fill is off and capacities fall back to weights."""
-        r = router([Backend("a"), Backend("b")], cache_factor="off")
+        """Capacity older than load_max_age is ignored: cache_fill is off and capacities fall back to weights (the
+        share bound, which would spread these eight cold prompts by recent requests, is off to isolate that)."""
+        r = router([Backend("a"), Backend("b")], cache_factor="off", share_factor="off")
         for state in r.fleet:
             state.load = EngineLoad(kv_blocks=10, block_size=128, observed_at=0.0)  # long stale, far too small
         strategy = r.strategy
@@ -236,3 +238,31 @@ TestBoundedCacheWeightsScaling = ScalingStateMachine.for_strategy(
     claims=Claims(load_factor=2.0, resident=True, cache_factor=1.0),
     max_examples=12,
 ).TestCase
+
+
+class TestShareBound:
+    def test_conversations_of_a_new_system_prompt_spread_and_their_turns_stay(self) -> None:
+        """12 two-turn conversations under one new system prompt on 4 backends (no telemetry): with the default share
+        bound the first turns spread (at most 5 on one backend) and each second turn follows its first; with
+        share_factor=off every first turn goes to the system prompt's holder."""
+        for options, most in (({}, 5), ({"share_factor": "off"}, 12)):
+            r = router([Backend(f"b{i}") for i in range(4)], **options)
+            firsts: dict[int, str] = {}
+            for n in range(12):
+                turn = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {n}"}]
+                lease = r.acquire(chat(turn))
+                firsts[n] = lease.backend.id
+                r.release(lease)
+            for n in range(12):
+                turn = [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": f"question {n}"},
+                    {"role": "assistant", "content": "an answer"},
+                    {"role": "user", "content": "and then?"},
+                ]
+                lease = r.acquire(chat(turn))
+                assert lease.backend.id == firsts[n], (options, n)
+                r.release(lease)
+            assert max(Counter(firsts.values()).values()) <= most, (options, firsts)
+            if most == 12:
+                assert len(set(firsts.values())) == 1

@@ -26,26 +26,42 @@ class TestBoundedLoadMessageKey:
         assert isinstance(default, BoundedLoad) and isinstance(sagemaker, BoundedLoad)
         assert (default.prefix, sagemaker.prefix) == ("messages", "fixed")
 
-    def test_chat_traffic_keeps_each_system_prompt_on_one_backend(self) -> None:
-        """Chat traffic (24 system prompts of 2,500 characters, 2,000-character questions, 8 in flight): every
-        system prompt's requests go to one backend, and the prompts use at least 4 of the 7."""
+    @staticmethod
+    def _chat_traffic(r: Router) -> tuple[defaultdict[int, set[str]], Counter[str]]:
+        """24 system prompts of 2,500 characters, 2,000-character questions, 300 requests, 8 in flight."""
         rng = random.Random(0)
         systems = [words(rng, 2500) for _ in range(24)]
-        r = router()
         homes: defaultdict[int, set[str]] = defaultdict(set)
+        requests: Counter[str] = Counter()
         in_flight = []
         for _ in range(300):
             group = rng.randrange(24)
             messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": words(rng, 2000)}]
             lease = r.acquire(chat(messages))
             homes[group].add(lease.backend.id)
+            requests[lease.backend.id] += 1
             in_flight.append(lease)
             if len(in_flight) == 8:
                 r.release(in_flight.pop(0))
         for lease in in_flight:
             r.release(lease)
+        return homes, requests
+
+    def test_chat_traffic_keeps_each_system_prompt_on_few_backends_and_balances(self) -> None:
+        """Chat traffic of 24 system prompts on 7 backends: each prompt keeps one or two backends (it moves only
+        when its backend is over 1.375x its share), and the busiest backend takes at most 1.4x a fair share."""
+        homes, requests = self._chat_traffic(router())
+        assert all(len(backends) <= 2 for backends in homes.values()), homes
+        assert sum(len(backends) == 1 for backends in homes.values()) >= 18
+        assert len(requests) == 7 and max(requests.values()) <= 1.4 * 300 / 7, requests
+
+    def test_chat_traffic_without_the_share_bound_is_one_backend_per_prompt_and_lumpy(self) -> None:
+        """With share_factor=off (pure hashing at this load) every prompt has one backend, and the busiest takes
+        more than 1.4x a fair share: what the share bound corrects."""
+        homes, requests = self._chat_traffic(router(share_factor="off"))
         assert all(len(backends) == 1 for backends in homes.values()), homes
         assert len(set().union(*homes.values())) >= 4
+        assert max(requests.values()) > 1.4 * 300 / 7, requests
 
     @settings(derandomize=True, max_examples=60)
     @given(

@@ -277,13 +277,13 @@ class _Run:
     # -- fleet -----------------------------------------------------------------------------
 
     def _add(self, now: float) -> _Instance:
-        backend_id = f"i{self.next_index}"
+        backend_id = self.config.backend_names.format(index=self.next_index)
         self.next_index += 1
         size = self.config.engine.data_parallel_size
         ranks: dict[str, Any] = (
             {"data_parallel_size": size} if size > 1 and "data_parallel_size" in _BACKEND_FIELDS else {}
         )
-        backend = Backend(id=backend_id, url=f"sim://{backend_id}", kind="simulated", **ranks)
+        backend = Backend(id=backend_id, url=f"sim://i{self.next_index - 1}", kind="simulated", **ranks)
         engine = make_engine(self.config.engine, self.config.cost, name=backend_id)
         instance = self.instances[backend_id] = _Instance(backend, engine, now)
         self.order.append(backend_id)

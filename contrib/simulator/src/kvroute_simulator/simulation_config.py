@@ -98,6 +98,19 @@ class SimulationConfig:
     load: float | None = attrs.field(default=None, validator=optional(positive_number))
     #: The capacity (requests/s) ``load`` is a multiple of, when measured.
     capacity: float | None = attrs.field(default=None, validator=optional(positive_number))
+    #: How instances are named: a pattern with ``{index}`` (0, 1, ... in the order they join), e.g.
+    #: ``"e{index}"`` or ``"http://10.0.0.{index}:8000"``. Hash placement depends on the names, so a
+    #: sweep over patterns shows how much a strategy's figures owe to the luck of the names.
+    backend_names: str = attrs.field(default="i{index}")
+
+    @backend_names.validator
+    def _check_names(self, _attribute: object, value: object) -> None:
+        try:
+            names = {value.format(index=0), value.format(index=1)} if isinstance(value, str) else set()
+        except (KeyError, IndexError, ValueError):
+            names = set()
+        if len(names) != 2 or "{index}" not in str(value):
+            raise ConfigError(f"'backend_names' must be a pattern with {{index}}, like 'e{{index}}' (got {value!r}).")
 
     @property
     def fleet_blocks(self) -> int:

@@ -45,7 +45,7 @@ from fractions import Fraction
 
 import attrs
 from kvroute_bounded_load import LoadBound, choose
-from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous
+from kvroute_consistent_hash import HELD_SLACK, CandidateView, ConsistentHash, Rendezvous
 
 import kvroute
 from kvroute.options import bool_option, float_option, int_option, optional_float_option, optional_int_option
@@ -93,6 +93,7 @@ class BoundedCache(ConsistentHash):
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
     engine_load: bool = bool_option(False)
     min_capacity: int = int_option(16, min=0, max=1024)
+    share_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
     fitted: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
     _footprints: Footprints = attrs.field(init=False)
@@ -177,24 +178,48 @@ class BoundedCache(ConsistentHash):
         footprint = self.footprint(request)
         order = self._order(key, request.model, candidates)
         held = self._footprints
+        shares = self._shares if request.affinity_key is None else None
+        conversation = self._conversation(request) if shares is not None else None
+        holder = None
+        if conversation is not None and shares is not None:
+            holder_id = shares.holder(conversation)
+            holder = next((s for s in order if s.id == holder_id), None) if holder_id is not None else None
         holders = [s for s in order if held.holds(s.id, key)]
-        if holders:
-            preferred = holders + [s for s in order if not held.holds(s.id, key)]
+        if shares is not None and conversation is not None and holder is None:
+            # A new conversation leaves the holders of its key when they are over their share.
+            total_weight = sum(s.backend.weight for s in candidates)
+            holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, HELD_SLACK)]
+        if holder is not None:
+            preferred = [holder] + [s for s in order if s is not holder]
+        elif holders:
+            preferred = holders + [s for s in order if s not in holders]
         else:
             capacities, in_tokens = self.capacities(candidates)
             capacity = {id(s): c for s, c in zip(candidates, capacities, strict=True)}
             totals = (sum(held.held(s.id) for s in candidates), sum(capacities))
             tiers = {id(s): self.tier(held.held(s.id), footprint, capacity[id(s)], totals, in_tokens) for s in order}
             last = held.last(key)
-            # Stable: each tier in the key's order, but where the key went last first (it may still be cached).
-            preferred = sorted(order, key=lambda s: (tiers[id(s)], s.id != last))
+            if shares is None:
+                # Stable: each tier in the key's order, but where the key went last first (it may still be cached).
+                preferred = sorted(order, key=lambda s: (tiers[id(s)], s.id != last))
+            else:
+                # Among the backends with room under both cache limits, those with share room first
+                # (`Shares`), then where the key went last; the other tiers as without shares.
+                total_weight = sum(s.backend.weight for s in candidates)
+                crowded = {id(s) for s in order if not shares.has_room(s.id, s.backend.weight, total_weight)}
+                preferred = sorted(
+                    order, key=lambda s: (tiers[id(s)], tiers[id(s)] == 0 and id(s) in crowded, s.id != last)
+                )
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
         if choice.state is not home:
             detail["rank"] = next(rank for rank, s in enumerate(order) if s is choice.state)
+        if choice.state is holder:
+            detail["held"] = "conversation"
         if choice.reason == "first":
-            reason = "resident" if holders else "hash" if choice.state is home else "fitted"
+            reason = "held" if choice.state is holder and holder is not home else ""
+            reason = reason or ("resident" if holders else "hash" if choice.state is home else "fitted")
             return kvroute.Decision(choice.state.backend, reason=reason, key=key, detail=detail)
         return kvroute.Decision(
             choice.state.backend,

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
-from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous
+from kvroute_consistent_hash import CandidateView, ConsistentHash, Rendezvous, _balanced_decision
 
 import kvroute
 from kvroute.options import bool_option, int_option, optional_float_option, optional_int_option
@@ -61,6 +61,7 @@ class BoundedLoad(ConsistentHash):
     engine_load: bool = bool_option(False)
     min_capacity: int = int_option(16, min=0, max=1024)
     hot_replicas: int = int_option(1, min=1, max=64)
+    share_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
     replicated: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
     _key_in_flight: Counter[int] = attrs.field(factory=Counter, init=False)
@@ -134,7 +135,59 @@ class BoundedLoad(ConsistentHash):
         detail = {"home": home_id, "replicas": replicas, "rank": rank}
         return kvroute.Decision(state.backend, reason="hash" if rank == 0 else "replicated", key=key, detail=detail)
 
-    def place(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+    def place(
+        self,
+        key: int,
+        model: str | None,
+        candidates: Sequence[kvroute.BackendState],
+        *,
+        conversation: int | None = None,
+        choices: int = 1,
+        balance: bool = False,
+    ) -> kvroute.Decision:
+        """Place an already computed key under both bounds: the first of `ConsistentHash.balanced`'s order with room.
+
+        With ``balance`` (`pick` sets it): the backend holding the key's conversation (or the key),
+        else the first backend of the key's order with share room, as long as it has room for a
+        request; else the next with room, else the least loaded. Without it (a session id placed by
+        the session table, which every replica must place alike), with the share bound off, or for a
+        hot key being replicated: `place_home`.
+        """
+        balanced = None
+        if balance and not (self.hot_replicas > 1 and key in self._key_in_flight):
+            balanced = self.balanced(key, model, candidates, conversation, choices)
+        if balanced is None:
+            return self.place_home(key, model, candidates)
+        loads = self._bound.measure(
+            candidates, members=self._placement.states, members_weight=self._placement.total_weight
+        )
+        first = next(balanced.preferred())
+        hit = loads.limit(first)
+        if hit is None:
+            return _balanced_decision(balanced, first, key)
+
+        def rest() -> Iterator[kvroute.BackendState]:
+            # Past a full first choice, the key's own order: a spilled key keeps a stable second home.
+            yield first
+            yield from (state for state in balanced.order if state is not first)
+
+        choice = choose(rest(), loads)
+        detail: dict[str, object] = {"home": balanced.home_id, "rank": balanced.rank(choice.state)}
+        spill_reason = hit if balanced.home is not None else kvroute.SpillReason.HOME_UNROUTABLE
+        if choice.reason == "least_loaded":
+            return kvroute.Decision(
+                choice.state.backend,
+                reason="least_loaded",
+                key=key,
+                spilled=choice.state is not first,
+                detail=detail,
+                spill_reason=spill_reason,
+            )
+        return kvroute.Decision(
+            choice.state.backend, reason="spilled", key=key, spilled=True, detail=detail, spill_reason=spill_reason
+        )
+
+    def place_home(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         """Place an already computed key: its home if it has room, else the next with room, else the least loaded."""
         placement = self._placement
         loads = self._bound.measure(candidates, members=placement.states, members_weight=placement.total_weight)

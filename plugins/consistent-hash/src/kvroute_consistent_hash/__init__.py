@@ -17,8 +17,9 @@ key's own preference order, so no other key moves. There is no load awareness: u
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -32,17 +33,180 @@ from kvroute.keys import (
     message_cuts,
     prefix_key,
 )
-from kvroute.options import int_option, optional_int_option, str_option
+from kvroute.options import int_option, optional_float_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
-from kvroute_consistent_hash.placement import CandidateView, Rendezvous, backend_seed
+from kvroute_consistent_hash.placement import HEAD, CandidateView, Rendezvous, backend_seed
+from kvroute_consistent_hash.shares import Shares
 
-__all__ = ["CandidateView", "ConsistentHash", "HotGroups", "Rendezvous", "backend_seed", "prefix_key"]
+__all__ = [
+    "Balanced",
+    "CandidateView",
+    "ConsistentHash",
+    "HotGroups",
+    "Rendezvous",
+    "Shares",
+    "backend_seed",
+    "prefix_key",
+]
 
 #: Values of the ``prefix`` option: cut the key's text at message boundaries, or after ``prefix_length``.
 PREFIXES = ("messages", "fixed")
 
 #: Fleet events that change placement; the others (health, draining) only change who is routable.
 PLACEMENT_EVENTS = frozenset({"attached", "added", "removed", "weight", "models"})
+
+#: A key held by a backend moves for a new conversation only when that backend is over this many times
+#: ``share_factor`` (a new key moves past ``share_factor``): a system prompt keeps its home while that is
+#: merely above its share, and leaves it before conversations pile up there (docs/strategies.md).
+HELD_SLACK = 1.25
+
+
+class Balanced:
+    """One key's candidates under the share bound (`Shares`): its holder, its home and who comes first.
+
+    ``home`` is the key's home when it is a candidate (``home_id`` names it either way), ``holder``
+    the candidate holding the request's conversation (``held`` = ``"conversation"``) or key
+    (``"key"``). `preferred` yields the holder, then the candidates of the key's order with share
+    room, then the others; `order` (the candidates in the key's order) is computed only when the
+    holder and the home are not enough.
+    """
+
+    __slots__ = (
+        "_order",
+        "_ranks",
+        "_total_weight",
+        "candidates",
+        "choices",
+        "held",
+        "holder",
+        "home",
+        "home_id",
+        "key",
+        "model",
+        "placement",
+        "shares",
+        "view",
+    )
+
+    def __init__(
+        self,
+        placement: Rendezvous,
+        view: CandidateView,
+        key: int,
+        model: str | None,
+        shares: Shares,
+        candidates: Sequence[kvroute.BackendState],
+        home_id: str,
+        home: kvroute.BackendState | None,
+    ) -> None:
+        self.placement, self.view, self.key, self.model = placement, view, key, model
+        self.shares, self.candidates = shares, candidates
+        #: 2: a new key takes the less loaded of the first two backends of its order with share room.
+        self.choices = 1
+        self._total_weight: float | None = None
+        self.home_id, self.home = home_id, home
+        self.holder: kvroute.BackendState | None = None
+        self.held: str | None = None
+        self._order: list[kvroute.BackendState] | None = None
+        self._ranks: list[int] = []
+
+    def member(self, backend_id: str | None) -> kvroute.BackendState | None:
+        """The candidate named ``backend_id``, if it is one."""
+        if backend_id is None:
+            return None
+        index = self.placement.member(backend_id)
+        return None if index is None else self.view.get(index)
+
+    @property
+    def total_weight(self) -> float:
+        """The candidates' total weight (the snapshot's when the candidates are its members, in order)."""
+        if self._total_weight is None:
+            states, candidates = self.placement.states, self.candidates
+            if len(states) == len(candidates) and all(map(operator.is_, states, candidates)):
+                self._total_weight = self.placement.total_weight
+            else:
+                self._total_weight = sum(s.backend.weight for s in candidates)
+        return self._total_weight
+
+    def has_room(self, state: kvroute.BackendState, slack: float = 1.0) -> bool:
+        """Whether ``state`` has share room for one more request (`Shares.has_room`)."""
+        return self.shares.has_room(state.id, state.backend.weight, self.total_weight, slack)
+
+    @property
+    def order(self) -> list[kvroute.BackendState]:
+        """The candidates in the key's preference order."""
+        if self._order is None:
+            ranked = list(self._ranked())
+            self._ranks = [rank for rank, _ in ranked]
+            self._order = [state for _, state in ranked]
+        return self._order
+
+    def _ranked(self) -> Iterator[tuple[int, kvroute.BackendState]]:
+        """(rank, candidate) in the key's order: the memoized head first, the full ranking only past it."""
+        if self._order is not None:
+            yield from zip(self._ranks, self._order, strict=True)
+            return
+        get, placement = self.view.get, self.placement
+        head = placement.head(self.key, self.model)
+        for rank, index in enumerate(head):
+            state = get(index)
+            if state is not None:
+                yield rank, state
+        if len(head) < HEAD:
+            return
+        for rank, index in enumerate(placement.ranking(self.key, self.model)):
+            if rank >= len(head):
+                state = get(index)
+                if state is not None:
+                    yield rank, state
+
+    def preferred(self) -> Iterator[kvroute.BackendState]:
+        """The candidates, best first (lazily: the order is computed only as far as the walk goes).
+
+        The holder; then the candidates with share room in the key's order, except that with
+        ``choices`` 2 and no holder the first two of them come in the order of their recent
+        requests per unit of weight (the power of two choices; ties to the earlier); then the rest.
+        """
+        holder = self.holder
+        if holder is not None:
+            yield holder
+        two = self.choices > 1 and holder is None
+        crowded: list[kvroute.BackendState] = []
+        first: kvroute.BackendState | None = None
+        for state in self._walk():
+            if state is holder:
+                continue
+            if not self.has_room(state):
+                crowded.append(state)
+            elif not two:
+                yield state
+            elif first is None:
+                first = state
+            else:
+                if self.per_weight(state) < self.per_weight(first):
+                    first, state = state, first
+                yield first
+                yield state
+                first, two = None, False
+        if first is not None:
+            yield first
+        yield from crowded
+
+    def _walk(self) -> Iterator[kvroute.BackendState]:
+        home = self.home
+        if home is not None:
+            yield home
+        for _, state in self._ranked():
+            if state is not home:
+                yield state
+
+    def per_weight(self, state: kvroute.BackendState) -> float:
+        """``state``'s recent requests per unit of weight."""
+        return self.shares.count(state.id) / state.backend.weight
+
+    def rank(self, state: kvroute.BackendState) -> int:
+        """Position of ``state`` in the key's order over every member serving the model (0: the home)."""
+        return next(rank for rank, s in self._ranked() if s is state)
 
 
 @attrs.define
@@ -63,20 +227,34 @@ class ConsistentHash(kvroute.BaseStrategy):
       conversation key keeps 1,024 characters of the first user message).
     * ``cache_size`` (0-16777216, default 65536): keys whose placement is memoized per
       membership snapshot (0 disables the cache; it only saves time, never changes a pick).
+    * ``share_factor`` (1.0-100.0 or ``off``; default ``off`` here, 1.2 in ``bounded-load`` and
+      ``bounded-cache``): with ``prefix=messages``, a key that no backend holds goes to the first
+      backend of its order whose share of the recent requests stays within this factor of its
+      weight share, and a conversation's later turns follow its first (`Shares`).
+    * ``share_window`` (0-1,048,576, default 0 = 64 requests per member, at least 256): recent
+      requests the shares are counted over. ``share_keys`` (default 65536): keys whose holder is kept.
+    * ``share_choices`` (1 or 2, default 2): a new key takes the first backend of its order with
+      share room (1), or the less loaded of the first two (2, the power of two choices).
 
-    Decisions: reason ``hash`` (the home), or ``spilled`` with ``spill_reason`` =
-    ``home_unroutable`` when the home is not a candidate. ``spills`` counts spilled requests
-    that were started, by reason in ``spill_reasons``.
+    Decisions: reason ``hash`` (the home), ``held`` (the backend holding the conversation or key,
+    not its home), ``balanced`` (a later backend of the key's order, the home being over its
+    share), or ``spilled`` with ``spill_reason`` = ``home_unroutable`` when the home is not a
+    candidate. ``spills`` counts spilled requests that were started, by reason in ``spill_reasons``.
     """
 
     prefix: str | None = str_option(None, choices=PREFIXES)
     prefix_length: int | None = optional_int_option(min=MIN_PREFIX_LENGTH, max=MAX_PREFIX_LENGTH)
     cache_size: int = int_option(65536, min=0, max=1 << 24)
+    share_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
+    share_window: int = int_option(0, min=0, max=1 << 20)
+    share_keys: int = int_option(65536, min=1, max=1 << 24)
+    share_choices: int = int_option(2, min=1, max=2)
     spills: int = attrs.field(default=0, init=False)
     spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
     _placement: Rendezvous = attrs.field(init=False)
     _length: int = attrs.field(init=False)
     _hot_groups: HotGroups = attrs.field(factory=HotGroups, init=False)
+    _shares: Shares | None = attrs.field(default=None, init=False)
     #: The last request `_group` computed, with its result: ``on_request_start`` asks again for the
     #: request ``pick`` has just keyed (2.7 µs saved per request).
     _last_group: tuple[object, Cuts, int] | None = attrs.field(default=None, init=False, repr=False, eq=False)
@@ -88,6 +266,13 @@ class ConsistentHash(kvroute.BaseStrategy):
             self.prefix = "messages" if self.prefix_length is None else "fixed"
         self._length = DEFAULT_PREFIX_LENGTH if self.prefix_length is None else self.prefix_length
         self._placement = Rendezvous((), cache_size=self.cache_size)
+        if self.share_factor is not None and self.prefix == "messages":
+            self._shares = Shares(self.share_factor, self.share_window, self.share_keys)
+
+    @property
+    def shares(self) -> Shares | None:
+        """The recent requests' shares and the keys' holders (``None`` when ``share_factor`` is off or ``fixed``)."""
+        return self._shares
 
     @property
     def hot_groups(self) -> HotGroups:
@@ -110,6 +295,8 @@ class ConsistentHash(kvroute.BaseStrategy):
         ):
             return  # health or draining only: placement and its caches stay valid
         self._placement = Rendezvous(members, cache_size=self.cache_size)
+        if self._shares is not None:
+            self._shares.resize(len(members))
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if self.prefix == "messages" and request.affinity_key is None and _opens_conversation(request):
@@ -117,6 +304,16 @@ class ConsistentHash(kvroute.BaseStrategy):
         if decision.spilled:
             self.spills += 1
             self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
+        shares = self._shares
+        if shares is not None:
+            if request.affinity_key is not None:
+                shares.record(decision.backend.id, ())
+            elif decision.spilled or decision.reason == "replicated" or decision.detail.get("held") == "conversation":
+                # Overflow (a load spill, a hot key's extra home) does not move the key's holder: its
+                # second homes are for overflow only. A conversation follows its latest turn.
+                shares.record(decision.backend.id, (self._conversation(request),))
+            else:
+                shares.record(decision.backend.id, (self._conversation(request), decision.key))
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -165,9 +362,85 @@ class ConsistentHash(kvroute.BaseStrategy):
         return cuts, group
 
     def pick(self, request: kvroute.RouteRequest, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
-        return self.place(self.key(request), request.model, candidates)
+        key = self.key(request)
+        if self._shares is None or request.affinity_key is not None:
+            return self.place_home(key, request.model, candidates)
+        return self.place(
+            key,
+            request.model,
+            candidates,
+            conversation=self._conversation(request),
+            choices=self.share_choices,
+            balance=True,
+        )
 
-    def place(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
+    def balanced(
+        self,
+        key: int,
+        model: str | None,
+        candidates: Sequence[kvroute.BackendState],
+        conversation: int | None = None,
+        choices: int = 1,
+    ) -> Balanced | None:
+        """``key``'s candidates under the share bound; ``None`` when it is off (``share_factor`` or ``fixed``).
+
+        The holder: the backend ``conversation`` went to last, if it is a candidate; else the one
+        ``key`` went to last, if it is a candidate and, for a request that opens a conversation
+        (``conversation`` given and not held), still has share room: a system prompt's first
+        conversations do not all park on its home.
+        """
+        shares = self._shares
+        if shares is None:
+            return None
+        placement = self._placement
+        view = CandidateView(placement, candidates)
+        home = placement.home(key, model)
+        home_state = None if home is None else view.get(home)
+        if home is None or (home_state is None and view.foreign):
+            # The snapshot does not cover these candidates: rendezvous over the candidates alone.
+            placement = Rendezvous(candidates, cache_size=0)
+            view = CandidateView(placement, candidates)
+            model = None
+            home = placement.home(key, None)
+            assert home is not None
+            home_state = view.get(home)
+        balanced = Balanced(placement, view, key, model, shares, candidates, placement.states[home].id, home_state)
+        balanced.choices = choices
+        if conversation is not None:
+            holder = balanced.member(shares.holder(conversation))
+            if holder is not None:
+                balanced.holder, balanced.held = holder, "conversation"
+                return balanced
+        holder = balanced.member(shares.holder(key))
+        if holder is not None and (conversation is None or balanced.has_room(holder, HELD_SLACK)):
+            balanced.holder, balanced.held = holder, "key"
+        return balanced
+
+    def place(
+        self,
+        key: int,
+        model: str | None,
+        candidates: Sequence[kvroute.BackendState],
+        *,
+        conversation: int | None = None,
+        choices: int = 1,
+        balance: bool = False,
+    ) -> kvroute.Decision:
+        """Place an already computed key; with ``balance``, under the share bound.
+
+        Without ``balance`` (the default, what the session table uses for a session id: every
+        replica must send a new session to the same backend without seeing the same traffic), or
+        with the share bound off, `place_home`. With it: the holder of ``conversation`` or ``key``,
+        else the first backend of the key's order with share room (``choices`` 2: the less loaded
+        of the first two, `Balanced.preferred`).
+        """
+        balanced = self.balanced(key, model, candidates, conversation, choices) if balance else None
+        if balanced is None:
+            return self.place_home(key, model, candidates)
+        chosen = next(balanced.preferred())
+        return _balanced_decision(balanced, chosen, key)
+
+    def place_home(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         """Place an already computed key: its home if that is a candidate, else the next candidate in its order."""
         placement = self._placement
         view = CandidateView(placement, candidates)
@@ -197,6 +470,29 @@ class ConsistentHash(kvroute.BaseStrategy):
         placement = Rendezvous(candidates, cache_size=0)
         chosen = placement.states[placement.ranking(key, None)[0]]
         return kvroute.Decision(chosen.backend, reason="hash", key=key, detail={"home": chosen.id})
+
+
+def _balanced_decision(balanced: Balanced, chosen: kvroute.BackendState, key: int) -> kvroute.Decision:
+    """The decision for ``chosen`` when it is the first of ``balanced.preferred()`` (no load limit passed it over)."""
+    home = balanced.home
+    detail: dict[str, object] = {"home": balanced.home_id}
+    if chosen is balanced.holder:
+        detail["held"] = balanced.held
+    if chosen is home:
+        return kvroute.Decision(chosen.backend, reason="hash", key=key, detail=detail)
+    detail["rank"] = balanced.rank(chosen)
+    if chosen is balanced.holder:
+        return kvroute.Decision(chosen.backend, reason="held", key=key, detail=detail)
+    if home is None:
+        return kvroute.Decision(
+            chosen.backend,
+            reason="spilled",
+            key=key,
+            spilled=True,
+            detail=detail,
+            spill_reason=kvroute.SpillReason.HOME_UNROUTABLE,
+        )
+    return kvroute.Decision(chosen.backend, reason="balanced", key=key, detail=detail)
 
 
 def _opens_conversation(request: kvroute.RouteRequest) -> bool:

@@ -23,6 +23,7 @@ Members that do not serve a model are left out of that model's order (`Backend.s
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
@@ -38,6 +39,8 @@ _h64 = xxhash.xxh3_64_intdigest
 _LN_2_64 = 64 * math.log(2)
 #: Upper bound on memoized full orders per snapshot (each is a tuple of member indices).
 _MAX_RANKING_CACHE = 4096
+#: Members in a key's memoized head (`Rendezvous.head`): enough for a walk past a few busy backends.
+HEAD = 4
 
 
 def backend_seed(backend_id: str) -> int:
@@ -53,7 +56,7 @@ def _log_u(h: int) -> float:
 class _Subset:
     """The members that serve one model, in canonical order (by backend id), with HRW over them."""
 
-    __slots__ = ("groups", "home", "members", "ranking", "seeds", "uniform", "weights")
+    __slots__ = ("groups", "head", "home", "members", "ranking", "seeds", "uniform", "weights")
 
     def __init__(self, members: Sequence[int], states: Sequence[BackendState], cache_size: int) -> None:
         ordered = sorted(members, key=lambda i: states[i].backend.id)
@@ -71,9 +74,11 @@ class _Subset:
         )
         self.home: Callable[[int], int | None] = self._home
         self.ranking: Callable[[int], tuple[int, ...]] = self._ranking
+        self.head: Callable[[int], tuple[int, ...]] = self._head
         if cache_size > 0:
             self.home = functools.lru_cache(maxsize=cache_size)(self._home)
             self.ranking = functools.lru_cache(maxsize=min(cache_size, _MAX_RANKING_CACHE))(self._ranking)
+            self.head = functools.lru_cache(maxsize=cache_size)(self._head)
 
     def _home(self, key: int) -> int | None:
         seeds = self.seeds
@@ -93,6 +98,19 @@ class _Subset:
                 best = candidate
         assert best is not None
         return self.members[-best[2]]
+
+    def _head(self, key: int) -> tuple[int, ...]:
+        """The first `HEAD` members of the key's order (all of them when there are fewer): O(members), no sort."""
+        seeds = self.seeds
+        kb = key.to_bytes(8, "little")
+        raw = list(map(_h64, repeat(kb, len(seeds)), seeds))
+        if self.uniform:
+            top = heapq.nlargest(HEAD, range(len(seeds)), key=raw.__getitem__)
+        else:
+            scores = [(_log_u(h) / w, h) for h, w in zip(raw, self.weights, strict=True)]
+            top = heapq.nlargest(HEAD, range(len(seeds)), key=scores.__getitem__)
+        members = self.members
+        return tuple(members[p] for p in top)
 
     def _ranking(self, key: int) -> tuple[int, ...]:
         seeds = self.seeds
@@ -153,10 +171,18 @@ class Rendezvous:
         """Indices of the members serving ``model``, in the key's preference order."""
         return self.subset(model).ranking(key)
 
+    def head(self, key: int, model: str | None = None) -> tuple[int, ...]:
+        """The first `HEAD` indices of `ranking` (all of them with fewer members), without sorting every member."""
+        return self.subset(model).head(key)
+
     def preference(self, key: int, model: str | None = None) -> Iterator[BackendState]:
         """The members serving ``model``, in the key's preference order."""
         states = self.states
         return (states[i] for i in self.ranking(key, model))
+
+    def member(self, backend_id: str) -> int | None:
+        """Index of the member with id ``backend_id``; ``None`` if there is none."""
+        return self._by_backend_id.get(backend_id)
 
     def index(self, state: BackendState) -> int | None:
         """Index of a member, by identity or else by backend id; ``None`` if it is not a member."""

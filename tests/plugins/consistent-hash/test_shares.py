@@ -1,0 +1,105 @@
+"""`Shares` (the recent requests' window, the share cap, the keys' holders), the share option and `Rendezvous.head`."""
+
+from __future__ import annotations
+
+import pytest
+from kvroute_consistent_hash import ConsistentHash, Rendezvous, Shares
+from kvroute_consistent_hash.placement import HEAD
+from kvroute_consistent_hash.shares import auto_window
+
+from kvroute import Backend, ConfigError, Fleet, Router
+from tests.helpers import chat
+
+
+class TestShares:
+    def test_cap_is_the_mtz_cap_on_the_window(self) -> None:
+        """With 9 requests in the window (6 on a, 3 on b) and factor 1.1 over equal weights, each cap is
+        ceil(1.1 x 10 / 2) = 6: a (6 + 1 > 6) has no room, b has."""
+        shares = Shares(factor=1.1, window=100)
+        for backend in "aaaaaabbb":
+            shares.record(backend, ())
+        assert (shares.count("a"), shares.count("b"), len(shares)) == (6, 3, 9)
+        assert not shares.has_room("a", 1.0, 2.0) and shares.has_room("b", 1.0, 2.0)
+        assert shares.has_room("a", 1.0, 2.0, slack=1.25)  # ceil(1.375 x 10 / 2) = 7
+
+    def test_weights_scale_the_cap(self) -> None:
+        """Weights 3 and 1, 7 requests (5 and 2): caps ceil(3 x 8 / 4) = 6 and ceil(8 / 4) = 2."""
+        shares = Shares(factor=1.0, window=100)
+        for backend in "hhhhhll":
+            shares.record(backend, ())
+        assert shares.has_room("h", 3.0, 4.0) and not shares.has_room("l", 1.0, 4.0)
+
+    def test_an_empty_window_has_room_everywhere(self) -> None:
+        """Before any request every backend has room (the cap is at least 1): placement is plain hashing."""
+        assert Shares().has_room("x", 1.0, 64.0)
+
+    def test_window_slides(self) -> None:
+        """Past ``window`` requests the oldest leave the counts."""
+        shares = Shares(window=4)
+        for backend in "aaaab":
+            shares.record(backend, ())
+        assert (shares.count("a"), shares.count("b"), len(shares)) == (3, 1, 4)
+
+    def test_automatic_window_follows_the_fleet(self) -> None:
+        """With window 0 the size is 64 requests per member, at least 256, and shrinking drops the oldest."""
+        shares = Shares()
+        shares.resize(16)
+        assert shares.size == auto_window(16) == 1024
+        for _ in range(1000):
+            shares.record("a", ())
+        shares.resize(2)
+        assert (shares.size, len(shares)) == (256, 256)
+
+    def test_holders_are_the_last_backend_and_bounded(self) -> None:
+        """A key's holder is where its last request went; beyond max_keys the least recently used is forgotten."""
+        shares = Shares(max_keys=2)
+        shares.record("a", (1, None))
+        shares.record("b", (2,))
+        shares.record("c", (1,))
+        shares.record("d", (3,))
+        assert (shares.holder(1), shares.holder(2), shares.holder(3)) == ("c", None, "d")
+
+    @pytest.mark.parametrize(("factor", "window", "keys"), [(0.9, 0, 1), (1.1, -1, 1), (1.1, 0, 0)])
+    def test_bad_settings_are_refused(self, factor: float, window: int, keys: int) -> None:
+        """A factor under 1, a negative window or no keys is a ValueError that names the setting."""
+        with pytest.raises(ValueError, match="got"):
+            Shares(factor=factor, window=window, max_keys=keys)
+
+
+class TestConsistentHashOption:
+    def test_off_by_default_and_on_with_the_option(self) -> None:
+        """consistent-hash keeps pure hashing by default; share_factor turns the bound on (prefix=messages only)."""
+        assert ConsistentHash().shares is None
+        assert ConsistentHash(share_factor=1.1).shares is not None
+        assert ConsistentHash(share_factor=1.1, prefix="fixed").shares is None
+
+    def test_bad_option_is_a_config_error(self) -> None:
+        """share_factor under 1.0 is refused with what was expected and what was got."""
+        with pytest.raises(ConfigError, match="share_factor"):
+            Router.create(Fleet([Backend("a")]), "consistent-hash", {"share_factor": "0.5"})
+
+    def test_a_new_conversation_skips_a_home_over_its_share(self) -> None:
+        """With the bound on, 12 one-turn conversations under a new system prompt (too few to judge its group hot)
+        spread over 4 backends, at most 5 on one; without it all 12 go to the system prompt's home."""
+        for options, least, most in (({"share_factor": "1.1"}, 3, 5), ({}, 12, 12)):
+            fleet = Fleet([Backend(f"b{i}") for i in range(4)])
+            r = Router.create(fleet, "consistent-hash", options)
+            counts: dict[str, int] = {}
+            for n in range(12):
+                lease = r.acquire(
+                    chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{n}"}])
+                )
+                counts[lease.backend.id] = counts.get(lease.backend.id, 0) + 1
+                r.release(lease)
+            assert least <= max(counts.values()) <= most, (options, counts)
+
+
+class TestHead:
+    @pytest.mark.parametrize("weights", [(1.0,) * 9, (1.0, 2.0, 0.5, 3.0, 1.0, 1.0, 2.0), (1.0, 1.0)])
+    def test_head_is_the_start_of_the_ranking(self, weights: tuple[float, ...]) -> None:
+        """`Rendezvous.head` (no full sort) is the first HEAD members of `ranking`, with or without its cache."""
+        states = list(Fleet([Backend(f"b{i}", weight=w) for i, w in enumerate(weights)]))
+        for cache_size in (0, 64):
+            placement = Rendezvous(states, cache_size=cache_size)
+            for key in range(0, 2**64, 2**57 + 12345):
+                assert placement.head(key) == placement.ranking(key)[:HEAD]
