@@ -35,7 +35,9 @@ PROMPT_WORDS = 2300
 QUESTION_WORDS = 300
 STRATEGIES: dict[str, Mapping[str, Any]] = {
     "random": {"seed": 7},
-    "bounded-load": {},
+    # Hash placement, the case bounded-cache is for: bounded-load's share bound (on by default since issues
+    # 23/24) also spreads these eight prompts by their recent requests, so it is turned off here.
+    "bounded-load": {"share_factor": "off"},
     # The emulator counts a word as a token; the workload's words average 5 characters with their space.
     "bounded-cache": {"chars_per_token": 5.0},
 }
@@ -97,7 +99,7 @@ class TestCapacityTightEmulated:
 
     def test_bounded_cache_beats_bounded_load(self, tmp_path: Path) -> None:
         """bounded-cache splits the prompts by footprint, so the engines hit more (at least 65 %) than
-        under bounded-load and random."""
+        under hash placement (bounded-load, share bound off) and random."""
         results = run_all(tmp_path)
         summary = json.dumps(results, indent=1)
         for run in results.values():
