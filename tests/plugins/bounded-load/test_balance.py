@@ -164,3 +164,30 @@ class TestSessions:
             assert la.backend.id == lb.backend.id
             a.release(la)
             b.release(lb)
+
+
+class TestScaleOut:
+    def test_a_new_backend_takes_its_share_of_held_keys_and_nothing_moves_between_old_ones(self) -> None:
+        """After 4 -> 5 backends, keys held before move only to the new backend, and about a fifth of them do."""
+        rng = random.Random(5)
+        r = router(backends=4)
+        prompts = [
+            chat([{"role": "system", "content": f"prompt {n} " + words(rng, 300)}, {"role": "user", "content": "q"}])
+            for n in range(300)
+        ]
+
+        def assign() -> list[str]:
+            out = []
+            for request in prompts:
+                with r.route(request) as lease:
+                    out.append(lease.backend.id)
+            return out
+
+        before = assign()
+        assert assign() == before  # held keys stay
+        r.fleet.add(Backend("instance-4"))
+        after = assign()
+        moved = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+        assert {b for _, b in moved} == {"instance-4"}, Counter(moved)
+        assert 0.1 <= len(moved) / len(prompts) <= 0.3, len(moved)
+        assert assign() == after  # and they stay at the new home

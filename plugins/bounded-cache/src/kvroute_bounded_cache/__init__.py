@@ -182,7 +182,7 @@ class BoundedCache(ConsistentHash):
         conversation = self._conversation(request) if shares is not None else None
         holder = None
         if conversation is not None and shares is not None:
-            holder_id = shares.holder(conversation)
+            holder_id = shares.holder(conversation, order[0].id if order else None)
             holder = next((s for s in order if s.id == holder_id), None) if holder_id is not None else None
         holders = [s for s in order if held.holds(s.id, key)]
         if shares is not None and conversation is not None and holder is None:

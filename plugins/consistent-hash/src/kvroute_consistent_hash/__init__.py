@@ -297,6 +297,8 @@ class ConsistentHash(kvroute.BaseStrategy):
         self._placement = Rendezvous(members, cache_size=self.cache_size)
         if self._shares is not None:
             self._shares.resize(len(members))
+            known = {state.id for state in current.states}
+            self._shares.joined(state.id for state in members if state.id not in known)
 
     def on_request_start(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> None:
         if self.prefix == "messages" and request.affinity_key is None and _opens_conversation(request):
@@ -407,11 +409,11 @@ class ConsistentHash(kvroute.BaseStrategy):
         balanced = Balanced(placement, view, key, model, shares, candidates, placement.states[home].id, home_state)
         balanced.choices = choices
         if conversation is not None:
-            holder = balanced.member(shares.holder(conversation))
+            holder = balanced.member(shares.holder(conversation, balanced.home_id))
             if holder is not None:
                 balanced.holder, balanced.held = holder, "conversation"
                 return balanced
-        holder = balanced.member(shares.holder(key))
+        holder = balanced.member(shares.holder(key, balanced.home_id))
         if holder is not None and (conversation is None or balanced.has_room(holder, HELD_SLACK)):
             balanced.holder, balanced.held = holder, "key"
         return balanced

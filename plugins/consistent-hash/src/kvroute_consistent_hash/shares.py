@@ -12,7 +12,10 @@ requests of the recent past, not on the requests in flight:
   candidates), the MTZ cap on a sliding window of requests;
 * a key is *held* by the backend its last request went to (an LRU table of ``max_keys`` keys):
   a conversation's later turns follow it there, whatever the share, because that backend holds
-  its history.
+  its history;
+* a hold ends when the key's home is a backend that joined after the key was held (`joined`): the
+  key then moves to the new backend, as consistent hashing moves it, so a scale-out takes about its
+  share of the existing keys and moves no key between old backends.
 
 A strategy places a key nobody holds on the first backend of its order with share room, so keys
 spread from the first request and a backend that took long conversations takes fewer new ones.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 
 import attrs
 
@@ -50,8 +54,12 @@ class Shares:
     max_keys: int = 65536
     _recent: deque[str] = attrs.field(factory=deque, init=False)
     _counts: Counter[str] = attrs.field(factory=Counter, init=False)
-    _held: OrderedDict[int, str] = attrs.field(factory=OrderedDict, init=False)
+    #: key -> (its holder, the join generation when it was recorded).
+    _held: OrderedDict[int, tuple[str, int]] = attrs.field(factory=OrderedDict, init=False)
     _size: int = attrs.field(default=MIN_WINDOW, init=False)
+    _generation: int = attrs.field(default=0, init=False)
+    #: backend id -> the join generation it (last) joined at.
+    _joined: dict[str, int] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.factor >= 1.0:
@@ -88,9 +96,24 @@ class Shares:
         cap = math.ceil(self.factor * slack * weight * (len(self._recent) + 1) / total_weight - _EPSILON)
         return self._counts.get(backend_id, 0) + 1 <= max(1, cap)
 
-    def holder(self, key: int) -> str | None:
-        """The backend ``key``'s last request went to, if the table still has it."""
-        return self._held.get(key)
+    def joined(self, backend_ids: Iterable[str]) -> None:
+        """``backend_ids`` joined the fleet now: keys held before, whose home one of them is, stop being held."""
+        self._generation += 1
+        for backend_id in backend_ids:
+            self._joined[backend_id] = self._generation
+
+    def holder(self, key: int, home_id: str | None = None) -> str | None:
+        """The backend ``key``'s last request went to, if the table still has it.
+
+        ``None`` as well when ``home_id`` (the key's home now) joined after the key was held.
+        """
+        entry = self._held.get(key)
+        if entry is None:
+            return None
+        backend_id, generation = entry
+        if home_id is not None and self._joined.get(home_id, 0) > generation:
+            return None
+        return backend_id
 
     def record(self, backend_id: str, keys: tuple[int | None, ...]) -> None:
         """Count one started request on ``backend_id`` and make it the holder of ``keys`` (``None`` ones skipped)."""
@@ -107,7 +130,7 @@ class Shares:
                 held.move_to_end(key)
             elif len(held) >= self.max_keys:
                 held.popitem(last=False)
-            held[key] = backend_id
+            held[key] = (backend_id, self._generation)
 
     def _drop(self) -> None:
         gone = self._recent.popleft()
