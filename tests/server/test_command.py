@@ -115,6 +115,39 @@ class TestCommands:
         assert added == ["e0", "e1"]  # the library's own events reach the default (info) log too
         assert requests[0]["strategy"] == "consistent-hash" and requests[0]["key"] is not None
 
+    def test_workers_stop_cleanly_on_sigterm(self, tmp_path: Path) -> None:
+        """SIGTERM to `kvroute serve --workers 2` stops both workers with status 0 and no interpreter abort.
+
+        The workers used to print "Fatal Python error: _enter_buffered_busy" at exit: the thread that
+        watches the supervisor's pipe held stdin's buffered-reader lock.
+        """
+        e_port, p_port = _free_port(), _free_port()
+        proxy_log = tmp_path / "proxy.log"
+        with _process(_emulate(e_port), f"http://127.0.0.1:{e_port}/health", tmp_path / "e0.log"):
+            with proxy_log.open("wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "kvroute", "serve", "--port", str(p_port), "--workers", "2"]
+                    + ["--backend", f"e0=http://127.0.0.1:{e_port}", "--no-access-log"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            try:
+                _wait_http(f"http://127.0.0.1:{p_port}/health")
+                status, *_ = http(
+                    "POST", f"http://127.0.0.1:{p_port}/v1/chat/completions", chat_body("hi", max_tokens=2, model="m")
+                )
+                assert status == 200
+                os.kill(proc.pid, signal.SIGTERM)  # the supervisor only: it stops its workers
+                assert proc.wait(timeout=30) == 0
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=15)
+        log = proxy_log.read_text()
+        assert "workers_stopped" in log
+        assert "Fatal Python error" not in log, log
+
     def test_killed_emulator_process_is_survived_and_rejoins(self, tmp_path: Path) -> None:
         """SIGKILL on one emulator process under load: every non-streamed request succeeds; it rejoins after restart."""
         e_ports = [_free_port(), _free_port()]

@@ -264,10 +264,15 @@ def _read_spec(stream: IO[bytes]) -> _WorkerSpec:
 _supervisor_gone = threading.Event()
 
 
-def _watch_supervisor(stream: IO[bytes], grace_s: float) -> None:
-    """Block until the supervisor's pipe closes, then stop this worker (hard after ``grace_s``)."""
-    with contextlib.suppress(OSError, ValueError):
-        while stream.read(65536):
+def _watch_supervisor(fd: int, grace_s: float) -> None:
+    """Block until the supervisor's pipe closes, then stop this worker (hard after ``grace_s``).
+
+    It reads the raw descriptor, not ``sys.stdin.buffer``: a daemon thread blocked inside a buffered
+    reader holds that reader's lock, and the interpreter's shutdown then aborts with "Fatal Python
+    error: _enter_buffered_busy" when it closes stdin.
+    """
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
             pass
     _supervisor_gone.set()
     log.warning("supervisor_gone", pid=os.getpid())
@@ -291,7 +296,7 @@ def worker_main() -> None:
     config = spec.config
     threading.Thread(
         target=_watch_supervisor,
-        args=(sys.stdin.buffer, config.shutdown_timeout + _KILL_GRACE_S),
+        args=(sys.stdin.fileno(), config.shutdown_timeout + _KILL_GRACE_S),
         name="kvroute-supervisor-watch",
         daemon=True,
     ).start()
