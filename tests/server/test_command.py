@@ -123,11 +123,11 @@ class TestCommands:
         """
         e_port, p_port = _free_port(), _free_port()
         proxy_log = tmp_path / "proxy.log"
+        backend = ["--backend", f"e0=http://127.0.0.1:{e_port}", "--no-access-log"]
         with _process(_emulate(e_port), f"http://127.0.0.1:{e_port}/health", tmp_path / "e0.log"):
             with proxy_log.open("wb") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "kvroute", "serve", "--port", str(p_port), "--workers", "2"]
-                    + ["--backend", f"e0=http://127.0.0.1:{e_port}", "--no-access-log"],
+                    [sys.executable, "-m", "kvroute", "serve", "--port", str(p_port), "--workers", "2", *backend],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
