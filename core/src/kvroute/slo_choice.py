@@ -16,6 +16,13 @@ request with objectives that none of them meets has the other candidates predict
 prediction that does not meet its objectives always means that no candidate within the load bound
 is predicted to (the signal a host's admission acts on). Candidates at their load bound never count.
 
+A re-ranking stays cheap on large fleets: each candidate's request-independent part is the
+predictor's kept `Predictor.base` (recomputed only when that backend changed), and a candidate's
+cached tokens are looked up only when bounds say it could win: one whose TTFT before any prefill, or
+TPOT, already misses the objectives is passed over (unless ``unmet="cheapest"``, which ranks those
+that miss), and for the sink one whose TTFT with the whole prompt uncached is not the longest yet.
+The choice is the one predicting every candidate would make (a test holds it to that).
+
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
 (total in flight + 1) / total weight))``, so re-ranking never piles requests on one backend.
