@@ -195,3 +195,71 @@ class TestConfig:
         predictor.errors.record(1.0, 1.0)
         assert predictor.errors.median_abs_error_s() == pytest.approx(0.1)
         assert predictor.errors.within(0.25) == pytest.approx(2 / 3)
+
+
+class TestBase:
+    def _fleet(self, rng: random.Random, predictor: Predictor) -> list[BackendState]:
+        states = []
+        for i in range(8):
+            state = _state(f"b{i}")
+            state.in_flight = rng.randrange(0, 6)
+            kind = rng.randrange(4)
+            if kind == 1:
+                state.load = EngineLoad(running=rng.randrange(0, 30), waiting=rng.randrange(0, 5))
+            elif kind == 2:
+                state.load = EngineLoad(waiting=3, observed_at=0.0)  # stale
+            elif kind == 3:
+                state.load = EngineLoad(running=4, waiting=2, data_parallel_size=2)
+            for j in range(rng.randrange(0, 3)):
+                predictor.started(f"{state.id}-q{j}", state, 2000, rng.randrange(0, 2000))
+            states.append(state)
+        for i in range(5):  # learned rates on b0
+            _serve(predictor, states[0], f"learn{i}", 1000, 0.2 + 0.01 * i)
+        return states
+
+    def test_agrees_with_predict(self) -> None:
+        """``base`` is `predict`'s request-independent part: TTFT linear in the uncached tokens, the same TPOT."""
+        rng = random.Random(4)
+        predictor = Predictor()
+        now = time.monotonic()
+        for state in self._fleet(rng, predictor):
+            base = predictor.base(state, now)
+            for uncached in (0, 1, 777, 40_000):
+                p = predictor.predict(state, uncached, now=now)
+                assert base.ttft_s + uncached * base.s_per_token == pytest.approx(p.ttft_s, rel=1e-12)
+                assert base.tpot_s == pytest.approx(p.tpot_s, rel=1e-12) and base.stale == p.stale
+
+    def test_kept_until_something_changes(self) -> None:
+        """A kept base follows in-flight counts, engine loads, accounting, observations and staleness."""
+        predictor = Predictor(Priors(prefill_tokens_per_s=1000.0), min_samples=1)
+        state = _state()
+        state.load = EngineLoad(running=2, waiting=0, observed_at=100.0)
+
+        def check(now: float = 105.0) -> None:
+            base = predictor.base(state, now)
+            p = predictor.predict(state, 0, now=now)
+            assert (base.ttft_s, base.tpot_s, base.stale) == pytest.approx((p.ttft_s, p.tpot_s, p.stale))
+
+        check()
+        predictor.started("r1", state, 500, 500)
+        check()
+        state.in_flight += 1
+        check()
+        state.load = EngineLoad(running=9, waiting=0, observed_at=101.0)
+        check()
+        predictor.observe("r1", tpot_s=0.05)  # learns a decode step
+        check()
+        predictor.observe("r1", ttft_s=0.4)  # learns a rate; its prefill leaves the queue
+        check()
+        predictor.started("r2", state, 300, 300)
+        check()
+        check()
+        predictor.forget("r2")
+        check()
+        state.in_flight -= 1
+        check()
+        check(now=200.0)  # the load is stale by now: priors only
+        assert predictor.base(state, 200.0).stale
+        predictor.priors = Priors(prefill_tokens_per_s=10.0)
+        predictor.invalidate()
+        check(now=200.0)

@@ -19,6 +19,7 @@ from kvroute import (
     Router,
     RouteRequest,
 )
+from kvroute.hashing import hash64
 from kvroute.slo_choice import SLO_REASON, SloChoice
 
 PRIORS = Priors(prefill_tokens_per_s=1000.0, ttft_overhead_s=0.0, decode_step_s=0.02, decode_load_weight=0.0)
@@ -212,3 +213,114 @@ class TestLargeFleet:
             decision, _ = router.decide(_request(rid, objectives=Objectives(ttft_s=1.5)))
             assert decision.backend.id == "b7", rid
             assert decision.prediction is not None and decision.prediction.meets(Objectives(ttft_s=1.5))
+
+
+def _reference(slo: SloChoice, request: RouteRequest, home_id: str, candidates: Sequence[BackendState]) -> str:
+    """The choice written plainly: every candidate predicted with `Predictor.predict` (the simple model)."""
+    import math
+
+    predictor, view = slo.predictor, slo.view
+    now = slo.clock()
+    blocks = view.blocks(request)
+    by_id = {c.id: c for c in candidates}
+    home_state = by_id[home_id]
+
+    def predict(c: BackendState) -> tuple[float, float]:
+        p = predictor.predict(c, max(blocks.units - view.matched(c.id, blocks), 0), now=now)
+        return p.ttft_s, p.tpot_s or 0.0
+
+    objectives = request.objectives
+    wants = objectives is not None and objectives.any
+    ttft_goal = math.inf if not wants or objectives.ttft_s is None else objectives.ttft_s  # type: ignore[union-attr]
+    tpot_goal = math.inf if not wants or objectives.tpot_s is None else objectives.tpot_s  # type: ignore[union-attr]
+
+    def meets(p: tuple[float, float]) -> bool:
+        return p[0] <= ttft_goal and p[1] <= tpot_goal
+
+    def cost(p: tuple[float, float]) -> float:
+        return p[0] + slo.tpot_weight * p[1]
+
+    home = predict(home_state)
+    if len(candidates) == 1 or (wants and meets(home)):
+        return home_id
+    fair = (sum(c.in_flight for c in candidates) + 1) / sum(c.weight for c in candidates)
+
+    def within(c: BackendState) -> bool:
+        return c.in_flight < max(slo.min_capacity, math.ceil(slo.load_factor * c.weight * fair))
+
+    n = len(candidates)
+    order = list(candidates)
+    if n - 1 > slo.scan:
+        start = hash64(request.request_id) % n
+        order = order[start:] + order[:start]
+    windows = [order[: slo.scan + 1], order[slo.scan + 1 :]] if n - 1 > slo.scan else [order]
+    if not wants:
+        windows = windows[:1]
+    best, best_key = home_id, (wants and meets(home), -cost(home))
+    for k, window in enumerate(windows):
+        if k and best_key[0]:
+            break
+        for c in window:
+            if c.id != home_id and within(c):
+                p = predict(c)
+                key = (wants and meets(p), -cost(p))
+                if key > best_key:
+                    best, best_key = c.id, key
+    if wants and not best_key[0]:
+        if slo.unmet_policy == "home":
+            return home_id
+        if slo.unmet_policy == "sink":
+            ttfts = [(predict(c)[0], c.id) for c in order]
+            worst = max(t for t, _ in ttfts)
+            return home_id if home[0] >= worst else next(i for t, i in ttfts if t == worst)
+    return best
+
+
+class TestAgainstReference:
+    @pytest.mark.parametrize("seed", range(40))
+    def test_same_choice_as_predicting_every_candidate(self, seed: int) -> None:
+        """The pruned choice (kept bases, bounds before cache lookups) picks what predicting every candidate does."""
+        import random
+
+        from kvroute import EngineLoad
+
+        rng = random.Random(seed)
+        n = rng.choice([2, 3, 5, 12, 20])
+        fleet = Fleet()
+        for i in range(n):
+            fleet.add(Backend(f"b{i}", weight=rng.choice([1.0, 1.0, 2.0])))
+        slo = SloChoice(
+            Predictor(PRIORS),
+            unmet=rng.choice(["home", "cheapest", "sink"]),
+            scan=rng.choice([2, 4, 8]),
+            min_capacity=rng.choice([0, 1, 4]),
+            tpot_weight=rng.choice([0.0, 50.0]),
+        )
+        router = Router(fleet, Home(), slo=slo)
+        for i in range(rng.randrange(0, 3 * n)):  # some prompts held by some backends
+            lease = router.acquire(_request(f"w{i}", words=rng.choice([200, 800]), prefix=f"p{rng.randrange(4)}"))
+            if rng.random() < 0.5:
+                router.release(lease)
+        for state in fleet:
+            if rng.random() < 0.5:
+                _queue(router, state.id, rng.randrange(0, 6000))
+            if rng.random() < 0.3:
+                state.load = EngineLoad(running=rng.randrange(0, 60), waiting=rng.randrange(0, 4))
+        for j in range(6):
+            objectives = rng.choice(
+                [None, Objectives(ttft_s=rng.choice([0.5, 1.0, 3.0])), Objectives(ttft_s=2.0, tpot_s=0.021)]
+            )
+            request = _request(
+                f"q{seed}-{j}", words=rng.choice([200, 800]), objectives=objectives, prefix=f"p{rng.randrange(4)}"
+            )
+            candidates = fleet.candidates(request.model)
+            expected = _reference(slo, request, "b0", candidates)
+            decision, state = router.decide(request)
+            assert decision.backend.id == expected == state.id
+            assert decision.prediction is not None
+            p = slo.predictor.predict(
+                state, max(slo.view.blocks(request).units - slo.view.matched(state.id, slo.view.blocks(request)), 0)
+            )
+            assert decision.prediction.ttft_s == pytest.approx(
+                p.ttft_s
+            ) and decision.prediction.tpot_s == pytest.approx(p.tpot_s)

@@ -103,14 +103,21 @@ class CacheView:
         self.units: Units = units
         self.chars_per_token = chars_per_token
         self._held: dict[str, OrderedDict[int, None]] = {}
+        #: Block 0's seed per (model, LoRA adapter, cache salt): hashed once, not per request.
+        self._seeds: dict[tuple[str | None, str | None, str | None], int] = {}
 
     # -- prompts -------------------------------------------------------------------------
 
     def blocks(self, request: RouteRequest) -> PromptBlocks:
         """The request's chained block hashes (full blocks only) and its length in units."""
-        seed = hash_parts("kvroute-cache-view/1", request.model, request.lora, request.cache_salt)
+        where = (request.model, request.lora, request.cache_salt)
+        seed = self._seeds.get(where)
+        if seed is None:
+            if len(self._seeds) >= 1024:
+                self._seeds.clear()
+            seed = self._seeds[where] = hash_parts("kvroute-cache-view/1", *where)
         size = self.block_size
-        pieces: Sequence[bytes]
+        pieces: Sequence[bytes] | Iterable[memoryview]
         if request.token_ids is not None:
             ids = request.token_ids
             count = len(ids)
@@ -125,10 +132,10 @@ class CacheView:
                 for i in range(0, (count - 1) // size * size, size)
             ]
         else:
-            raw = request.text.encode("utf-8", "surrogatepass")
+            raw = memoryview(request.text.encode("utf-8", "surrogatepass"))
             count = -(-len(raw) // self.chars_per_token)
             step = size * self.chars_per_token
-            pieces = [raw[i : i + step] for i in range(0, (count - 1) // size * step, step)]
+            pieces = (raw[i : i + step] for i in range(0, (count - 1) // size * step, step))  # no copies
         hashes = []
         h = seed
         for piece in pieces:

@@ -45,6 +45,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import attrs
 from attrs import validators as v
@@ -53,7 +54,7 @@ from kvroute.backend import BackendState
 from kvroute.slo import Prediction
 from kvroute.validators import expect
 
-__all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
+__all__ = ["Base", "Observation", "PredictionErrors", "Predictor", "Priors"]
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
 _non_negative = expect("a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError)
@@ -123,6 +124,21 @@ class PredictionErrors:
         if not self._pairs:
             return None
         return sum(abs(o - p) <= share * o for p, o in self._pairs) / len(self._pairs)
+
+
+class Base(NamedTuple):
+    """The request-independent part of a backend's prediction (`Predictor.base`).
+
+    A request with ``u`` uncached prompt tokens is predicted ``Prediction(ttft_s + u * s_per_token,
+    tpot_s, stale)`` there.
+    """
+
+    #: Predicted TTFT of a request with nothing to prefill (overhead and the queue ahead).
+    ttft_s: float
+    #: Seconds each uncached prompt token adds (one over the prefill rate).
+    s_per_token: float
+    tpot_s: float
+    stale: bool
 
 
 @attrs.define
@@ -198,6 +214,8 @@ class Predictor:
         self.errors = PredictionErrors()
         self._rates: dict[str, _Rates] = {}
         self._pending: dict[str, _Pending] = {}
+        #: `base` per backend id, with what it was computed from: (engine load, in flight, valid until, base).
+        self._bases: dict[str, tuple[object, int, float, Base]] = {}
 
     # -- rates ---------------------------------------------------------------------------
 
@@ -313,6 +331,40 @@ class Predictor:
         tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
         return Prediction(ttft, tpot, stale)
 
+    def base(self, state: BackendState, now: float | None = None) -> Base:
+        """The request-independent part of `predict` on ``state`` (no rank named), kept until it changes.
+
+        ``predict(state, u, now=now)`` is ``Prediction(b.ttft_s + u * b.s_per_token, b.tpot_s, b.stale)``
+        for ``b = base(state, now)`` (TTFT is linear in the uncached tokens). A backend's base is
+        computed once and kept while its in-flight count and engine load (the same object) are
+        unchanged, its load has not grown stale, and this predictor has not counted, released or
+        observed a request there: a choice among many candidates then costs a lookup per candidate.
+        With ``prefill_slows_decode`` (TPOT changes with time) it is computed on every call. Call
+        `invalidate` after changing ``priors`` or ``overrides``.
+        """
+        if now is None:
+            now = time.monotonic()
+        load = state.load
+        kept = self._bases.get(state.backend.id)
+        if kept is not None and kept[0] is load and kept[1] == state.in_flight and now <= kept[2]:
+            return kept[3]
+        backend_id = state.backend.id
+        queued, decoding, stale = self._load(state, None, now)
+        at_zero = self._predict(backend_id, queued, 0.0, decoding, stale)
+        rate = self.overrides.get(backend_id, self.priors).prefill_tokens_per_s
+        rates = None if stale else self._rates.get(backend_id)
+        if rates is not None and rates.prefill_rate is not None:
+            rate = rates.prefill_rate
+        base = Base(at_zero.ttft_s, 1.0 / rate, at_zero.tpot_s or 0.0, stale)
+        if not self.prefill_slows_decode:
+            until = math.inf if load is None or stale else load.observed_at + state.load_max_age
+            self._bases[backend_id] = (load, state.in_flight, until, base)
+        return base
+
+    def invalidate(self) -> None:
+        """Forget every kept `base` (after changing ``priors`` or ``overrides``)."""
+        self._bases.clear()
+
     # -- accounting (the router) ---------------------------------------------------------
 
     def started(
@@ -337,6 +389,7 @@ class Predictor:
         if prediction is None:
             prediction = self._predict(state.id, queued, uncached, decoding, stale)
         rates = self._state(state.id)
+        self._bases.pop(state.id, None)
         rates.queued_tokens += uncached
         rates.queued_requests += 1
         slowdown = self._slowdown(rates, self.prefill_rate(state.id))
@@ -356,6 +409,7 @@ class Predictor:
             return
         pending.queued = False
         rates = self._rates.get(pending.backend_id)
+        self._bases.pop(pending.backend_id, None)
         if rates is not None:
             rates.queued_tokens = max(rates.queued_tokens - pending.uncached, 0.0)
             rates.queued_requests = max(rates.queued_requests - 1, 0)
@@ -369,6 +423,7 @@ class Predictor:
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend's learned rates (it left the fleet, or its engine changed)."""
         self._rates.pop(backend_id, None)
+        self._bases.pop(backend_id, None)
         for request_id in [k for k, p in self._pending.items() if p.backend_id == backend_id]:
             del self._pending[request_id]
 
@@ -409,6 +464,7 @@ class Predictor:
             return None
         priors = self.priors_for(pending.backend_id)
         rates = self._state(pending.backend_id)
+        self._bases.pop(pending.backend_id, None)
         if ttft is not None:
             self._unqueue(pending)
             uncached = pending.uncached

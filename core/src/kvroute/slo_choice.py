@@ -16,6 +16,13 @@ request with objectives that none of them meets has the other candidates predict
 prediction that does not meet its objectives always means that no candidate within the load bound
 is predicted to (the signal a host's admission acts on). Candidates at their load bound never count.
 
+A re-ranking stays cheap on large fleets: each candidate's request-independent part is the
+predictor's kept `Predictor.base` (recomputed only when that backend changed), and a candidate's
+cached tokens are looked up only when bounds say it could win: one whose TTFT before any prefill, or
+TPOT, already misses the objectives is passed over (unless ``unmet="cheapest"``, which ranks those
+that miss), and for the sink one whose TTFT with the whole prompt uncached is not the longest yet.
+The choice is the one predicting every candidate would make (a test holds it to that).
+
 *Within the load bound* is bounded-load's rule: a candidate other than the home may take the
 request while its in-flight count is below ``max(min_capacity, ceil(load_factor * weight *
 (total in flight + 1) / total weight))``, so re-ranking never piles requests on one backend.
@@ -155,63 +162,17 @@ class SloChoice:
         blocks = self.view.blocks(request)
         home_uncached = self._home_uncached(request, decision, state, blocks, strategy)
         self._last = (request.request_id, blocks, home_uncached)
-        home = predictor.predict(state, home_uncached, rank=decision.data_parallel_rank, now=now)
+        if decision.data_parallel_rank is None:
+            # The same arithmetic as the other candidates' (`_rerank`), so that equal predictions tie.
+            ttft0, per_token, tpot, stale = predictor.base(state, now)
+            home = Prediction(ttft0 + home_uncached * per_token, tpot, stale)
+        else:
+            home = predictor.predict(state, home_uncached, rank=decision.data_parallel_rank, now=now)
         objectives = request.objectives
         wants = objectives is not None and objectives.any
         if not self.aware or len(candidates) == 1 or (wants and home.meets(objectives)):
             return self._with(decision, home), state
-        weight = self.tpot_weight
-        total = weight_sum = 0.0
-        for c in candidates:
-            total += c.in_flight
-            weight_sum += c.weight
-        fair = (total + 1) / weight_sum if weight_sum > 0 else math.inf
-        floor, factor = self.min_capacity, self.load_factor
-
-        def cost(p: Prediction) -> float:
-            return p.ttft_s + weight * (p.tpot_s or 0.0)
-
-        best_state, best, best_cost, best_uncached = state, home, cost(home), home_uncached
-        best_meets = bool(wants and home.meets(objectives))
-        sink = wants and self.unmet_policy == "sink"
-        worst_state, worst, worst_uncached = state, home, home_uncached
-        n = len(candidates)
-        windows: list[Sequence[BackendState]] = [candidates]
-        if n - 1 > self.scan:
-            # A window of ``scan`` candidates first; the rest only when a request with objectives finds
-            # none meeting them there (so a miss means no candidate within the bound can meet them).
-            start = hash64(request.request_id) % n
-            order = [candidates[(start + i) % n] for i in range(n)]
-            windows = [order[: self.scan + 1], order[self.scan + 1 :]] if wants else [order[: self.scan + 1]]
-        for k, window in enumerate(windows):
-            if k and best_meets:
-                break
-            for c in window:
-                if c is state:
-                    continue
-                bounded = c.in_flight >= max(floor, math.ceil(factor * c.weight * fair))
-                if bounded and not sink:
-                    continue
-                uncached = self._uncached(c, blocks)
-                p = predictor.predict(c, uncached, now=now)
-                if sink and p.ttft_s > worst.ttft_s:
-                    worst_state, worst, worst_uncached = c, p, uncached
-                if bounded:
-                    continue
-                c_cost = cost(p)
-                if wants:
-                    meets = bool(p.meets(objectives))
-                    if (meets, -c_cost) <= (best_meets, -best_cost):
-                        continue
-                    best_meets = meets
-                elif c_cost >= best_cost:
-                    continue
-                best_state, best, best_cost, best_uncached = c, p, c_cost, uncached
-        if wants and not best_meets:
-            if self.unmet_policy == "home":
-                best_state, best = state, home
-            elif sink:
-                best_state, best, best_uncached = worst_state, worst, worst_uncached
+        best_state, best, best_uncached = self._rerank(request, state, home, home_uncached, blocks, candidates, now)
         if best_state is state:
             return self._with(decision, home), state
         self._last = (request.request_id, blocks, best_uncached)
@@ -234,6 +195,143 @@ class SloChoice:
             prediction=best,
         )
         return moved, best_state
+
+    def _rerank(
+        self,
+        request: RouteRequest,
+        state: BackendState,
+        home: Prediction,
+        home_uncached: int,
+        blocks: PromptBlocks,
+        candidates: Sequence[BackendState],
+        now: float,
+    ) -> tuple[BackendState, Prediction, int]:
+        """The candidate a request whose home does not meet its objectives (or has none) goes to.
+
+        Each candidate's request-independent part comes from `Predictor.base` (kept per backend
+        until it changes), and its uncached tokens are looked up only when a bound says it could
+        beat the best so far: a candidate whose TTFT before any prefill, or TPOT, already misses the
+        objectives cannot meet them, and one whose cost before prefill exceeds the best cannot win.
+        """
+        objectives = request.objectives
+        wants = objectives is not None and objectives.any
+        base_of = self.predictor.base
+        matched = self.view.matched
+        units = blocks.units
+        weight = self.tpot_weight
+        ttft_goal = math.inf
+        tpot_goal = math.inf
+        if wants:
+            assert objectives is not None
+            if objectives.ttft_s is not None:
+                ttft_goal = objectives.ttft_s
+            if objectives.tpot_s is not None:
+                tpot_goal = objectives.tpot_s
+        floor, factor = self.min_capacity, self.load_factor
+        fair = -1.0  # computed at the first candidate whose in-flight count reaches ``min_capacity``
+        capacity_of: dict[float, float] = {}
+
+        home_tpot = home.tpot_s or 0.0
+        best_state, best_ttft, best_tpot, best_stale = state, home.ttft_s, home_tpot, home.stale
+        best_cost, best_uncached = home.ttft_s + weight * home_tpot, home_uncached
+        best_meets = bool(wants and home.meets(objectives))
+        sink = wants and self.unmet_policy == "sink"
+        keep_misses = not wants or self.unmet_policy == "cheapest"
+        worst_state, worst_ttft, worst_tpot, worst_stale, worst_uncached = (
+            state,
+            home.ttft_s,
+            home_tpot,
+            home.stale,
+            home_uncached,
+        )
+        n = len(candidates)
+        windows: list[Sequence[BackendState]] = [candidates]
+        if n - 1 > self.scan:
+            # A window of ``scan`` candidates first; the rest only when a request with objectives finds
+            # none meeting them there (so a miss means no candidate within the bound can meet them).
+            start = hash64(request.request_id) % n
+            order = [*candidates[start:], *candidates[:start]]
+            windows = [order[: self.scan + 1], order[self.scan + 1 :]] if wants else [order[: self.scan + 1]]
+        for k, window in enumerate(windows):
+            if k and best_meets:
+                break
+            for c in window:
+                if c is state:
+                    continue
+                bounded = False
+                if c.in_flight >= floor:
+                    if fair < 0:
+                        total = weight_sum = 0.0
+                        for other in candidates:
+                            total += other.in_flight
+                            weight_sum += other.backend.weight
+                        fair = (total + 1) / weight_sum if weight_sum > 0 else math.inf
+                    w = c.backend.weight
+                    capacity = capacity_of.get(w)
+                    if capacity is None:
+                        capacity = capacity_of[w] = max(floor, math.ceil(factor * w * fair))
+                    bounded = c.in_flight >= capacity
+                if bounded and not sink:
+                    continue
+                ttft0, per_token, tpot, stale = base_of(c, now)
+                if sink and ttft0 + units * per_token > worst_ttft:
+                    uncached = max(units - matched(c.backend.id, blocks), 0)
+                    ttft = ttft0 + uncached * per_token
+                    if ttft > worst_ttft:
+                        worst_state, worst_ttft, worst_tpot, worst_stale, worst_uncached = (
+                            c,
+                            ttft,
+                            tpot,
+                            stale,
+                            uncached,
+                        )
+                if bounded:
+                    continue
+                if not keep_misses and (ttft0 > ttft_goal or tpot > tpot_goal):
+                    continue  # cannot meet, and only the cheapest policy ranks candidates that miss
+                # Bounds before the cache lookup: uncached tokens only add to TTFT and cost.
+                least_cost = ttft0 + weight * tpot
+                if wants:
+                    could_meet = ttft0 <= ttft_goal and tpot <= tpot_goal
+                    if best_meets:
+                        if not could_meet or least_cost >= best_cost:
+                            continue
+                    elif not could_meet and least_cost >= best_cost:
+                        continue
+                elif least_cost >= best_cost:
+                    continue
+                uncached = max(units - matched(c.backend.id, blocks), 0)
+                ttft = ttft0 + uncached * per_token
+                c_cost = ttft + weight * tpot
+                if wants:
+                    meets = ttft <= ttft_goal and tpot <= tpot_goal
+                    if (meets, -c_cost) <= (best_meets, -best_cost):
+                        continue
+                    best_meets = meets
+                elif c_cost >= best_cost:
+                    continue
+                best_state, best_ttft, best_tpot, best_stale, best_cost, best_uncached = (
+                    c,
+                    ttft,
+                    tpot,
+                    stale,
+                    c_cost,
+                    uncached,
+                )
+        if wants and not best_meets:
+            if self.unmet_policy == "home":
+                return state, home, home_uncached
+            if sink:
+                best_state, best_ttft, best_tpot, best_stale, best_uncached = (
+                    worst_state,
+                    worst_ttft,
+                    worst_tpot,
+                    worst_stale,
+                    worst_uncached,
+                )
+        if best_state is state:
+            return state, home, home_uncached
+        return best_state, Prediction(best_ttft, best_tpot, best_stale), best_uncached
 
     @staticmethod
     def _with(decision: Decision, prediction: Prediction) -> Decision:

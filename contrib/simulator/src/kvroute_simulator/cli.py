@@ -327,11 +327,39 @@ def simulate(
         raise click.ClickException(str(exc)) from None
 
     if loads:
-        _print_load_sweep(comparisons, workload, seed, json_path, plot_path, started)
+        from kvroute_simulator.load import plot_load_sweep, render_load_sweep
+
+        _print_sweep(
+            comparisons,
+            "load",
+            render_load_sweep,
+            plot_load_sweep,
+            workload=workload,
+            workload_options={},
+            seed=seed,
+            json_path=json_path,
+            plot_path=plot_path,
+            started=started,
+            width=220,
+            head={"capacity": comparisons[0].config.capacity},
+        )
         return
     if len(comparisons) > 1:
         shown = {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}
-        _print_sweep(comparisons, workload, shown, seed, json_path, plot_path, started)
+        from kvroute_simulator.sweep import plot_sweep, render_sweep
+
+        _print_sweep(
+            comparisons,
+            "working-set",
+            render_sweep,
+            plot_sweep,
+            workload=workload,
+            workload_options=shown,
+            seed=seed,
+            json_path=json_path,
+            plot_path=plot_path,
+            started=started,
+        )
         return
     comparison = comparisons[0]
     wall = time.perf_counter() - started
@@ -373,65 +401,42 @@ def _ratios(text: str | None) -> list[float]:
 
 def _print_sweep(
     comparisons: list[Comparison],
+    kind: str,
+    render: Callable[[list[Comparison], str], Any],
+    plot: Callable[[list[Comparison], Path, Any], None],
+    *,
     workload: str,
     workload_options: Mapping[str, Any],
     seed: int,
     json_path: Path | None,
     plot_path: Path | None,
     started: float,
+    width: int = 180,
+    head: Mapping[str, Any] | None = None,
 ) -> None:
-    """Print the sweep table; write {"sweep": [one run's JSON per working set]} and the sweep's plot."""
-    from rich.console import Console
+    """Print a sweep's table (``kind``: ``working-set``, ``load``) with ``render``; write its JSON; ``plot`` it.
 
-    from kvroute_simulator.sweep import plot_sweep, render_sweep
+    The JSON is ``{**head, "sweep": [one run's JSON per point of the sweep]}``; ``width`` is the table's
+    width when the output is not a terminal.
+    """
+    from rich.console import Console
 
     wall = time.perf_counter() - started
     first = comparisons[0]
     title = (
-        f"kvroute simulate: working-set sweep, {workload}, {first.requests:,} requests, "
+        f"kvroute simulate: {kind} sweep, {workload}, {first.requests:,} requests, "
         f"{first.config.instances} instances, seed {seed} ({wall:.1f} s)"
     )
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=180)
-    console.print(render_sweep(comparisons, title))
+    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
+        console = Console(width=width)
+    console.print(render(comparisons, title))
     if json_path is not None:
         runs = [to_json(c, workload_options=workload_options, seed=seed, wall=wall) for c in comparisons]
-        data = finite({"sweep": runs})
+        data = finite({**(head or {}), "sweep": runs})
         json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plot_path is not None:
-        plot_sweep(comparisons, plot_path, pyplot())
-
-
-def _print_load_sweep(
-    comparisons: list[Comparison],
-    workload: str,
-    seed: int,
-    json_path: Path | None,
-    plot_path: Path | None,
-    started: float,
-) -> None:
-    """Print the load sweep's table; write {"capacity": ..., "sweep": [one run's JSON per load]} and its plot."""
-    from rich.console import Console
-
-    from kvroute_simulator.load import plot_load_sweep, render_load_sweep
-
-    wall = time.perf_counter() - started
-    first = comparisons[0]
-    title = (
-        f"kvroute simulate: load sweep, {workload}, {first.requests:,} requests, "
-        f"{first.config.instances} instances, seed {seed} ({wall:.1f} s)"
-    )
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=220)
-    console.print(render_load_sweep(comparisons, title))
-    if json_path is not None:
-        runs = [to_json(c, workload_options={}, seed=seed, wall=wall) for c in comparisons]
-        data = finite({"capacity": first.config.capacity, "sweep": runs})
-        json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    if plot_path is not None:
-        plot_load_sweep(comparisons, plot_path, pyplot())
+        plot(comparisons, plot_path, pyplot())
 
 
 def _run_parallel(
