@@ -57,7 +57,7 @@ class TestPredict:
         """The engine's reported waiting requests count as queued work when they exceed the router's own."""
         predictor = Predictor(PRIORS)
         state = _state()
-        state.load = EngineLoad(running=4, waiting=3)
+        state.load = EngineLoad(waiting=3)
         prediction = predictor.predict(state, 0)
         assert prediction.ttft_s == pytest.approx(3 * PRIORS.uncached_tokens / 1000.0)
 
@@ -65,9 +65,7 @@ class TestPredict:
         """A data-parallel backend's named rank is predicted from that rank's own reported queue."""
         predictor = Predictor(PRIORS)
         state = _state(data_parallel_size=2)
-        state.load = EngineLoad(
-            running=2, waiting=4, ranks=(RankLoad(0, running=1, waiting=4), RankLoad(1, running=1, waiting=0))
-        )
+        state.load = EngineLoad(waiting=4, ranks=(RankLoad(0, waiting=4), RankLoad(1, waiting=0)))
         busy = predictor.predict(state, 0, rank=0).ttft_s
         idle = predictor.predict(state, 0, rank=1).ttft_s
         assert busy == pytest.approx(4.0) and idle == pytest.approx(0.0)

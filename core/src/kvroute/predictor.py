@@ -49,13 +49,14 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 from attrs import validators as v
 
-from kvroute.backend import BackendState
+from kvroute.backend import BackendState, EngineLoad
 from kvroute.slo import Prediction
 from kvroute.validators import expect
 
 __all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
+_seats = expect("a positive integer", v.instance_of(int), v.ge(1), error=ValueError)
 _non_negative = expect("a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError)
 
 
@@ -77,6 +78,11 @@ class Priors:
     decode_load_weight: float = attrs.field(default=0.02, validator=_non_negative)
     #: Uncached prompt tokens assumed per waiting request until some have been seen.
     uncached_tokens: float = attrs.field(default=1000.0, validator=_positive)
+    #: Batch seats per data-parallel rank (vLLM's ``max_num_seqs``): requests beyond them wait for one to free.
+    #: ``None``: unknown until learned (from the engine's reported ``running``, and from this router's own requests).
+    seats: int | None = attrs.field(default=None, validator=v.optional(_seats))
+    #: Output tokens assumed per request (how long it holds its seat) until some requests have been seen end.
+    output_tokens: float = attrs.field(default=256.0, validator=_positive)
 
 
 @attrs.frozen
@@ -142,6 +148,21 @@ class _Rates:
     prefill_rate: float | None = None
     decode_step: float | None = None
     mean_uncached: float | None = None
+    #: Seconds a request holds its batch seat (its prefill and decode): samples and their median.
+    service: deque[float] = attrs.field(factory=deque)
+    service_s: float | None = None
+    #: Batch seats per rank seen taken at once (a lower bound of the engine's), and whether the engine was seen
+    #: full (requests waiting while that many ran): only then do the seats bound the prediction.
+    seats: int = 0
+    saturated: bool = False
+    #: From the last engine report: its requests beyond this router's in-flight count then (other routers'),
+    #: this router's in-flight count then, and the report's ``observed_at``.
+    others: float = 0.0
+    own_at: int = 0
+    load_at: float = -math.inf
+    #: This router's requests here not yet forgotten, in the order they were sent; the backend's data-parallel ranks.
+    order: dict[str, None] = attrs.field(factory=dict)
+    ranks: int = 1
 
 
 @attrs.define
@@ -154,6 +175,10 @@ class _Pending:
     predicted: Prediction
     slowdown: float = 1.0
     queued: bool = True
+    #: Whether the wait for a batch seat bound its predicted TTFT (its TTFT is then no prefill-rate sample).
+    seat_bound: bool = False
+    #: `Predictor.clock` at its first token (its seat time is measured from there to `Predictor.forget`).
+    first_at: float | None = None
 
 
 class Predictor:
@@ -209,7 +234,9 @@ class Predictor:
         rates = self._rates.get(backend_id)
         if rates is None:
             n = self.window
-            rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
+            rates = self._rates[backend_id] = _Rates(
+                deque(maxlen=n), deque(maxlen=n), deque(maxlen=n), service=deque(maxlen=n)
+            )
         return rates
 
     def _window_median(self, samples: deque[float]) -> float | None:
@@ -235,41 +262,111 @@ class Predictor:
     # -- predicting ----------------------------------------------------------------------
 
     def _load(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, bool]:
-        """(queued prefill tokens ahead, requests decoding alongside, stale) for ``state``."""
+        """(prefill tokens ahead, requests decoding alongside, stale) for ``state``.
+
+        The tokens ahead include the wait for a batch seat, as the tokens the backend would prefill meanwhile
+        (see `_ahead`): ``TTFT = overhead + (tokens ahead + uncached) / rate`` holds either way.
+        """
+        queued, decoding, seat_wait, stale = self._ahead(state, rank, now)
+        if seat_wait > 0.0:
+            seat_tokens = seat_wait * self._rate(state.id, stale)
+            if seat_tokens > queued:
+                queued = seat_tokens
+        return queued, decoding, stale
+
+    def _rate(self, backend_id: str, stale: bool) -> float:
+        rates = None if stale else self._rates.get(backend_id)
+        if rates is not None and rates.prefill_rate is not None:
+            return rates.prefill_rate
+        return self.overrides.get(backend_id, self.priors).prefill_tokens_per_s
+
+    def _ahead(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, float, bool]:
+        """(queued prefill tokens ahead, requests decoding alongside, seconds waiting for a seat, stale)."""
         rates = self._rates.get(state.id)
+        own = state.in_flight
         if rates is None:
-            ours, decoding = 0.0, float(state.in_flight)
+            ours, decoding = 0.0, float(own)
         else:
             ours = rates.queued_tokens
-            decoding = float(max(state.in_flight - rates.queued_requests, 0))
+            decoding = float(max(own - rates.queued_requests, 0))
         load = state.load
         size = state.backend.data_parallel_size
         if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
             size = load.data_parallel_size
+        priors = self.overrides.get(state.id, self.priors)
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
+            # Priors only: the configured seats, this router's own requests.
+            wait = 0.0 if priors.seats is None else self._seat_wait(None, priors, own / size, priors.seats, decoding)
             if size > 1:
-                return ours / size, decoding / size, load is not None
-            return ours, decoding, load is not None
+                return ours / size, decoding / size, wait, load is not None
+            return ours, decoding, wait, load is not None
+        if rates is None:
+            rates = self._state(state.id)
+        if load.observed_at != rates.load_at:
+            self._saw(rates, load, own, size)
+        ahead = own + rates.others  # requests on the backend now: this router's, and others' as last reported
         waiting, running = load.waiting, load.running
         if rank is not None and load.ranks:
             # The named rank's own queue; this router's requests assumed spread over the ranks.
             for r in load.ranks:
                 if r.rank == rank:
                     waiting, running = r.waiting, r.running
+                    ahead = max(r.requests + (own - rates.own_at) / size, own / size)
                     break
             ours /= size
             size = 1
+        elif size > 1:
+            ahead /= size
+        seats = rates.seats if rates.saturated else priors.seats
+        if seats is not None and waiting is not None:
+            waiting = max(ahead - seats, 0.0)  # those waiting now, rather than at the last report
         if waiting is not None:
-            mean = None if rates is None else rates.mean_uncached
+            mean = rates.mean_uncached
             if mean is None:
-                mean = self.overrides.get(state.id, self.priors).uncached_tokens
+                mean = priors.uncached_tokens
             if waiting * mean > ours:
                 ours = waiting * mean
         if size > 1:
             ours /= size  # ranks prefill side by side
         if running is not None:
             decoding = running / size
-        return ours, decoding, False
+        wait = 0.0 if seats is None else self._seat_wait(rates, priors, ahead, seats, decoding)
+        return ours, decoding, wait, False
+
+    def _saw(self, rates: _Rates, load: EngineLoad, own: int, size: int) -> None:
+        """Learn from an engine report seen for the first time: its seats taken, whether it was full, others' requests."""
+        rates.load_at = load.observed_at
+        rates.own_at = own
+        total = (load.running or 0) + (load.waiting or 0)
+        rates.others = float(max(total - own, 0))
+        reports = [(r.running, r.waiting) for r in load.ranks] if load.ranks else [(load.running, load.waiting)]
+        for running, waiting in reports:
+            if running is None:
+                continue
+            per_rank = running if load.ranks else -(-running // size)
+            if per_rank > rates.seats:
+                rates.seats = per_rank
+            if waiting and per_rank >= rates.seats:
+                rates.saturated = True  # requests waited while every seat seen so far was taken
+
+    def _seat_wait(self, rates: _Rates | None, priors: Priors, ahead: float, seats: int, decoding: float) -> float:
+        """Seconds until a seat frees for a request arriving behind ``ahead`` requests on ``seats`` seats.
+
+        With every seat taken, a seat frees every ``service / seats`` seconds on average (``service``: how long a
+        request holds its seat); the ``k`` requests already waiting go first, and the first seat frees half an
+        interval away on average: ``(k + 1/2) * service / seats``.
+        """
+        beyond = ahead - seats
+        if beyond < 0:
+            return 0.0
+        service = None if rates is None else rates.service_s
+        if service is None:
+            service = (
+                priors.ttft_overhead_s
+                + priors.uncached_tokens / priors.prefill_tokens_per_s
+                + priors.decode_step_s * (1.0 + priors.decode_load_weight * decoding) * priors.output_tokens
+            )
+        return (beyond + 0.5) * service / seats
 
     def predict(
         self,
@@ -332,11 +429,18 @@ class Predictor:
         pending is replaced (a retry on another backend).
         """
         self.forget(request_id)
-        queued, decoding, stale = self._load(state, rank, now)
+        queued, decoding, seat_wait, stale = self._ahead(state, rank, now)
+        seat_bound = False
+        if seat_wait > 0.0:
+            seat_tokens = seat_wait * self._rate(state.id, stale)
+            if seat_tokens > queued:
+                queued, seat_bound = seat_tokens, True
         uncached = max(uncached_tokens, 0.0)
         if prediction is None:
             prediction = self._predict(state.id, queued, uncached, decoding, stale)
         rates = self._state(state.id)
+        rates.order[request_id] = None
+        rates.ranks = state.data_parallel_size
         rates.queued_tokens += uncached
         rates.queued_requests += 1
         slowdown = self._slowdown(rates, self.prefill_rate(state.id))
@@ -347,7 +451,7 @@ class Predictor:
         ) + uncached
         rates.arrived_at = at
         self._pending[request_id] = _Pending(
-            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown
+            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown, True, seat_bound
         )
         return prediction
 
@@ -361,10 +465,25 @@ class Predictor:
             rates.queued_requests = max(rates.queued_requests - 1, 0)
 
     def forget(self, request_id: str) -> None:
-        """The request left its backend (released): drop what is kept of it."""
+        """The request left its backend (released): drop what is kept of it.
+
+        A request that had its first token (`observe`) teaches how long a request holds its batch seat: its
+        prefill (its uncached tokens over the prefill rate, plus the overhead) and the time since that token.
+        """
         pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            self._unqueue(pending)
+        if pending is None:
+            return
+        rates = self._rates.get(pending.backend_id)
+        if rates is not None:
+            rates.order.pop(request_id, None)
+            if pending.first_at is not None:
+                decode = self.clock() - pending.first_at
+                if decode >= 0:
+                    priors = self.overrides.get(pending.backend_id, self.priors)
+                    prefill = pending.uncached / self.prefill_rate(pending.backend_id)
+                    rates.service.append(priors.ttft_overhead_s + prefill + decode)
+                    rates.service_s = self._window_median(rates.service)
+        self._unqueue(pending)
 
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend's learned rates (it left the fleet, or its engine changed)."""
@@ -410,6 +529,8 @@ class Predictor:
         priors = self.priors_for(pending.backend_id)
         rates = self._state(pending.backend_id)
         if ttft is not None:
+            if pending.queued:
+                self._seated(rates, request_id, pending)
             self._unqueue(pending)
             uncached = pending.uncached
             cached = _finite(cached_tokens)
@@ -419,7 +540,7 @@ class Predictor:
             rates.mean_uncached = self._window_median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
-            if work >= 1.0 and busy > 0:
+            if work >= 1.0 and busy > 0 and not pending.seat_bound:
                 rates.prefill.append(work / busy)
                 rates.prefill_rate = self._window_median(rates.prefill)
             self.errors.record(pending.predicted.ttft_s, ttft)
@@ -427,6 +548,18 @@ class Predictor:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
             rates.decode_step = self._window_median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
+
+    def _seated(self, rates: _Rates, request_id: str, pending: _Pending) -> None:
+        """A request had its first token: it holds a seat, and so (first come, first served) does every request
+        sent there before it that has not finished. That many seats, at least, the backend has (one rank)."""
+        pending.first_at = self.clock()
+        ahead = 0
+        for other in rates.order:
+            if other == request_id:
+                break
+            ahead += 1
+        if ahead + 1 > rates.seats and rates.ranks == 1:
+            rates.seats = ahead + 1
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
         """Per backend: learned prefill rate, decode step, samples and queued tokens (for a status page)."""
