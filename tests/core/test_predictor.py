@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 
+import attrs
 import pytest
 
 from kvroute import Backend, BackendState, EngineLoad, Predictor, Priors
@@ -193,3 +194,116 @@ class TestConfig:
         predictor.errors.record(1.0, 1.0)
         assert predictor.errors.median_abs_error_s() == pytest.approx(0.1)
         assert predictor.errors.within(0.25) == pytest.approx(2 / 3)
+
+
+SEATED = Priors(
+    prefill_tokens_per_s=10_000.0,
+    ttft_overhead_s=0.0,
+    decode_step_s=0.02,
+    decode_load_weight=0.0,
+    uncached_tokens=1000.0,
+    output_tokens=50.0,
+)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestSeats:
+    """The wait for a batch seat: engines limited by ``max_num_seqs`` queue requests beyond their seats."""
+
+    def test_full_engine_waits_for_a_seat(self) -> None:
+        """An engine reporting requests waiting while its seats are taken predicts the wait for a seat:
+        ``(waiting + 1/2) x seat time / seats``, more than the waiting requests' prefill alone."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=8, waiting=2)
+        service = 1000 / 10_000 + 0.02 * 50  # prefill plus 50 output tokens
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(2.5 * service / 8 + 0.05)
+
+    def test_free_seat_means_no_wait(self) -> None:
+        """With a seat free (the router's own requests finished since the report), only prefill counts."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.in_flight = 10
+        state.load = EngineLoad(running=8, waiting=2)
+        assert predictor.predict(state, 500).ttft_s > 0.3
+        state.in_flight = 5  # five of them ended since the engine was read
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(0.05)
+
+    def test_seats_unknown_until_seen_full(self) -> None:
+        """Running requests alone, with none waiting, say nothing about the seats: no seat wait is predicted."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=3, waiting=0)
+        state.in_flight = 12
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(0.05)
+
+    def test_configured_seats_without_telemetry(self) -> None:
+        """Seats from configuration bound a backend whose engine reports nothing, from the router's own count."""
+        predictor = Predictor(attrs.evolve(SEATED, seats=4))
+        state = _state()
+        state.in_flight = 4
+        service = 1000 / 10_000 + 0.02 * 50
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.5 * service / 4)
+
+    def test_seat_time_is_learned(self) -> None:
+        """How long a request holds its seat is learned per backend from its first token to its end."""
+        clock = _Clock()
+        predictor = Predictor(attrs.evolve(SEATED, seats=1), min_samples=1, clock=clock)
+        state = _state()
+        predictor.started("r", state, 1000, 1000)
+        clock.now = 0.1
+        predictor.observe("r", ttft_s=0.1)
+        clock.now = 4.1
+        predictor.forget("r")
+        state.in_flight = 1
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.5 * (0.1 + 4.0))
+
+    def test_seat_bound_ttft_teaches_no_prefill_rate(self) -> None:
+        """A TTFT spent waiting for a seat is no prefill-rate sample: the learned rate stays the true one."""
+        predictor = Predictor(attrs.evolve(SEATED, seats=1), min_samples=1)
+        state = _state()
+        _serve(predictor, state, "a", 1000, 0.1)
+        state.in_flight = 1
+        predictor.started("b", state, 1000, 1000)
+        predictor.observe("b", ttft_s=5.0)
+        assert predictor.prefill_rate("b0") == pytest.approx(10_000.0)
+
+    def test_seats_learned_from_first_come_order(self) -> None:
+        """A request's first token while k earlier ones still run proves k + 1 seats, so a report of fewer running
+        with one waiting (a request read between two engine steps) does not make the engine look full."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        for i in range(6):
+            predictor.started(f"r{i}", state, 100, 100)
+            state.in_flight += 1
+        predictor.observe("r5", ttft_s=0.1)  # five sent before it still run: at least 6 seats
+        for i in range(6):
+            predictor.forget(f"r{i}")
+        state.in_flight = 8
+        state.load = EngineLoad(running=4, waiting=1)
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.1)  # the waiting one's prefill only
+        naive = Predictor(SEATED)  # without the router's own evidence, 4 seats: the 8 in flight wait
+        assert naive.predict(state, 0).ttft_s > 0.2
+
+    def test_stale_telemetry_uses_configured_seats(self) -> None:
+        """With stale telemetry the learned seats are not used; the configured ones are."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=2, waiting=5)
+        state.in_flight = 3
+        assert predictor.predict(state, 0).ttft_s > 0.0
+        state.load = EngineLoad(running=2, waiting=5, observed_at=time.monotonic() - 60)
+        stale = predictor.predict(state, 0)
+        assert stale.stale and stale.ttft_s == pytest.approx(0.0)
+
+    def test_bad_seats(self) -> None:
+        """Seats that are not a positive integer are refused."""
+        with pytest.raises(ValueError, match=r"'seats' must be a positive integer \(got 0\)"):
+            Priors(seats=0)

@@ -7,7 +7,9 @@ releases the lease.
 
 The model, per backend::
 
-    TTFT = ttft_overhead_s + (queued prefill tokens ahead + uncached prompt tokens) / prefill rate
+    TTFT = ttft_overhead_s + max((queued prefill tokens ahead + uncached) / prefill rate,
+                                 seat wait + uncached / prefill rate)
+    seat wait = (k + 1/2) * seat time / seats, with k = requests on the backend - seats (none while k < 0)
     TPOT = decode_step_s * (1 + decode_load_weight * requests decoding alongside) [/ (1 - prefill share)]
 
 *Queued prefill tokens ahead* is the larger of two estimates: the uncached prompt tokens of
@@ -19,6 +21,22 @@ reports one, else the backend's queue spread over its ranks. *Requests decoding 
 engine's ``running`` when reported, else the router's in-flight count. The engine's ``kv_usage`` is
 not used: a full cache delays new requests only as the waiting queue already shows.
 
+*The wait for a batch seat*: engines run at most ``seats`` requests at once (vLLM's ``max_num_seqs``) and
+queue the rest first come, first served; with every seat taken a seat frees every ``seat time / seats``
+seconds on average, the ``k`` requests already waiting go first, and the first seat frees half an interval
+away. *Requests on the backend* are this router's in-flight count now plus the others the engine last
+reported (its ``running + waiting`` less this router's count when that report was first seen: other
+routers' requests), so a report seconds old does not hide the requests that ended since; per rank for a
+named data-parallel rank. With seats known, the engine's waiting requests are the ones beyond the seats now,
+not as last reported. *Seats* are the configured `Priors.seats` until the engine has been seen full
+(requests waiting while as many ran as ever seen): then the most ever seen taken at once, by the engine's
+reported ``running`` or by this router's own requests (a request's first token while ``n`` requests sent
+there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends).
+Requiring "full" keeps a request read between two engine steps (waiting while seats are free) from
+counting. The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens
+over the prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
+the rates; before, ``ttft_overhead_s + uncached_tokens / rate + decode step x output_tokens``.
+
 With ``prefill_slows_decode=True`` (off by default: in the simulator it lowered goodput at every
 load), TPOT is also divided by ``1 - prefill share``, the share of the backend's time its prefills
 are expected to take while the request decodes (an engine mixing prefill chunks into decode steps,
@@ -28,12 +46,13 @@ this router sent there over the last ``arrival_window_s`` seconds, per second, o
 The *prefill rate* (tokens/s) and the *decode step* (s) are learned per backend, so backends on
 different hardware get rates of their own: every observed TTFT gives a rate sample ``work /
 (TTFT - ttft_overhead_s)`` (``work`` as counted when the request was sent, its uncached part
-corrected by the engine's reported cached tokens when the host passes them), every observed TPOT a
+corrected by the engine's reported cached tokens when the host passes them) unless the wait for a seat
+bound its prediction (that TTFT measured the queue, not the prefill), every observed TPOT a
 decode-step sample. A backend's rate is the median of its last ``window`` samples, so a few wild
 samples (a stalled stream, a preempted request) do not move it; until ``min_samples`` are in, the
 configured `Priors` hold. A backend whose engine telemetry is stale (reported once, now older than
-`BackendState.load_max_age`) is predicted from the priors alone, its engine load ignored, and the
-prediction says so (`Prediction.stale`).
+`BackendState.load_max_age`) is predicted from the priors alone (the configured seats too, over this
+router's own requests), its engine load ignored, and the prediction says so (`Prediction.stale`).
 
 Prediction error is tracked (`PredictionErrors`): each observed TTFT next to what was predicted
 when the request was sent, for the host to export.
@@ -295,17 +314,21 @@ class Predictor:
             size = load.data_parallel_size
         priors = self.overrides.get(state.id, self.priors)
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
-            # Priors only: the configured seats, this router's own requests.
-            wait = 0.0 if priors.seats is None else self._seat_wait(None, priors, own / size, priors.seats, decoding)
+            # No engine report to use: the configured seats, this router's own requests (and, stale, priors only).
+            stale = load is not None
+            wait = 0.0
+            if priors.seats is not None:
+                wait = self._seat_wait(None if stale else rates, priors, own / size, priors.seats, decoding)
             if size > 1:
-                return ours / size, decoding / size, wait, load is not None
-            return ours, decoding, wait, load is not None
+                return ours / size, decoding / size, wait, stale
+            return ours, decoding, wait, stale
         if rates is None:
             rates = self._state(state.id)
         if load.observed_at != rates.load_at:
             self._saw(rates, load, own, size)
         ahead = own + rates.others  # requests on the backend now: this router's, and others' as last reported
-        waiting, running = load.waiting, load.running
+        waiting: float | None = load.waiting
+        running = load.running
         if rank is not None and load.ranks:
             # The named rank's own queue; this router's requests assumed spread over the ranks.
             for r in load.ranks:
@@ -334,7 +357,7 @@ class Predictor:
         return ours, decoding, wait, False
 
     def _saw(self, rates: _Rates, load: EngineLoad, own: int, size: int) -> None:
-        """Learn from an engine report seen for the first time: its seats taken, whether it was full, others' requests."""
+        """Learn from an engine report seen for the first time: seats taken, whether it was full, others' requests."""
         rates.load_at = load.observed_at
         rates.own_at = own
         total = (load.running or 0) + (load.waiting or 0)
@@ -451,7 +474,15 @@ class Predictor:
         ) + uncached
         rates.arrived_at = at
         self._pending[request_id] = _Pending(
-            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown, True, seat_bound
+            state.id,
+            queued + uncached,
+            uncached,
+            float(prompt_tokens),
+            decoding,
+            prediction,
+            slowdown,
+            True,
+            seat_bound,
         )
         return prediction
 

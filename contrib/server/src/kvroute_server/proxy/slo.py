@@ -43,6 +43,7 @@ def slo_choice(config: ServerConfig) -> SloChoice | None:
             ttft_overhead_s=slo.ttft_overhead,
             decode_step_s=slo.decode_step,
             decode_load_weight=slo.decode_load_weight,
+            seats=slo.seats,
         )
         return SloChoice(
             Predictor(priors),
