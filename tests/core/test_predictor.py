@@ -280,15 +280,15 @@ class TestSeats:
         with one waiting (a request read between two engine steps) does not make the engine look full."""
         predictor = Predictor(SEATED)
         state = _state()
-        for i in range(6):
-            predictor.started(f"r{i}", state, 100, 100)
-            state.in_flight += 1
-        predictor.observe("r5", ttft_s=0.1)  # five sent before it still run: at least 6 seats
-        for i in range(6):
-            predictor.forget(f"r{i}")
+        for n in range(3):  # proved three times
+            for i in range(6):
+                predictor.started(f"r{n}.{i}", state, 100, 100)
+            predictor.observe(f"r{n}.5", ttft_s=0.1)  # five sent before it still run: at least 6 seats
+            for i in range(6):
+                predictor.forget(f"r{n}.{i}")
         state.in_flight = 8
         state.load = EngineLoad(running=4, waiting=1)
-        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.1)  # the waiting one's prefill only
+        assert predictor.predict(state, 0).ttft_s < 0.05  # the waiting one's prefill only, no seat wait
         naive = Predictor(SEATED)  # without the router's own evidence, 4 seats: the 8 in flight wait
         assert naive.predict(state, 0).ttft_s > 0.2
 

@@ -31,7 +31,8 @@ named data-parallel rank. With seats known, the engine's waiting requests are th
 not as last reported. *Seats* are the configured `Priors.seats` until the engine has been seen full
 (requests waiting while as many ran as ever seen): then the most ever seen taken at once, by the engine's
 reported ``running`` or by this router's own requests (a request's first token while ``n`` requests sent
-there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends).
+there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends;
+counted once proved `SEEN_SEATS` times).
 Requiring "full" keeps a request read between two engine steps (waiting while seats are free) from
 counting. The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens
 over the prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
@@ -73,6 +74,9 @@ from kvroute.slo import Prediction
 from kvroute.validators import expect
 
 __all__ = ["Observation", "PredictionErrors", "Predictor", "Priors"]
+
+#: Times this router's own requests must prove a seat count before it counts (see `Predictor._seated`).
+SEEN_SEATS = 3
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
 _seats = expect("a positive integer", v.instance_of(int), v.ge(1), error=ValueError)
@@ -182,6 +186,8 @@ class _Rates:
     #: This router's requests here not yet forgotten, in the order they were sent; the backend's data-parallel ranks.
     order: dict[str, None] = attrs.field(factory=dict)
     ranks: int = 1
+    #: Seat counts above ``seats`` that first-come order proved, and how often (see `Predictor._seated`).
+    bounds: dict[int, int] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -589,8 +595,14 @@ class Predictor:
             if other == request_id:
                 break
             ahead += 1
-        if ahead + 1 > rates.seats and rates.ranks == 1:
-            rates.seats = ahead + 1
+        seats = ahead + 1
+        if seats > rates.seats and rates.ranks == 1:
+            # Counted only once seen SEEN_SEATS times: a request that ended in the engine but is not released yet
+            # (its last bytes on their way) makes one bound too high by one.
+            seen = rates.bounds[seats] = rates.bounds.get(seats, 0) + 1
+            if seen >= SEEN_SEATS:
+                rates.seats = seats
+                rates.bounds = {b: n for b, n in rates.bounds.items() if b > seats}
 
     def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
         """Per backend: learned prefill rate, decode step, samples and queued tokens (for a status page)."""
