@@ -307,3 +307,28 @@ class TestSeats:
         """Seats that are not a positive integer are refused."""
         with pytest.raises(ValueError, match=r"'seats' must be a positive integer \(got 0\)"):
             Priors(seats=0)
+
+
+class TestOverhead:
+    def test_overhead_learned_with_the_rate(self) -> None:
+        """Short and long prompts on an engine whose step is longer than the prior overhead: the overhead and the
+        rate are learned together, so both kinds are predicted within a few percent."""
+        predictor = Predictor(PRIORS)  # prior overhead 0
+        state = _state()
+        rng = random.Random(3)
+        for i in range(40):
+            tokens = 60 if i % 2 else 1500
+            _serve(predictor, state, f"r{i}", tokens, (0.1 + tokens / 5000.0) * rng.uniform(0.97, 1.03))
+        assert predictor.ttft_overhead("b0") == pytest.approx(0.1, rel=0.1)
+        assert predictor.prefill_rate("b0") == pytest.approx(5000.0, rel=0.1)
+        assert predictor.predict(state, 60).ttft_s == pytest.approx(0.112, rel=0.05)
+        assert predictor.predict(state, 1500).ttft_s == pytest.approx(0.4, rel=0.05)
+
+    def test_same_work_keeps_the_prior_overhead(self) -> None:
+        """Samples that all did the same work cannot separate overhead from rate: the prior overhead stays."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        for i in range(20):
+            _serve(predictor, state, f"r{i}", 1000, 0.5)
+        assert predictor.ttft_overhead("b0") == PRIORS.ttft_overhead_s
+        assert predictor.prefill_rate("b0") == pytest.approx(2000.0)

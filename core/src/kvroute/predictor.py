@@ -51,7 +51,12 @@ corrected by the engine's reported cached tokens when the host passes them) unle
 bound its prediction (that TTFT measured the queue, not the prefill), every observed TPOT a
 decode-step sample. A backend's rate is the median of its last ``window`` samples, so a few wild
 samples (a stalled stream, a preempted request) do not move it; until ``min_samples`` are in, the
-configured `Priors` hold. A backend whose engine telemetry is stale (reported once, now older than
+configured `Priors` hold. Once a backend's TTFT samples of requests sent with nothing queued ahead spread
+over small and large work (the half with more work at least twice the other's, ``min_samples`` in each),
+the overhead is learned with the rate: the line ``TTFT = overhead + work / rate`` through the medians of
+the two halves (as robust to outliers as the medians), which replaces the prior overhead and the rate of
+the ratio medians (those assume the overhead known: an engine step longer than the prior overhead made
+short prompts look slow to prefill). A backend whose engine telemetry is stale (reported once, now older than
 `BackendState.load_max_age`) is predicted from the priors alone (the configured seats too, over this
 router's own requests), its engine load ignored, and the prediction says so (`Prediction.stale`).
 
@@ -171,6 +176,9 @@ class _Rates:
     prefill_rate: float | None = None
     decode_step: float | None = None
     mean_uncached: float | None = None
+    #: (prefill tokens of the work, TTFT) of the samples, for the line fit of the overhead (`_fit`), and its result.
+    pairs: deque[tuple[float, float]] = attrs.field(factory=deque)
+    overhead: float | None = None
     #: Seconds a request holds its batch seat (its prefill and decode): samples and their median.
     service: deque[float] = attrs.field(factory=deque)
     service_s: float | None = None
@@ -260,7 +268,7 @@ class Predictor:
         if rates is None:
             n = self.window
             rates = self._rates[backend_id] = _Rates(
-                deque(maxlen=n), deque(maxlen=n), deque(maxlen=n), service=deque(maxlen=n)
+                deque(maxlen=n), deque(maxlen=n), deque(maxlen=n), pairs=deque(maxlen=n), service=deque(maxlen=n)
             )
         return rates
 
@@ -278,6 +286,24 @@ class Predictor:
         rates = self._rates.get(backend_id)
         learned = None if rates is None else rates.decode_step
         return self.priors_for(backend_id).decode_step_s if learned is None else learned
+
+    def ttft_overhead(self, backend_id: str) -> float:
+        """Seconds before a first token on ``backend_id`` with nothing to prefill: learned (line fit), or its prior."""
+        rates = self._rates.get(backend_id)
+        learned = None if rates is None else rates.overhead
+        return self.priors_for(backend_id).ttft_overhead_s if learned is None else learned
+
+    def seat_time(self, backend_id: str) -> float | None:
+        """Seconds a request holds its batch seat on ``backend_id``, as learned (``None`` before)."""
+        rates = self._rates.get(backend_id)
+        return None if rates is None else rates.service_s
+
+    def seats(self, backend_id: str) -> int | None:
+        """``backend_id``'s batch seats per rank once its engine was seen full, else its configured prior."""
+        rates = self._rates.get(backend_id)
+        if rates is not None and rates.saturated:
+            return rates.seats
+        return self.priors_for(backend_id).seats
 
     def samples(self, backend_id: str) -> int:
         """TTFT samples ``backend_id``'s prefill rate rests on (at most ``window``)."""
@@ -435,7 +461,10 @@ class Predictor:
                 rate = rates.prefill_rate
             if rates.decode_step is not None:
                 step = rates.decode_step
-        ttft = priors.ttft_overhead_s + (queued + uncached) / rate
+        overhead = priors.ttft_overhead_s
+        if rates is not None and rates.overhead is not None:
+            overhead = rates.overhead
+        ttft = overhead + (queued + uncached) / rate
         tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
         return Prediction(ttft, tpot, stale)
 
@@ -516,9 +545,11 @@ class Predictor:
             if pending.first_at is not None:
                 decode = self.clock() - pending.first_at
                 if decode >= 0:
-                    priors = self.overrides.get(pending.backend_id, self.priors)
+                    overhead = rates.overhead
+                    if overhead is None:
+                        overhead = self.overrides.get(pending.backend_id, self.priors).ttft_overhead_s
                     prefill = pending.uncached / self.prefill_rate(pending.backend_id)
-                    rates.service.append(priors.ttft_overhead_s + prefill + decode)
+                    rates.service.append(overhead + prefill + decode)
                     rates.service_s = self._window_median(rates.service)
         self._unqueue(pending)
 
@@ -580,6 +611,11 @@ class Predictor:
             if work >= 1.0 and busy > 0 and not pending.seat_bound:
                 rates.prefill.append(work / busy)
                 rates.prefill_rate = self._window_median(rates.prefill)
+            if pending.work - pending.uncached < 1.0 and not pending.seat_bound:  # nothing was queued ahead
+                rates.pairs.append((work, ttft))
+                fit = _fit(rates.pairs, self.min_samples)
+                if fit is not None:
+                    rates.overhead, rates.prefill_rate = fit
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
@@ -604,18 +640,39 @@ class Predictor:
                 rates.seats = seats
                 rates.bounds = {b: n for b, n in rates.bounds.items() if b > seats}
 
-    def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
-        """Per backend: learned prefill rate, decode step, samples and queued tokens (for a status page)."""
+    def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int | None]]:
+        """Per backend: learned rates, overhead, seat time and seats, samples and queued tokens (for a status page)."""
         ids = list(self._rates) if backend_ids is None else list(backend_ids)
         return {
             b: {
                 "prefill_tokens_per_s": self.prefill_rate(b),
                 "decode_step_s": self.decode_step(b),
+                "ttft_overhead_s": self.ttft_overhead(b),
+                "seat_s": self.seat_time(b),
                 "samples": self.samples(b),
                 "queued_tokens": self.queued_tokens(b),
+                "seats": self.seats(b),
             }
             for b in ids
         }
+
+
+def _fit(pairs: Iterable[tuple[float, float]], min_samples: int) -> tuple[float, float] | None:
+    """(overhead, rate) of the line ``TTFT = overhead + work / rate`` through the medians of the samples of less
+    and of more work (``pairs``: (work, TTFT)); ``None`` until each half holds ``min_samples`` and their works
+    differ (at least twice as much, and a token more) and the more work took longer."""
+    ordered = sorted(pairs)
+    n = len(ordered)
+    half = n // 2
+    if half < min_samples:
+        return None
+    low, high = ordered[:half], ordered[n - half :]
+    w0, w1 = _median(w for w, _ in low), _median(w for w, _ in high)
+    t0, t1 = _median(t for _, t in low), _median(t for _, t in high)
+    if w1 < 2 * w0 + 1 or t1 <= t0:
+        return None
+    rate = (w1 - w0) / (t1 - t0)
+    return max(t0 - w0 / rate, 0.0), rate
 
 
 def _median(values: Iterable[float]) -> float:
