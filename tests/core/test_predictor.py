@@ -332,3 +332,28 @@ class TestOverhead:
             _serve(predictor, state, f"r{i}", 1000, 0.5)
         assert predictor.ttft_overhead("b0") == PRIORS.ttft_overhead_s
         assert predictor.prefill_rate("b0") == pytest.approx(2000.0)
+
+
+class TestSeenFull:
+    def test_seen_full_by_own_requests(self) -> None:
+        """Without engine telemetry, requests that were sent behind the proved seats and waited for earlier ones
+        to end (first token after more than twice their prefill) show the engine full: seats then bound."""
+        predictor = Predictor(SEATED, min_samples=1)
+        state = _state()
+        _serve(predictor, state, "warm", 1000, 0.1)  # the prefill rate: 10,000 tokens/s
+        for n in range(3):  # two seats proved three times
+            predictor.started(f"a{n}", state, 1000, 1000)
+            predictor.started(f"b{n}", state, 1000, 1000)
+            predictor.observe(f"a{n}", ttft_s=0.1)
+            predictor.observe(f"b{n}", ttft_s=0.1)
+            if n < 2:
+                predictor.forget(f"a{n}")
+                predictor.forget(f"b{n}")
+        state.in_flight = 2
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.0)  # not known full: no seat wait
+        for n in range(3):  # sent behind the two running, seated only once one of them ended, after 1 s
+            predictor.started(f"c{n}", state, 1000, 1000)
+            predictor.forget("a2" if n == 0 else f"c{n - 1}")
+            predictor.observe(f"c{n}", ttft_s=1.0)
+        assert predictor.seats("b0") == 2
+        assert predictor.predict(state, 0).ttft_s > 0.0

@@ -34,8 +34,11 @@ reported ``running`` or by this router's own requests (a request's first token w
 there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends;
 counted once proved `SEEN_SEATS` times).
 Requiring "full" keeps a request read between two engine steps (waiting while seats are free) from
-counting. The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens
-over the prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
+counting. This router's own requests also show the engine full, without telemetry and before the next
+report: a request sent behind at least as many of them as the seats proved, whose first token came when
+fewer of those were left and after more than twice its prefill time, waited for a seat (`SEEN_SEATS` such).
+The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens over the
+prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
 the rates; before, ``ttft_overhead_s + uncached_tokens / rate + decode step x output_tokens``.
 
 With ``prefill_slows_decode=True`` (off by default: in the simulator it lowered goodput at every
@@ -194,8 +197,10 @@ class _Rates:
     #: This router's requests here not yet forgotten, in the order they were sent; the backend's data-parallel ranks.
     order: dict[str, None] = attrs.field(factory=dict)
     ranks: int = 1
-    #: Seat counts above ``seats`` that first-come order proved, and how often (see `Predictor._seated`).
+    #: Seat counts above ``seats`` that first-come order proved, and how often (see `Predictor._seated`); requests
+    #: seen waiting for a seat by this router's own accounting.
     bounds: dict[int, int] = attrs.field(factory=dict)
+    full_seen: int = 0
 
 
 @attrs.define
@@ -212,6 +217,8 @@ class _Pending:
     seat_bound: bool = False
     #: `Predictor.clock` at its first token (its seat time is measured from there to `Predictor.forget`).
     first_at: float | None = None
+    #: This router's requests in flight there, sent before it, when it was sent.
+    sent_behind: int = 0
 
 
 class Predictor:
@@ -348,9 +355,10 @@ class Predictor:
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
             # No engine report to use: the configured seats, this router's own requests (and, stale, priors only).
             stale = load is not None
+            seats = rates.seats if not stale and rates is not None and rates.saturated else priors.seats
             wait = 0.0
-            if priors.seats is not None:
-                wait = self._seat_wait(None if stale else rates, priors, own / size, priors.seats, decoding)
+            if seats is not None:
+                wait = self._seat_wait(None if stale else rates, priors, own / size, seats, decoding)
             if size > 1:
                 return ours / size, decoding / size, wait, stale
             return ours, decoding, wait, stale
@@ -497,6 +505,7 @@ class Predictor:
         if prediction is None:
             prediction = self._predict(state.id, queued, uncached, decoding, stale)
         rates = self._state(state.id)
+        behind = len(rates.order)
         rates.order[request_id] = None
         rates.ranks = state.data_parallel_size
         rates.queued_tokens += uncached
@@ -518,6 +527,8 @@ class Predictor:
             slowdown,
             True,
             seat_bound,
+            None,
+            behind,
         )
         return prediction
 
@@ -597,8 +608,9 @@ class Predictor:
         priors = self.priors_for(pending.backend_id)
         rates = self._state(pending.backend_id)
         if ttft is not None:
+            unqueued = self._unqueue_estimate(pending, priors)
             if pending.queued:
-                self._seated(rates, request_id, pending)
+                self._seated(rates, request_id, pending, ttft > 2.0 * unqueued)
             self._unqueue(pending)
             uncached = pending.uncached
             cached = _finite(cached_tokens)
@@ -622,15 +634,32 @@ class Predictor:
             rates.decode_step = self._window_median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
-    def _seated(self, rates: _Rates, request_id: str, pending: _Pending) -> None:
+    def _unqueue_estimate(self, pending: _Pending, priors: Priors) -> float:
+        """The TTFT ``pending`` would have had without waiting for a seat (its work at the learned rate)."""
+        rates = self._rates.get(pending.backend_id)
+        if rates is None or rates.prefill_rate is None:
+            return math.inf  # no rate learned yet: nothing to compare with
+        overhead = priors.ttft_overhead_s if rates.overhead is None else rates.overhead
+        return overhead + pending.work / rates.prefill_rate if not pending.seat_bound else math.inf
+
+    def _seated(self, rates: _Rates, request_id: str, pending: _Pending, slow: bool) -> None:
         """A request had its first token: it holds a seat, and so (first come, first served) does every request
-        sent there before it that has not finished. That many seats, at least, the backend has (one rank)."""
+        sent there before it that has not finished. That many seats, at least, the backend has (one rank).
+
+        It also shows the engine full when it was sent behind at least as many requests as the seats proved,
+        fewer of them run now, and it took more than twice its prefill (``slow``): it waited for some of them to
+        end. Seen `SEEN_SEATS` times, the seats bound predictions as when the engine reports requests waiting.
+        """
         pending.first_at = self.clock()
         ahead = 0
         for other in rates.order:
             if other == request_id:
                 break
             ahead += 1
+        if slow and not rates.saturated and rates.ranks == 1 and ahead < rates.seats <= pending.sent_behind:
+            rates.full_seen += 1
+            if rates.full_seen >= SEEN_SEATS:
+                rates.saturated = True
         seats = ahead + 1
         if seats > rates.seats and rates.ranks == 1:
             # Counted only once seen SEEN_SEATS times: a request that ended in the engine but is not released yet
