@@ -303,6 +303,15 @@ class TestSeats:
         stale = predictor.predict(state, 0)
         assert stale.stale and stale.ttft_s == pytest.approx(0.0)
 
+    def test_waiting_with_none_running_learns_no_seats(self) -> None:
+        """An engine reporting requests waiting and none running (between two steps) says nothing about its seats."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=0, waiting=3)
+        state.in_flight = 3
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(3 * 1000 / 10_000)  # their prefill only
+        assert predictor.seats("b0") is None
+
     def test_bad_seats(self) -> None:
         """Seats that are not a positive integer are refused."""
         with pytest.raises(ValueError, match=r"'seats' must be a positive integer \(got 0\)"):

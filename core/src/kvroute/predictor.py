@@ -409,7 +409,7 @@ class Predictor:
             per_rank = running if load.ranks else -(-running // size)
             if per_rank > rates.seats:
                 rates.seats = per_rank
-            if waiting and per_rank >= rates.seats:
+            if waiting and per_rank >= rates.seats and per_rank > 0:
                 rates.saturated = True  # requests waited while every seat seen so far was taken
 
     def _seat_wait(self, rates: _Rates | None, priors: Priors, ahead: float, seats: int, decoding: float) -> float:
@@ -420,7 +420,7 @@ class Predictor:
         interval away on average: ``(k + 1/2) * service / seats``.
         """
         beyond = ahead - seats
-        if beyond < 0:
+        if beyond < 0 or seats < 1:
             return 0.0
         service = None if rates is None else rates.service_s
         if service is None:
