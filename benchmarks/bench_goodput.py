@@ -29,7 +29,8 @@ admission's answer); goodput (served requests that met both objectives, per seco
 attainment (that as a share of all requests sent); TTFT p50 and p99 and TPOT p50 of the served ones. TTFT is the
 time to the first SSE data event, TPOT (time of the last event - the first) / (completion tokens - 1). The last
 two columns are the proxy's own (``/status.json``'s ``slo.predictions``, kvroute rows that predict): the share
-of streams whose TTFT was predicted within 25 % of the one observed, and the median absolute error.
+of streams whose TTFT was predicted within 25 % of the one observed, and the median absolute error (``--json``
+also keeps what the predictor learned per backend: rates, TTFT overhead, seat time and seats).
 
 Run: ``nice -n 10 python benchmarks/bench_goodput.py`` (5 rows x 3 loads; about 10 minutes on 2 cores);
 ``--only NAME,...`` (substrings of the row names), ``--loads``, ``--duration``, ``--engines``,
@@ -258,7 +259,11 @@ def predictor_quality(url: str) -> dict[str, Any]:
     """The proxy's TTFT predictions against the observed first bytes (``/status.json``), when it predicts."""
     with urllib.request.urlopen(url + "/status.json", timeout=10) as response:
         predictions = json.load(response)["slo"]["predictions"]
-    return {"within_25pct": predictions["within_25pct"], "median_abs_error_ms": predictions["median_abs_error_ms"]}
+    return {
+        "within_25pct": predictions["within_25pct"],
+        "median_abs_error_ms": predictions["median_abs_error_ms"],
+        "rates": predictions.get("rates"),  # what the predictor learned per backend (``--json`` only)
+    }
 
 
 def pct(value: float | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 
+import attrs
 import pytest
 
 from kvroute import Backend, BackendState, EngineLoad, Predictor, Priors
@@ -57,7 +58,7 @@ class TestPredict:
         """The engine's reported waiting requests count as queued work when they exceed the router's own."""
         predictor = Predictor(PRIORS)
         state = _state()
-        state.load = EngineLoad(running=4, waiting=3)
+        state.load = EngineLoad(waiting=3)
         prediction = predictor.predict(state, 0)
         assert prediction.ttft_s == pytest.approx(3 * PRIORS.uncached_tokens / 1000.0)
 
@@ -65,9 +66,7 @@ class TestPredict:
         """A data-parallel backend's named rank is predicted from that rank's own reported queue."""
         predictor = Predictor(PRIORS)
         state = _state(data_parallel_size=2)
-        state.load = EngineLoad(
-            running=2, waiting=4, ranks=(RankLoad(0, running=1, waiting=4), RankLoad(1, running=1, waiting=0))
-        )
+        state.load = EngineLoad(waiting=4, ranks=(RankLoad(0, waiting=4), RankLoad(1, waiting=0)))
         busy = predictor.predict(state, 0, rank=0).ttft_s
         idle = predictor.predict(state, 0, rank=1).ttft_s
         assert busy == pytest.approx(4.0) and idle == pytest.approx(0.0)
@@ -263,3 +262,175 @@ class TestBase:
         predictor.priors = Priors(prefill_tokens_per_s=10.0)
         predictor.invalidate()
         check(now=200.0)
+
+
+SEATED = Priors(
+    prefill_tokens_per_s=10_000.0,
+    ttft_overhead_s=0.0,
+    decode_step_s=0.02,
+    decode_load_weight=0.0,
+    uncached_tokens=1000.0,
+    output_tokens=50.0,
+)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestSeats:
+    """The wait for a batch seat: engines limited by ``max_num_seqs`` queue requests beyond their seats."""
+
+    def test_full_engine_waits_for_a_seat(self) -> None:
+        """An engine reporting requests waiting while its seats are taken predicts the wait for a seat:
+        ``(waiting + 1/2) x seat time / seats``, more than the waiting requests' prefill alone."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=8, waiting=2)
+        service = 1000 / 10_000 + 0.02 * 50  # prefill plus 50 output tokens
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(2.5 * service / 8 + 0.05)
+
+    def test_free_seat_means_no_wait(self) -> None:
+        """With a seat free (the router's own requests finished since the report), only prefill counts."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.in_flight = 10
+        state.load = EngineLoad(running=8, waiting=2)
+        assert predictor.predict(state, 500).ttft_s > 0.3
+        state.in_flight = 5  # five of them ended since the engine was read
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(0.05)
+
+    def test_seats_unknown_until_seen_full(self) -> None:
+        """Running requests alone, with none waiting, say nothing about the seats: no seat wait is predicted."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=3, waiting=0)
+        state.in_flight = 12
+        assert predictor.predict(state, 500).ttft_s == pytest.approx(0.05)
+
+    def test_configured_seats_without_telemetry(self) -> None:
+        """Seats from configuration bound a backend whose engine reports nothing, from the router's own count."""
+        predictor = Predictor(attrs.evolve(SEATED, seats=4))
+        state = _state()
+        state.in_flight = 4
+        service = 1000 / 10_000 + 0.02 * 50
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.5 * service / 4)
+
+    def test_seat_time_is_learned(self) -> None:
+        """How long a request holds its seat is learned per backend from its first token to its end."""
+        clock = _Clock()
+        predictor = Predictor(attrs.evolve(SEATED, seats=1), min_samples=1, clock=clock)
+        state = _state()
+        predictor.started("r", state, 1000, 1000)
+        clock.now = 0.1
+        predictor.observe("r", ttft_s=0.1)
+        clock.now = 4.1
+        predictor.forget("r")
+        state.in_flight = 1
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.5 * (0.1 + 4.0))
+
+    def test_seat_bound_ttft_teaches_no_prefill_rate(self) -> None:
+        """A TTFT spent waiting for a seat is no prefill-rate sample: the learned rate stays the true one."""
+        predictor = Predictor(attrs.evolve(SEATED, seats=1), min_samples=1)
+        state = _state()
+        _serve(predictor, state, "a", 1000, 0.1)
+        state.in_flight = 1
+        predictor.started("b", state, 1000, 1000)
+        predictor.observe("b", ttft_s=5.0)
+        assert predictor.prefill_rate("b0") == pytest.approx(10_000.0)
+
+    def test_seats_learned_from_first_come_order(self) -> None:
+        """A request's first token while k earlier ones still run proves k + 1 seats, so a report of fewer running
+        with one waiting (a request read between two engine steps) does not make the engine look full."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        for n in range(3):  # proved three times
+            for i in range(6):
+                predictor.started(f"r{n}.{i}", state, 100, 100)
+            predictor.observe(f"r{n}.5", ttft_s=0.1)  # five sent before it still run: at least 6 seats
+            for i in range(6):
+                predictor.forget(f"r{n}.{i}")
+        state.in_flight = 8
+        state.load = EngineLoad(running=4, waiting=1)
+        assert predictor.predict(state, 0).ttft_s < 0.05  # the waiting one's prefill only, no seat wait
+        naive = Predictor(SEATED)  # without the router's own evidence, 4 seats: the 8 in flight wait
+        assert naive.predict(state, 0).ttft_s > 0.2
+
+    def test_stale_telemetry_uses_configured_seats(self) -> None:
+        """With stale telemetry the learned seats are not used; the configured ones are."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=2, waiting=5)
+        state.in_flight = 3
+        assert predictor.predict(state, 0).ttft_s > 0.0
+        state.load = EngineLoad(running=2, waiting=5, observed_at=time.monotonic() - 60)
+        stale = predictor.predict(state, 0)
+        assert stale.stale and stale.ttft_s == pytest.approx(0.0)
+
+    def test_waiting_with_none_running_learns_no_seats(self) -> None:
+        """An engine reporting requests waiting and none running (between two steps) says nothing about its seats."""
+        predictor = Predictor(SEATED)
+        state = _state()
+        state.load = EngineLoad(running=0, waiting=3)
+        state.in_flight = 3
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(3 * 1000 / 10_000)  # their prefill only
+        assert predictor.seats("b0") is None
+
+    def test_bad_seats(self) -> None:
+        """Seats that are not a positive integer are refused."""
+        with pytest.raises(ValueError, match=r"'seats' must be a positive integer \(got 0\)"):
+            Priors(seats=0)
+
+
+class TestOverhead:
+    def test_overhead_learned_with_the_rate(self) -> None:
+        """Short and long prompts on an engine whose step is longer than the prior overhead: the overhead and the
+        rate are learned together, so both kinds are predicted within a few percent."""
+        predictor = Predictor(PRIORS)  # prior overhead 0
+        state = _state()
+        rng = random.Random(3)
+        for i in range(40):
+            tokens = 60 if i % 2 else 1500
+            _serve(predictor, state, f"r{i}", tokens, (0.1 + tokens / 5000.0) * rng.uniform(0.97, 1.03))
+        assert predictor.ttft_overhead("b0") == pytest.approx(0.1, rel=0.1)
+        assert predictor.prefill_rate("b0") == pytest.approx(5000.0, rel=0.1)
+        assert predictor.predict(state, 60).ttft_s == pytest.approx(0.112, rel=0.05)
+        assert predictor.predict(state, 1500).ttft_s == pytest.approx(0.4, rel=0.05)
+
+    def test_same_work_keeps_the_prior_overhead(self) -> None:
+        """Samples that all did the same work cannot separate overhead from rate: the prior overhead stays."""
+        predictor = Predictor(PRIORS)
+        state = _state()
+        for i in range(20):
+            _serve(predictor, state, f"r{i}", 1000, 0.5)
+        assert predictor.ttft_overhead("b0") == PRIORS.ttft_overhead_s
+        assert predictor.prefill_rate("b0") == pytest.approx(2000.0)
+
+
+class TestSeenFull:
+    def test_seen_full_by_own_requests(self) -> None:
+        """Without engine telemetry, requests that were sent behind the proved seats and waited for earlier ones
+        to end (first token after more than twice their prefill) show the engine full: seats then bound."""
+        predictor = Predictor(SEATED, min_samples=1)
+        state = _state()
+        _serve(predictor, state, "warm", 1000, 0.1)  # the prefill rate: 10,000 tokens/s
+        for n in range(3):  # two seats proved three times
+            predictor.started(f"a{n}", state, 1000, 1000)
+            predictor.started(f"b{n}", state, 1000, 1000)
+            predictor.observe(f"a{n}", ttft_s=0.1)
+            predictor.observe(f"b{n}", ttft_s=0.1)
+            if n < 2:
+                predictor.forget(f"a{n}")
+                predictor.forget(f"b{n}")
+        state.in_flight = 2
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.0)  # not known full: no seat wait
+        for n in range(3):  # sent behind the two running, seated only once one of them ended, after 1 s
+            predictor.started(f"c{n}", state, 1000, 1000)
+            predictor.forget("a2" if n == 0 else f"c{n - 1}")
+            predictor.observe(f"c{n}", ttft_s=1.0)
+        assert predictor.seats("b0") == 2
+        assert predictor.predict(state, 0).ttft_s > 0.0

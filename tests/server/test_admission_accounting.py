@@ -123,6 +123,24 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.done[i].set_result(None)
         self._settle()
 
+    @precondition(lambda self: self.leased)
+    @rule(data=st.data(), priority=st.sampled_from(list(Priority)))
+    def finish_as_one_arrives(self, data: st.DataObject, priority: Priority) -> None:
+        """A running request's answer ends and a request arrives in the same turn of the loop: the pass its end
+        triggers runs before the newcomer is judged, and the request it admits resumes after."""
+        i = data.draw(st.sampled_from(sorted(self.leased)))
+        self.done[i].set_result(None)
+        j = self.count
+        self.count += 1
+        self.priority[j] = priority
+        self.done[j] = self.loop.create_future()
+
+        def arrive() -> None:
+            self.tasks[j] = self.loop.create_task(self._request(j, priority))
+
+        self.loop.call_soon(arrive)
+        self._settle()
+
     @precondition(lambda self: self.tasks)
     @rule(data=st.data())
     def disconnect(self, data: st.DataObject) -> None:

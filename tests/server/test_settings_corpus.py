@@ -56,6 +56,7 @@ ADDED: dict[str, Any] = {
         "decode_step": 0.02,
         "ttft_overhead": 0.02,
         "decode_load_weight": 0.02,
+        "seats": None,
         "models": {},
     },
     "admission": {
@@ -85,7 +86,10 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("detection", "consecutive-errors", "consecutive-deadlines")),
         *(f"--outlier-{name}" for name in ("success-rate-ratio", "latency-factor", "min-requests", "window")),
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
-        *(f"--slo-{name}" for name in ("ttft-ms", "tpot-ms", "priority", "aware", "prefill-rate", "decode-step")),
+        *(
+            f"--slo-{name}"
+            for name in ("ttft-ms", "tpot-ms", "priority", "aware", "prefill-rate", "decode-step", "seats")
+        ),
         "--admission",
         *(f"--admission-{name}" for name in ("queue-size", "order", "max-wait", "critical", "standard", "sheddable")),
         "--otlp-endpoint",

@@ -7,7 +7,9 @@ releases the lease.
 
 The model, per backend::
 
-    TTFT = ttft_overhead_s + (queued prefill tokens ahead + uncached prompt tokens) / prefill rate
+    TTFT = ttft_overhead_s + max((queued prefill tokens ahead + uncached) / prefill rate,
+                                 seat wait + uncached / prefill rate)
+    seat wait = (k + 1/2) * seat time / seats, with k = requests on the backend - seats (none while k < 0)
     TPOT = decode_step_s * (1 + decode_load_weight * requests decoding alongside) [/ (1 - prefill share)]
 
 *Queued prefill tokens ahead* is the larger of two estimates: the uncached prompt tokens of
@@ -19,6 +21,26 @@ reports one, else the backend's queue spread over its ranks. *Requests decoding 
 engine's ``running`` when reported, else the router's in-flight count. The engine's ``kv_usage`` is
 not used: a full cache delays new requests only as the waiting queue already shows.
 
+*The wait for a batch seat*: engines run at most ``seats`` requests at once (vLLM's ``max_num_seqs``) and
+queue the rest first come, first served; with every seat taken a seat frees every ``seat time / seats``
+seconds on average, the ``k`` requests already waiting go first, and the first seat frees half an interval
+away. *Requests on the backend* are this router's in-flight count now plus the others the engine last
+reported (its ``running + waiting`` less this router's count when that report was first seen: other
+routers' requests), so a report seconds old does not hide the requests that ended since; per rank for a
+named data-parallel rank. With seats known, the engine's waiting requests are the ones beyond the seats now,
+not as last reported. *Seats* are the configured `Priors.seats` until the engine has been seen full
+(requests waiting while as many ran as ever seen): then the most ever seen taken at once, by the engine's
+reported ``running`` or by this router's own requests (a request's first token while ``n`` requests sent
+there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends;
+counted once proved `SEEN_SEATS` times).
+Requiring "full" keeps a request read between two engine steps (waiting while seats are free) from
+counting. This router's own requests also show the engine full, without telemetry and before the next
+report: a request sent behind at least as many of them as the seats proved, whose first token came when
+fewer of those were left and after more than twice its prefill time, waited for a seat (`SEEN_SEATS` such).
+The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens over the
+prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
+the rates; before, ``ttft_overhead_s + uncached_tokens / rate + decode step x output_tokens``.
+
 With ``prefill_slows_decode=True`` (off by default: in the simulator it lowered goodput at every
 load), TPOT is also divided by ``1 - prefill share``, the share of the backend's time its prefills
 are expected to take while the request decodes (an engine mixing prefill chunks into decode steps,
@@ -28,12 +50,18 @@ this router sent there over the last ``arrival_window_s`` seconds, per second, o
 The *prefill rate* (tokens/s) and the *decode step* (s) are learned per backend, so backends on
 different hardware get rates of their own: every observed TTFT gives a rate sample ``work /
 (TTFT - ttft_overhead_s)`` (``work`` as counted when the request was sent, its uncached part
-corrected by the engine's reported cached tokens when the host passes them), every observed TPOT a
+corrected by the engine's reported cached tokens when the host passes them) unless the wait for a seat
+bound its prediction (that TTFT measured the queue, not the prefill), every observed TPOT a
 decode-step sample. A backend's rate is the median of its last ``window`` samples, so a few wild
 samples (a stalled stream, a preempted request) do not move it; until ``min_samples`` are in, the
-configured `Priors` hold. A backend whose engine telemetry is stale (reported once, now older than
-`BackendState.load_max_age`) is predicted from the priors alone, its engine load ignored, and the
-prediction says so (`Prediction.stale`).
+configured `Priors` hold. Once a backend's TTFT samples of requests sent with nothing queued ahead spread
+over small and large work (the half with more work at least twice the other's, ``min_samples`` in each),
+the overhead is learned with the rate: the line ``TTFT = overhead + work / rate`` through the medians of
+the two halves (as robust to outliers as the medians), which replaces the prior overhead and the rate of
+the ratio medians (those assume the overhead known: an engine step longer than the prior overhead made
+short prompts look slow to prefill). A backend whose engine telemetry is stale (reported once, now older than
+`BackendState.load_max_age`) is predicted from the priors alone (the configured seats too, over this
+router's own requests), its engine load ignored, and the prediction says so (`Prediction.stale`).
 
 Prediction error is tracked (`PredictionErrors`): each observed TTFT next to what was predicted
 when the request was sent, for the host to export.
@@ -50,13 +78,17 @@ from typing import NamedTuple
 import attrs
 from attrs import validators as v
 
-from kvroute.backend import BackendState
+from kvroute.backend import BackendState, EngineLoad
 from kvroute.slo import Prediction
 from kvroute.validators import expect
 
 __all__ = ["Base", "Observation", "PredictionErrors", "Predictor", "Priors"]
 
+#: Times this router's own requests must prove a seat count before it counts (see `Predictor._seated`).
+SEEN_SEATS = 3
+
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
+_seats = expect("a positive integer", v.instance_of(int), v.ge(1), error=ValueError)
 _non_negative = expect("a non-negative number", v.instance_of((int, float)), v.ge(0), v.lt(math.inf), error=ValueError)
 
 
@@ -78,6 +110,11 @@ class Priors:
     decode_load_weight: float = attrs.field(default=0.02, validator=_non_negative)
     #: Uncached prompt tokens assumed per waiting request until some have been seen.
     uncached_tokens: float = attrs.field(default=1000.0, validator=_positive)
+    #: Batch seats per data-parallel rank (vLLM's ``max_num_seqs``): requests beyond them wait for one to free.
+    #: ``None``: unknown until learned (from the engine's reported ``running``, and from this router's own requests).
+    seats: int | None = attrs.field(default=None, validator=v.optional(_seats))
+    #: Output tokens assumed per request (how long it holds its seat) until some requests have been seen end.
+    output_tokens: float = attrs.field(default=256.0, validator=_positive)
 
 
 @attrs.frozen
@@ -158,6 +195,28 @@ class _Rates:
     prefill_rate: float | None = None
     decode_step: float | None = None
     mean_uncached: float | None = None
+    #: (prefill tokens of the work, TTFT) of the samples, for the line fit of the overhead (`_fit`), and its result.
+    pairs: deque[tuple[float, float]] = attrs.field(factory=deque)
+    overhead: float | None = None
+    #: Seconds a request holds its batch seat (its prefill and decode): samples and their median.
+    service: deque[float] = attrs.field(factory=deque)
+    service_s: float | None = None
+    #: Batch seats per rank seen taken at once (a lower bound of the engine's), and whether the engine was seen
+    #: full (requests waiting while that many ran): only then do the seats bound the prediction.
+    seats: int = 0
+    saturated: bool = False
+    #: From the last engine report: its requests beyond this router's in-flight count then (other routers'),
+    #: this router's in-flight count then, and the report's ``observed_at``.
+    others: float = 0.0
+    own_at: int = 0
+    load_at: float = -math.inf
+    #: This router's requests here not yet forgotten, in the order they were sent; the backend's data-parallel ranks.
+    order: dict[str, None] = attrs.field(factory=dict)
+    ranks: int = 1
+    #: Seat counts above ``seats`` that first-come order proved, and how often (see `Predictor._seated`); requests
+    #: seen waiting for a seat by this router's own accounting.
+    bounds: dict[int, int] = attrs.field(factory=dict)
+    full_seen: int = 0
 
 
 @attrs.define
@@ -170,6 +229,12 @@ class _Pending:
     predicted: Prediction
     slowdown: float = 1.0
     queued: bool = True
+    #: Whether the wait for a batch seat bound its predicted TTFT (its TTFT is then no prefill-rate sample).
+    seat_bound: bool = False
+    #: `Predictor.clock` at its first token (its seat time is measured from there to `Predictor.forget`).
+    first_at: float | None = None
+    #: This router's requests in flight there, sent before it, when it was sent.
+    sent_behind: int = 0
 
 
 class Predictor:
@@ -227,7 +292,9 @@ class Predictor:
         rates = self._rates.get(backend_id)
         if rates is None:
             n = self.window
-            rates = self._rates[backend_id] = _Rates(deque(maxlen=n), deque(maxlen=n), deque(maxlen=n))
+            rates = self._rates[backend_id] = _Rates(
+                deque(maxlen=n), deque(maxlen=n), deque(maxlen=n), pairs=deque(maxlen=n), service=deque(maxlen=n)
+            )
         return rates
 
     def _window_median(self, samples: deque[float]) -> float | None:
@@ -245,6 +312,24 @@ class Predictor:
         learned = None if rates is None else rates.decode_step
         return self.priors_for(backend_id).decode_step_s if learned is None else learned
 
+    def ttft_overhead(self, backend_id: str) -> float:
+        """Seconds before a first token on ``backend_id`` with nothing to prefill: learned (line fit), or its prior."""
+        rates = self._rates.get(backend_id)
+        learned = None if rates is None else rates.overhead
+        return self.priors_for(backend_id).ttft_overhead_s if learned is None else learned
+
+    def seat_time(self, backend_id: str) -> float | None:
+        """Seconds a request holds its batch seat on ``backend_id``, as learned (``None`` before)."""
+        rates = self._rates.get(backend_id)
+        return None if rates is None else rates.service_s
+
+    def seats(self, backend_id: str) -> int | None:
+        """``backend_id``'s batch seats per rank once its engine was seen full, else its configured prior."""
+        rates = self._rates.get(backend_id)
+        if rates is not None and rates.saturated:
+            return rates.seats
+        return self.priors_for(backend_id).seats
+
     def samples(self, backend_id: str) -> int:
         """TTFT samples ``backend_id``'s prefill rate rests on (at most ``window``)."""
         rates = self._rates.get(backend_id)
@@ -253,41 +338,116 @@ class Predictor:
     # -- predicting ----------------------------------------------------------------------
 
     def _load(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, bool]:
-        """(queued prefill tokens ahead, requests decoding alongside, stale) for ``state``."""
+        """(prefill tokens ahead, requests decoding alongside, stale) for ``state``.
+
+        The tokens ahead include the wait for a batch seat, as the tokens the backend would prefill meanwhile
+        (see `_ahead`): ``TTFT = overhead + (tokens ahead + uncached) / rate`` holds either way.
+        """
+        queued, decoding, seat_wait, stale = self._ahead(state, rank, now)
+        if seat_wait > 0.0:
+            seat_tokens = seat_wait * self._rate(state.id, stale)
+            if seat_tokens > queued:
+                queued = seat_tokens
+        return queued, decoding, stale
+
+    def _rate(self, backend_id: str, stale: bool) -> float:
+        rates = None if stale else self._rates.get(backend_id)
+        if rates is not None and rates.prefill_rate is not None:
+            return rates.prefill_rate
+        return self.overrides.get(backend_id, self.priors).prefill_tokens_per_s
+
+    def _ahead(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, float, bool]:
+        """(queued prefill tokens ahead, requests decoding alongside, seconds waiting for a seat, stale)."""
         rates = self._rates.get(state.id)
+        own = state.in_flight
         if rates is None:
-            ours, decoding = 0.0, float(state.in_flight)
+            ours, decoding = 0.0, float(own)
         else:
             ours = rates.queued_tokens
-            decoding = float(max(state.in_flight - rates.queued_requests, 0))
+            decoding = float(max(own - rates.queued_requests, 0))
         load = state.load
         size = state.backend.data_parallel_size
         if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
             size = load.data_parallel_size
+        priors = self.overrides.get(state.id, self.priors)
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
+            # No engine report to use: the configured seats, this router's own requests (and, stale, priors only).
+            stale = load is not None
+            seats = rates.seats if not stale and rates is not None and rates.saturated else priors.seats
+            wait = 0.0
+            if seats is not None:
+                wait = self._seat_wait(None if stale else rates, priors, own / size, seats, decoding)
             if size > 1:
-                return ours / size, decoding / size, load is not None
-            return ours, decoding, load is not None
-        waiting, running = load.waiting, load.running
+                return ours / size, decoding / size, wait, stale
+            return ours, decoding, wait, stale
+        if rates is None:
+            rates = self._state(state.id)
+        if load.observed_at != rates.load_at:
+            self._saw(rates, load, own, size)
+        ahead = own + rates.others  # requests on the backend now: this router's, and others' as last reported
+        waiting: float | None = load.waiting
+        running = load.running
         if rank is not None and load.ranks:
             # The named rank's own queue; this router's requests assumed spread over the ranks.
             for r in load.ranks:
                 if r.rank == rank:
                     waiting, running = r.waiting, r.running
+                    ahead = max(r.requests + (own - rates.own_at) / size, own / size)
                     break
             ours /= size
             size = 1
+        elif size > 1:
+            ahead /= size
+        seats = rates.seats if rates.saturated else priors.seats
+        if seats is not None and waiting is not None:
+            waiting = max(ahead - seats, 0.0)  # those waiting now, rather than at the last report
         if waiting is not None:
-            mean = None if rates is None else rates.mean_uncached
+            mean = rates.mean_uncached
             if mean is None:
-                mean = self.overrides.get(state.id, self.priors).uncached_tokens
+                mean = priors.uncached_tokens
             if waiting * mean > ours:
                 ours = waiting * mean
         if size > 1:
             ours /= size  # ranks prefill side by side
         if running is not None:
             decoding = running / size
-        return ours, decoding, False
+        wait = 0.0 if seats is None else self._seat_wait(rates, priors, ahead, seats, decoding)
+        return ours, decoding, wait, False
+
+    def _saw(self, rates: _Rates, load: EngineLoad, own: int, size: int) -> None:
+        """Learn from an engine report seen for the first time: seats taken, whether it was full, others' requests."""
+        rates.load_at = load.observed_at
+        rates.own_at = own
+        total = (load.running or 0) + (load.waiting or 0)
+        rates.others = float(max(total - own, 0))
+        reports = [(r.running, r.waiting) for r in load.ranks] if load.ranks else [(load.running, load.waiting)]
+        for running, waiting in reports:
+            if running is None:
+                continue
+            per_rank = running if load.ranks else -(-running // size)
+            if per_rank > rates.seats:
+                rates.seats = per_rank
+            if waiting and per_rank >= rates.seats and per_rank > 0:
+                rates.saturated = True  # requests waited while every seat seen so far was taken
+
+    def _seat_wait(self, rates: _Rates | None, priors: Priors, ahead: float, seats: int, decoding: float) -> float:
+        """Seconds until a seat frees for a request arriving behind ``ahead`` requests on ``seats`` seats.
+
+        With every seat taken, a seat frees every ``service / seats`` seconds on average (``service``: how long a
+        request holds its seat); the ``k`` requests already waiting go first, and the first seat frees half an
+        interval away on average: ``(k + 1/2) * service / seats``.
+        """
+        beyond = ahead - seats
+        if beyond < 0 or seats < 1:
+            return 0.0
+        service = None if rates is None else rates.service_s
+        if service is None:
+            service = (
+                priors.ttft_overhead_s
+                + priors.uncached_tokens / priors.prefill_tokens_per_s
+                + priors.decode_step_s * (1.0 + priors.decode_load_weight * decoding) * priors.output_tokens
+            )
+        return (beyond + 0.5) * service / seats
 
     def predict(
         self,
@@ -327,7 +487,10 @@ class Predictor:
                 rate = rates.prefill_rate
             if rates.decode_step is not None:
                 step = rates.decode_step
-        ttft = priors.ttft_overhead_s + (queued + uncached) / rate
+        overhead = priors.ttft_overhead_s
+        if rates is not None and rates.overhead is not None:
+            overhead = rates.overhead
+        ttft = overhead + (queued + uncached) / rate
         tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
         return Prediction(ttft, tpot, stale)
 
@@ -384,12 +547,20 @@ class Predictor:
         pending is replaced (a retry on another backend).
         """
         self.forget(request_id)
-        queued, decoding, stale = self._load(state, rank, now)
+        queued, decoding, seat_wait, stale = self._ahead(state, rank, now)
+        seat_bound = False
+        if seat_wait > 0.0:
+            seat_tokens = seat_wait * self._rate(state.id, stale)
+            if seat_tokens > queued:
+                queued, seat_bound = seat_tokens, True
         uncached = max(uncached_tokens, 0.0)
         if prediction is None:
             prediction = self._predict(state.id, queued, uncached, decoding, stale)
         rates = self._state(state.id)
         self._bases.pop(state.id, None)
+        behind = len(rates.order)
+        rates.order[request_id] = None
+        rates.ranks = state.data_parallel_size
         rates.queued_tokens += uncached
         rates.queued_requests += 1
         slowdown = self._slowdown(rates, self.prefill_rate(state.id))
@@ -400,7 +571,17 @@ class Predictor:
         ) + uncached
         rates.arrived_at = at
         self._pending[request_id] = _Pending(
-            state.id, queued + uncached, uncached, float(prompt_tokens), decoding, prediction, slowdown
+            state.id,
+            queued + uncached,
+            uncached,
+            float(prompt_tokens),
+            decoding,
+            prediction,
+            slowdown,
+            True,
+            seat_bound,
+            None,
+            behind,
         )
         return prediction
 
@@ -415,10 +596,27 @@ class Predictor:
             rates.queued_requests = max(rates.queued_requests - 1, 0)
 
     def forget(self, request_id: str) -> None:
-        """The request left its backend (released): drop what is kept of it."""
+        """The request left its backend (released): drop what is kept of it.
+
+        A request that had its first token (`observe`) teaches how long a request holds its batch seat: its
+        prefill (its uncached tokens over the prefill rate, plus the overhead) and the time since that token.
+        """
         pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            self._unqueue(pending)
+        if pending is None:
+            return
+        rates = self._rates.get(pending.backend_id)
+        if rates is not None:
+            rates.order.pop(request_id, None)
+            if pending.first_at is not None:
+                decode = self.clock() - pending.first_at
+                if decode >= 0:
+                    overhead = rates.overhead
+                    if overhead is None:
+                        overhead = self.overrides.get(pending.backend_id, self.priors).ttft_overhead_s
+                    prefill = pending.uncached / self.prefill_rate(pending.backend_id)
+                    rates.service.append(overhead + prefill + decode)
+                    rates.service_s = self._window_median(rates.service)
+        self._unqueue(pending)
 
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend's learned rates (it left the fleet, or its engine changed)."""
@@ -466,6 +664,9 @@ class Predictor:
         rates = self._state(pending.backend_id)
         self._bases.pop(pending.backend_id, None)
         if ttft is not None:
+            unqueued = self._unqueue_estimate(pending, priors)
+            if pending.queued:
+                self._seated(rates, request_id, pending, ttft > 2.0 * unqueued)
             self._unqueue(pending)
             uncached = pending.uncached
             cached = _finite(cached_tokens)
@@ -475,27 +676,88 @@ class Predictor:
             rates.mean_uncached = self._window_median(rates.uncached)
             work = pending.work - pending.uncached + uncached
             busy = ttft - priors.ttft_overhead_s
-            if work >= 1.0 and busy > 0:
+            if work >= 1.0 and busy > 0 and not pending.seat_bound:
                 rates.prefill.append(work / busy)
                 rates.prefill_rate = self._window_median(rates.prefill)
+            if pending.work - pending.uncached < 1.0 and not pending.seat_bound:  # nothing was queued ahead
+                rates.pairs.append((work, ttft))
+                fit = _fit(rates.pairs, self.min_samples)
+                if fit is not None:
+                    rates.overhead, rates.prefill_rate = fit
             self.errors.record(pending.predicted.ttft_s, ttft)
         if tpot is not None and tpot > 0:
             rates.decode.append(tpot / (1.0 + priors.decode_load_weight * pending.decode_load) / pending.slowdown)
             rates.decode_step = self._window_median(rates.decode)
         return Observation(pending.backend_id, pending.predicted, ttft, tpot)
 
-    def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int]]:
-        """Per backend: learned prefill rate, decode step, samples and queued tokens (for a status page)."""
+    def _unqueue_estimate(self, pending: _Pending, priors: Priors) -> float:
+        """The TTFT ``pending`` would have had without waiting for a seat (its work at the learned rate)."""
+        rates = self._rates.get(pending.backend_id)
+        if rates is None or rates.prefill_rate is None:
+            return math.inf  # no rate learned yet: nothing to compare with
+        overhead = priors.ttft_overhead_s if rates.overhead is None else rates.overhead
+        return overhead + pending.work / rates.prefill_rate if not pending.seat_bound else math.inf
+
+    def _seated(self, rates: _Rates, request_id: str, pending: _Pending, slow: bool) -> None:
+        """A request had its first token: it holds a seat, and so (first come, first served) does every request
+        sent there before it that has not finished. That many seats, at least, the backend has (one rank).
+
+        It also shows the engine full when it was sent behind at least as many requests as the seats proved,
+        fewer of them run now, and it took more than twice its prefill (``slow``): it waited for some of them to
+        end. Seen `SEEN_SEATS` times, the seats bound predictions as when the engine reports requests waiting.
+        """
+        pending.first_at = self.clock()
+        ahead = 0
+        for other in rates.order:
+            if other == request_id:
+                break
+            ahead += 1
+        if slow and not rates.saturated and rates.ranks == 1 and ahead < rates.seats <= pending.sent_behind:
+            rates.full_seen += 1
+            if rates.full_seen >= SEEN_SEATS:
+                rates.saturated = True
+        seats = ahead + 1
+        if seats > rates.seats and rates.ranks == 1:
+            # Counted only once seen SEEN_SEATS times: a request that ended in the engine but is not released yet
+            # (its last bytes on their way) makes one bound too high by one.
+            seen = rates.bounds[seats] = rates.bounds.get(seats, 0) + 1
+            if seen >= SEEN_SEATS:
+                rates.seats = seats
+                rates.bounds = {b: n for b, n in rates.bounds.items() if b > seats}
+
+    def summary(self, backend_ids: Iterable[str] | None = None) -> dict[str, dict[str, float | int | None]]:
+        """Per backend: learned rates, overhead, seat time and seats, samples and queued tokens (for a status page)."""
         ids = list(self._rates) if backend_ids is None else list(backend_ids)
         return {
             b: {
                 "prefill_tokens_per_s": self.prefill_rate(b),
                 "decode_step_s": self.decode_step(b),
+                "ttft_overhead_s": self.ttft_overhead(b),
+                "seat_s": self.seat_time(b),
                 "samples": self.samples(b),
                 "queued_tokens": self.queued_tokens(b),
+                "seats": self.seats(b),
             }
             for b in ids
         }
+
+
+def _fit(pairs: Iterable[tuple[float, float]], min_samples: int) -> tuple[float, float] | None:
+    """(overhead, rate) of the line ``TTFT = overhead + work / rate`` through the medians of the samples of less
+    and of more work (``pairs``: (work, TTFT)); ``None`` until each half holds ``min_samples`` and their works
+    differ (at least twice as much, and a token more) and the more work took longer."""
+    ordered = sorted(pairs)
+    n = len(ordered)
+    half = n // 2
+    if half < min_samples:
+        return None
+    low, high = ordered[:half], ordered[n - half :]
+    w0, w1 = _median(w for w, _ in low), _median(w for w, _ in high)
+    t0, t1 = _median(t for _, t in low), _median(t for _, t in high)
+    if w1 < 2 * w0 + 1 or t1 <= t0:
+        return None
+    rate = (w1 - w0) / (t1 - t0)
+    return max(t0 - w0 / rate, 0.0), rate
 
 
 def _median(values: Iterable[float]) -> float:

@@ -622,6 +622,17 @@ class SloConfig:
     decode_load_weight: float = setting(
         0.02, _non_negative_number, converter=_as_float, help="Share of a decode step each concurrent request adds"
     )
+    #: Batch seats per engine (per data-parallel rank; vLLM's ``max_num_seqs``): requests beyond them wait for one.
+    #: Unset, they are learned from the engines' reported running requests and from this proxy's own requests.
+    seats: int | None = setting(
+        None,
+        v.optional(_positive_int),
+        flag="--slo-seats",
+        click_type=int,
+        metavar="N",
+        show_default=False,
+        help="Prior batch seats per engine (vLLM's max_num_seqs) [default: learned]",
+    )
     #: Per model (its name, as requests give it): ``{"ttft_ms": 500, "tpot_ms": 50, "priority": "critical"}``.
     models: Mapping[str, Mapping[str, Any]] = setting(
         factory=dict, help="Per-model objectives: {model: {ttft_ms, tpot_ms, priority}}"

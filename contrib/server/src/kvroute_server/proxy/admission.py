@@ -10,11 +10,12 @@ strategy picks a backend predicted to meet the objectives whenever one exists, s
   (critical first), then by deadline or by predicted service time. The queue is decided again when a request
   of this process finishes, when a held request leaves it, and every `RECHECK_S` seconds (engine telemetry
   changes predictions too); one request is admitted per pass, and the next pass runs only once the admitted
-  one holds its lease, so that the pass sees it in flight. A request still held at its deadline (its TTFT
-  objective after arrival, at most ``max_wait``) is answered at once: a critical one is sent anyway, any other
-  gets 429 (its objective is already missed; sending it would take capacity from requests still in time). A
-  full queue takes a request of a higher class by shedding its last entry of the lowest class; otherwise the
-  newcomer is shed (or sent, if critical). The queue never holds more than ``queue_size``.
+  one holds its lease, so that the pass sees it in flight (and a newcomer is judged only then, too). A request
+  still held at its deadline (its TTFT objective after arrival, at most ``max_wait``) is answered at once: a
+  critical one is sent anyway, any other gets 429 (its objective is already missed; sending it would take
+  capacity from requests still in time). A full queue takes a request of a higher class by shedding its last
+  entry of the lowest class; otherwise the newcomer is shed (or sent, if critical). The queue never holds more
+  than ``queue_size``.
 - **shed**: answered ``429`` with ``Retry-After`` and an OpenAI-style error body (``type``
   ``rate_limit_error``; ``code`` ``slo_unattainable``, ``admission_queue_full`` or ``slo_deadline_exceeded``).
   Critical requests are never shed.
@@ -189,6 +190,11 @@ class Admission:
         self._actions = {p: config.action(p.value) for p in Priority}
         self._seq = itertools.count()
         self._pass_scheduled = False
+        #: Held requests admitted by a pass that do not hold their lease yet, and an event set while there are none:
+        #: a newcomer is judged only then, so that it sees them in flight (else both could take the same room).
+        self._in_transit = 0
+        self._settled = asyncio.Event()
+        self._settled.set()
 
     @classmethod
     def create(
@@ -206,6 +212,8 @@ class Admission:
         objectives = request.objectives
         if objectives is None or not objectives.any:
             return True
+        while self._in_transit:
+            await self._settled.wait()
         miss = judge(self.router, request)
         priority = objectives.priority
         if miss is None:
@@ -274,6 +282,10 @@ class Admission:
                 except TimeoutError:
                     self._kick()
         finally:
+            if held.result == ADMITTED:  # it takes its lease as soon as this returns, before anything else runs
+                self._in_transit -= 1
+                if not self._in_transit:
+                    self._settled.set()
             self.queue.remove(held)  # a client that left (cancelled) leaves nothing behind
             self.metrics.queue_length.set(len(self.queue))
             self.metrics.waited(priority, result, self.clock() - now)
@@ -343,6 +355,8 @@ class Admission:
             if self.judge_held(held, now) is None:
                 self.queue.remove(held)
                 held.result = ADMITTED
+                self._in_transit += 1
+                self._settled.clear()
                 held.wake.set()
                 return
 

@@ -5,7 +5,11 @@ when the SLO-aware choice or admission needs it. `SloHost.apply` sets `RouteRequ
 and the configured defaults (`kvroute_server.proxy.objectives`), counting headers it ignored. While a request
 holds its lease, `SloHost.first_byte` and `SloHost.stream_done` report what was measured to the predictor
 (`Predictor.observe`): the first byte of a stream is its first token (a prefill-rate sample; its prompt leaves
-the backend's queue), and the stream's end with ``usage.completion_tokens`` gives its time per output token.
+the backend's queue), and the stream's end with ``usage.completion_tokens`` gives its time per output token; the
+time from its first byte until its lease is released is how long it held its batch seat. A non-streamed answer
+teaches nothing: its first byte comes after the whole generation, and the proxy cannot tell its prefill from its
+decode (a TTFT estimated as the whole time less a decode estimate would put that estimate's error into the
+prefill rate).
 `SloHost.finished` runs once per finished request: it compares the TTFT predicted when the request was routed
 (`Decision.prediction`) with the one observed, and tells admission (`kvroute_server.proxy.admission`) that a
 backend has room again.
@@ -43,6 +47,7 @@ def slo_choice(config: ServerConfig) -> SloChoice | None:
             ttft_overhead_s=slo.ttft_overhead,
             decode_step_s=slo.decode_step,
             decode_load_weight=slo.decode_load_weight,
+            seats=slo.seats,
         )
         return SloChoice(
             Predictor(priors),
