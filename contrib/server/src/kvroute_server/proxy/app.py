@@ -33,6 +33,7 @@ import structlog
 from kvroute.adapters import kv_event_sink
 from kvroute.errors import InvalidRequest
 from kvroute.fleet import Fleet
+from kvroute.holds import HoldLog
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Endpoint, RouteRequest
 from kvroute.router import Router
@@ -62,6 +63,7 @@ from kvroute_server.http.asgi import (
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
+from kvroute_server.ops.peers import PeerSync
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.ops.tracing import create_tracing
@@ -177,7 +179,12 @@ def _sessions(config: ServerConfig) -> tuple[tuple[SessionSource, ...], dict[byt
             headers[source.name.encode("latin-1")] = source.name
     if not settings.enabled:
         return sources, headers, None
-    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, conversations=settings.conversations)
+    sessions = Sessions(
+        ttl_s=settings.ttl,
+        max_sessions=settings.max_sessions,
+        conversations=settings.conversations,
+        shared=config.peers.enabled,
+    )
     return sources, headers, sessions
 
 
@@ -218,9 +225,17 @@ class ProxyApp:
         self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
         # Sessions (docs/serve.md, "Sessions"): the sources the request parser reads, and the router's bindings.
         self._session_sources, self._route_headers, sessions = _sessions(config)
+        holds = HoldLog(config.peers.queue) if config.peers.enabled else None  # router-replica sync (--peer)
         self.router = Router.create(
-            self.fleet, config.strategy, config.options, plugins=self.plugins, sessions=sessions, slo=slo_choice(config)
+            self.fleet,
+            config.strategy,
+            config.options,
+            plugins=self.plugins,
+            sessions=sessions,
+            slo=slo_choice(config),
+            holds=holds,
         )
+        self.peers = PeerSync.create(config.peers, self.router, self.metrics)
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
@@ -243,6 +258,7 @@ class ProxyApp:
         self.routes.add("GET", "/health", self._health)
         self.routes.add("GET", "/metrics", self._metrics)
         self.status.add_routes(self.routes)
+        self.peers.add_routes(self.routes)
         for path in config.passthrough_paths:  # never in place of a route above
             if path not in self.routes:
                 self.routes.add("POST", path, self._passthrough)
@@ -260,6 +276,7 @@ class ProxyApp:
                 # Admin changes made before this worker started (it may be a restart), before any request.
                 await tg.start(self.admin.follow)
                 await tg.start(self.warm_join.run, self.router)  # after the initial fleet: later adds are joins
+                await tg.start(self.peers.run)
                 if isinstance(strategy, HasPromptTokenizer) and strategy.prompt_tokenizer is not None:
                     tg.start_soon(self.backends.check_parity, strategy)
                 try:
