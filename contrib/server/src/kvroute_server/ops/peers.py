@@ -166,10 +166,13 @@ class PeerSync:
     enabled = True
 
     def __init__(self, config: PeerConfig, router: Router, metrics: ProxyMetrics) -> None:
-        assert config.token is not None and router.holds is not None
+        assert config.token is not None
         self.config = config
         self.router = router
-        self.log: HoldLog = router.holds
+        # The router logs its holds from now on, and new sessions are placed under the share bound.
+        self.log = router.holds = HoldLog(config.queue)
+        if router.sessions is not None:
+            router.sessions.shared = True
         self.metrics = metrics
         self.peer_metrics = PeerMetrics(metrics.registry)
         #: This replica's id in the bodies it sends: random per process, so that it knows itself in a peer list.
@@ -181,7 +184,8 @@ class PeerSync:
 
     @classmethod
     def create(cls, config: PeerConfig, router: Router, metrics: ProxyMetrics) -> PeerSync | NoPeers:
-        return cls(config, router, metrics) if config.enabled and router.holds is not None else NoPeers()
+        """Sync with ``config.urls``, set up in ``router``; `NoPeers` when none are configured."""
+        return cls(config, router, metrics) if config.enabled else NoPeers()
 
     def add_routes(self, routes: RouteTable[Any]) -> None:
         routes.add("POST", PATH, self.receive)

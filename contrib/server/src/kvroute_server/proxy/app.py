@@ -33,7 +33,6 @@ import structlog
 from kvroute.adapters import kv_event_sink
 from kvroute.errors import InvalidRequest
 from kvroute.fleet import Fleet
-from kvroute.holds import HoldLog
 from kvroute.plugins import PluginManager
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, Endpoint, RouteRequest
 from kvroute.router import Router
@@ -179,12 +178,7 @@ def _sessions(config: ServerConfig) -> tuple[tuple[SessionSource, ...], dict[byt
             headers[source.name.encode("latin-1")] = source.name
     if not settings.enabled:
         return sources, headers, None
-    sessions = Sessions(
-        ttl_s=settings.ttl,
-        max_sessions=settings.max_sessions,
-        conversations=settings.conversations,
-        shared=config.peers.enabled,
-    )
+    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, conversations=settings.conversations)
     return sources, headers, sessions
 
 
@@ -225,17 +219,10 @@ class ProxyApp:
         self.warm_join = WarmJoin.create(config.warm_join, self.backends, self.plugins)  # before the router: a hook
         # Sessions (docs/serve.md, "Sessions"): the sources the request parser reads, and the router's bindings.
         self._session_sources, self._route_headers, sessions = _sessions(config)
-        holds = HoldLog(config.peers.queue) if config.peers.enabled else None  # router-replica sync (--peer)
         self.router = Router.create(
-            self.fleet,
-            config.strategy,
-            config.options,
-            plugins=self.plugins,
-            sessions=sessions,
-            slo=slo_choice(config),
-            holds=holds,
+            self.fleet, config.strategy, config.options, plugins=self.plugins, sessions=sessions, slo=slo_choice(config)
         )
-        self.peers = PeerSync.create(config.peers, self.router, self.metrics)
+        self.peers = PeerSync.create(config.peers, self.router, self.metrics)  # router-replica sync (--peer)
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
