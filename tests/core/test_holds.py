@@ -74,15 +74,19 @@ def run(routers: list[Router], *, sync: bool, sessions: bool = False, conversati
 
 
 class TestHoldLog:
-    def test_drain_ages_holds_and_keeps_one_per_key(self) -> None:
-        """Drained holds are aged by their time in the log, and a key queued twice comes out once, latest backend."""
+    def test_drain_ages_holds_by_their_time_in_the_log(self) -> None:
+        """Drained holds come out oldest first, each aged by its time in the log (plus the age it came with)."""
         clock = Clock()
         log = HoldLog(clock=clock)
         log.add([Hold("conversation", 1, "b0"), Hold("key", 2, "b1", 0.5)])
         clock.now += 0.25
         log.add([Hold("conversation", 1, "b3")])
         clock.now += 0.25
-        assert log.drain() == [Hold("key", 2, "b1", 1.0), Hold("conversation", 1, "b3", 0.25)]
+        assert log.drain() == [
+            Hold("conversation", 1, "b0", 0.5),
+            Hold("key", 2, "b1", 1.0),
+            Hold("conversation", 1, "b3", 0.25),
+        ]
         assert len(log) == 0
 
     def test_bounded_with_drops_counted(self) -> None:

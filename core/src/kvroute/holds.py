@@ -51,18 +51,12 @@ class HoldLog:
             self.added += 1
 
     def drain(self, limit: int | None = None) -> list[Hold]:
-        """Take up to ``limit`` queued holds (all by default), oldest first, each aged by its time in the queue.
-
-        A key queued twice is sent once, with its latest backend.
-        """
+        """Take up to ``limit`` queued holds (all by default), oldest first, each aged by its time in the queue."""
         queue = self._queue
         count = len(queue) if limit is None else min(limit, len(queue))
         now = self.clock()
-        latest: dict[tuple[str, int], Hold] = {}
+        out = []
         for _ in range(count):
             hold, queued = queue.popleft()
-            age = max(0.0, now - queued) + hold.age_s
-            ident = (hold.kind, hold.key)
-            latest.pop(ident, None)  # re-insert: the dict keeps the latest in queue order
-            latest[ident] = Hold(hold.kind, hold.key, hold.backend_id, age)
-        return list(latest.values())
+            out.append(Hold(hold.kind, hold.key, hold.backend_id, max(0.0, now - queued) + hold.age_s))
+        return out

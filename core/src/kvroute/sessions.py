@@ -219,7 +219,7 @@ class Sessions:
         results: Counter[str] = Counter()
         now = self.clock()
         for hold in holds:
-            if hold.kind == "key":
+            if hold.kind != "session" and hold.kind != "conversation":
                 continue
             made = now - hold.age_s
             binding = self._live(hold.key, now)

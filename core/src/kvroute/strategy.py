@@ -139,8 +139,9 @@ class HasPromptTokenizer(Protocol):
         ...
 
 
-#: What a `Hold`'s key stands for: a strategy's prefix key, a conversation's or a session id's (`kvroute.sessions`).
-HoldKind = Literal["key", "conversation", "session"]
+#: What a `Hold`'s key stands for: a strategy's prefix key, a conversation's or a session id's (`kvroute.sessions`),
+#: or a conversation of a group (a system prompt) that started (``group``: the consistent-hash family's hot groups).
+HoldKind = Literal["key", "conversation", "session", "group"]
 
 
 @attrs.frozen(slots=True)

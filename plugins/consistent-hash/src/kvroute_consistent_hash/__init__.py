@@ -456,6 +456,8 @@ class ConsistentHash(kvroute.BaseStrategy):
         )
         if moves_key and decision.key is not None and decision.key != conversation:
             holds.append(kvroute.Hold("key", decision.key, backend_id))
+        if self.prefix == "messages" and _opens_conversation(request):  # as on_request_start observes it
+            holds.append(kvroute.Hold("group", self._group(request)[1], backend_id))
         return holds
 
     def adopt_holds(self, holds: Sequence[kvroute.Hold]) -> dict[str, int]:
@@ -463,12 +465,17 @@ class ConsistentHash(kvroute.BaseStrategy):
         shares = self._shares
         if shares is None:
             return {}
-        adopted = 0
+        adopted = opened = 0
+        members = len(self._placement.states)
         for hold in holds:
+            if hold.kind == "group":  # a conversation another replica started: hot groups count every replica's
+                self._hot_groups.observe(hold.key, members)
+                opened += 1
+                continue
             adopted += shares.adopt(hold.key, hold.backend_id)
             if hold.kind != "key":  # one per request another replica started: the window counts every replica's
                 shares.record(hold.backend_id, ())
-        return {"adopted": adopted, "held": len(holds) - adopted}
+        return {"adopted": adopted, "held": len(holds) - adopted - opened, "groups": opened}
 
     def place_session(
         self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]

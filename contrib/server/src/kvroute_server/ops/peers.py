@@ -65,7 +65,7 @@ log = structlog.get_logger(__name__)
 PATH = "/kvroute/peer/holds"
 #: Largest sync body accepted (a full batch of 4,096 holds is about 300 KB).
 MAX_BODY = 1024 * 1024
-_KINDS = frozenset({"key", "conversation", "session"})
+_KINDS = frozenset({"key", "conversation", "session", "group"})
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _MAX_ID = 256
 _MAX_AGE_S = 86400.0
@@ -120,7 +120,7 @@ def parse_holds(raw: bytes) -> tuple[str, list[Hold]]:
         kind, key, backend, age = item
         if kind not in _KINDS:
             raise InvalidBody(
-                f"'{where}' kind must be key, conversation or session (got {kind!r}).",
+                f"'{where}' kind must be key, conversation, session or group (got {kind!r}).",
                 code="invalid_value",
                 param=where,
             )
