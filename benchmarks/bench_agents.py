@@ -49,7 +49,7 @@ next turn). No routing can do better; parallel sub-requests sent together cannot
 sibling hits its siblings' new blocks only once they are computed). The pooled-LRU reference (one
 LRU cache of the fleet's 7 x 512 blocks) is printed too.
 
-Run: ``nice -n 10 python benchmarks/bench_agents.py`` (11 rows, about 14 minutes on 2 cores);
+Run: ``nice -n 10 python benchmarks/bench_agents.py`` (13 rows, about 17 minutes on 2 cores);
 ``--only "sessions,SGLang"`` for rows whose label contains one of the substrings, ``--replicas 1``,
 ``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``. Every process is started
 in its own process group and stopped by its pid when its row ends, on an error or on Ctrl-C/SIGTERM.
