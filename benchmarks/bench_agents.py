@@ -26,6 +26,9 @@ client sends each request to a replica picked at random, seeded):
   the session header (``--session-header``, default ``x-session-id``) sent with every request.
 * ``kvroute default, no header``: the same configuration, traffic without a session id (what the
   proxy's conversation binding, on by default with sessions, gets).
+* ``..., replica sync``: the same two rows with router-replica sync (``--peer`` naming every replica,
+  itself included, and ``--peer-token``): the replicas share where they sent each conversation and
+  session (docs/serve.md, "Several replicas"). With one replica the row is the one without sync.
 * ``kvroute default, sessions off``: the same with ``--no-sessions`` (when the proxy has it) and no
   header. On a proxy without sessions (before issue 23), the three kvroute default rows are one
   configuration.
@@ -46,7 +49,7 @@ next turn). No routing can do better; parallel sub-requests sent together cannot
 sibling hits its siblings' new blocks only once they are computed). The pooled-LRU reference (one
 LRU cache of the fleet's 7 x 512 blocks) is printed too.
 
-Run: ``nice -n 10 python benchmarks/bench_agents.py`` (11 rows, about 14 minutes on 2 cores);
+Run: ``nice -n 10 python benchmarks/bench_agents.py`` (13 rows, about 17 minutes on 2 cores);
 ``--only "sessions,SGLang"`` for rows whose label contains one of the substrings, ``--replicas 1``,
 ``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``. Every process is started
 in its own process group and stopped by its pid when its row ends, on an error or on Ctrl-C/SIGTERM.
@@ -228,12 +231,16 @@ class Target:
     args: tuple[str, ...] = ()
     session_header: bool = False
     no_sessions: bool = False
+    #: Router-replica sync: every replica gets ``--peer`` for each replica (itself too) and a shared token.
+    sync: bool = False
 
 
 TARGETS = (
     Target("direct random", "direct"),
     Target("kvroute default, sessions on (header sent)", "kvroute", session_header=True),
+    Target("kvroute default, sessions on (header sent), replica sync", "kvroute", session_header=True, sync=True),
     Target("kvroute default, no header", "kvroute"),
+    Target("kvroute default, no header, replica sync", "kvroute", sync=True),
     Target("kvroute default, sessions off", "kvroute", no_sessions=True),
     Target(
         "kvroute tokenizer-prefix",
@@ -303,8 +310,11 @@ def fleet(
             yield engines, engines
             return
         fronts = []
-        for _ in range(replicas):
-            port = bp.free_port()
+        ports = [bp.free_port() for _ in range(replicas)]
+        peers = [a for p in ports for a in ("--peer", f"http://127.0.0.1:{p}")] if target.sync and replicas > 1 else []
+        if peers:
+            peers += ["--peer-token", "bench-agents-peer-token"]
+        for port in ports:
             url = f"http://127.0.0.1:{port}"
             if target.kind == "sglang":
                 command = [str(sglang), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
@@ -316,6 +326,7 @@ def fleet(
                 command += [a for i, e in enumerate(engines) for a in ("--backend", f"e{i}={e}")]
                 if target.no_sessions and sessions_flag:
                     command.append("--no-sessions")
+                command += peers
             stack.enter_context(started(command, url + "/health", logs / f"router-{len(fronts)}.log"))
             fronts.append(url)
         yield fronts, engines

@@ -361,6 +361,7 @@ class TestSettingsDocs:
             f"--no-{m.flag[2:]}" for _, f, m in settings() if m.flag
         }
         structured = {"--config", "--backend", "--discovery", "--option", "--shadow", "--shadow-option", "--cache-view"}
+        structured.add("--peer")
         structured |= {"--sagemaker-config", "--sagemaker-variant", "--log-level", "--log-format"}
         for row_flags, keys, _ in _doc_rows():
             assert set(keys) <= known, keys

@@ -20,6 +20,7 @@ from kvroute.errors import (
 )
 from kvroute.fleet import Fleet, FleetEvent
 from kvroute.hashing import hash64, hash_parts
+from kvroute.holds import HoldLog
 from kvroute.plugins import PluginManager
 from kvroute.predictor import Observation, Predictor, Priors
 from kvroute.request import AFFINITY_HEADER, LORA_HEADER, REQUEST_ID_HEADER, RouteRequest
@@ -28,7 +29,7 @@ from kvroute.sessions import Sessions
 from kvroute.shadow import ShadowSet, Verdict
 from kvroute.slo import Objectives, Prediction, Priority
 from kvroute.slo_choice import SloChoice
-from kvroute.strategy import BaseStrategy, Decision, Outcome, SpillReason, Status, Strategy
+from kvroute.strategy import BaseStrategy, Decision, Hold, Holds, Outcome, SpillReason, Status, Strategy
 
 __all__ = [
     "AFFINITY_HEADER",
@@ -44,6 +45,9 @@ __all__ = [
     "EngineLoad",
     "Fleet",
     "FleetEvent",
+    "Hold",
+    "HoldLog",
+    "Holds",
     "HttpGetter",
     "HttpReply",
     "InvalidRequest",

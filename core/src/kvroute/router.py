@@ -24,6 +24,7 @@ whose ``on_request_finish`` raises is logged (``strategy_callback_failed``).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -34,13 +35,14 @@ import attrs
 from kvroute.backend import Backend, BackendState
 from kvroute.errors import KvrouteError, NoBackendAvailable, StrategyError
 from kvroute.fleet import Fleet, FleetEvent
+from kvroute.holds import HoldLog
 from kvroute.logs import get_logger
 from kvroute.plugins import PluginManager
 from kvroute.predictor import Predictor
 from kvroute.request import RouteRequest
 from kvroute.sessions import Sessions
 from kvroute.slo_choice import SloChoice
-from kvroute.strategy import Decision, Outcome, Pick, Status, Strategy
+from kvroute.strategy import Decision, Hold, Outcome, Pick, Status, Strategy
 
 __all__ = ["Lease", "Router", "status_for"]
 
@@ -153,8 +155,11 @@ class Router:
         plugins: PluginManager | None = None,
         sessions: Sessions | None = None,
         slo: SloChoice | None = None,
+        holds: HoldLog | None = None,
     ) -> None:
         self.fleet = fleet
+        #: Where started requests' holds go for the other router replicas (`kvroute.holds`); ``None``: not kept.
+        self.holds = holds
         #: Latency prediction and SLO-aware choice (`kvroute.slo_choice`); ``None``: decisions carry no prediction.
         self.slo = slo
         self.strategy = strategy
@@ -182,6 +187,7 @@ class Router:
         plugins: PluginManager | None = None,
         sessions: Sessions | None = None,
         slo: SloChoice | None = None,
+        holds: HoldLog | None = None,
     ) -> Router:
         """Build a router whose strategy is the plugin registered as ``strategy``."""
         plugins = plugins or PluginManager()
@@ -192,6 +198,7 @@ class Router:
             plugins=plugins,
             sessions=sessions,
             slo=slo,
+            holds=holds,
         )
 
     @property
@@ -314,6 +321,8 @@ class Router:
                     ) from exc
             if self.sessions is not None:
                 self.sessions.request_started(request, decision)
+            if self.holds is not None:
+                self._log_holds(request, decision)
         if self._call_routed:
             assert self.plugins is not None
             try:
@@ -322,6 +331,44 @@ class Router:
                 self.release(lease, *status_for(exc))
                 raise
         return lease
+
+    # -- router-replica sync -----------------------------------------------------------
+
+    def _log_holds(self, request: RouteRequest, decision: Decision) -> None:
+        """Queue the holds ``request`` made in the session table and the strategy (one per key)."""
+        assert self.holds is not None
+        made: list[Hold] = []
+        if self.sessions is not None:
+            made.extend(self.sessions.holds_made(request, decision))
+        holds_made = getattr(self.strategy, "holds_made", None)
+        if holds_made is not None:
+            seen = {hold.key for hold in made}
+            made.extend(hold for hold in holds_made(request, decision) if hold.key not in seen)
+        if made:
+            self.holds.add(made)
+
+    def adopt_holds(self, holds: Sequence[Hold]) -> Counter[str]:
+        """Take another replica's holds (`kvroute.strategy.Holds`); counts by result word.
+
+        A hold naming a backend this fleet does not have is ``unknown_backend``; session and
+        conversation holds go to the session table (``new``, ``newer``, ``same``, ``older``), and
+        every hold to the strategy, if it adopts holds (its own counts, prefixed ``strategy_``).
+        """
+        results: Counter[str] = Counter()
+        with self.fleet.lock:
+            known = {state.id for state in self.fleet}
+            usable = []
+            for hold in holds:
+                if hold.backend_id in known:
+                    usable.append(hold)
+                else:
+                    results["unknown_backend"] += 1
+            if self.sessions is not None:
+                results.update(self.sessions.adopt_holds(usable))
+            adopt = getattr(self.strategy, "adopt_holds", None)
+            if adopt is not None:
+                results.update({f"strategy_{word}": n for word, n in adopt(usable).items()})
+        return results
 
     def release(self, lease: Lease, status: Status | str = Status.OK, error: str | None = None) -> Outcome:
         """Stop counting a lease; idempotent. ``status`` says how it ended, ``error`` why it failed.

@@ -15,6 +15,13 @@ two kinds of keys:
   turn). The first turn goes where the strategy sends it; later turns follow it, even after
   the strategy's own key for them changed (a system prompt that turned hot).
 
+Router replicas that share their holds (``kvroute serve --peer``; `holds_made` and `adopt_holds`,
+the `kvroute.strategy.Holds` methods) agree on bindings without the pure hash: with ``shared``, a new
+session is placed by the strategy's ``place_session(key, model, candidates)`` when it has one (the
+consistent-hash family's share bound: the less loaded of the first two backends of the session's
+order), so sessions spread like conversations do; the other replicas learn the binding from its
+sender within a batch interval.
+
 A bound request goes to its backend while that backend is a candidate (healthy, not draining,
 not excluded for a retry) and, for a strategy with a load bound (a ``bound`` attribute with
 ``measure(candidates).limit(state)``, as ``bounded-load`` has), has room under it. Otherwise
@@ -41,7 +48,7 @@ from kvroute.backend import BackendState
 from kvroute.hashing import hash_parts
 from kvroute.options import float_option, int_option
 from kvroute.request import RouteRequest
-from kvroute.strategy import Decision, Pick, Strategy
+from kvroute.strategy import Decision, Hold, Pick, Strategy
 
 __all__ = ["Binding", "Kind", "Sessions", "session_key"]
 
@@ -88,16 +95,22 @@ class Sessions:
     max_sessions: int = int_option(100_000, min=1, max=10_000_000)
     #: Bind conversations without a session id too, when the strategy has ``conversation_key``.
     conversations: bool = True
+    #: Replicas share their bindings (`adopt_holds`): place new sessions by the strategy's ``place_session``.
+    shared: bool = False
     clock: Callable[[], float] = time.monotonic
     new: int = attrs.field(default=0, init=False)
     stayed: int = attrs.field(default=0, init=False)
     moved: Counter[str] = attrs.field(factory=Counter, init=False)
     expired: int = attrs.field(default=0, init=False)
     evicted: int = attrs.field(default=0, init=False)
+    #: Other replicas' holds taken by `adopt_holds`, by result.
+    adopted: Counter[str] = attrs.field(factory=Counter, init=False)
     _table: OrderedDict[int, Binding] = attrs.field(factory=OrderedDict, init=False)
     _kinds: Counter[str] = attrs.field(factory=Counter, init=False)
     #: What the last `pick` found, for `request_started` on the same request: (request, key, kind, move reason).
     _last: tuple[RouteRequest, int, Kind, str | None] | None = attrs.field(default=None, init=False, repr=False)
+    #: The last request `request_started` bound, and its key, for `holds_made` on the same request.
+    _started: tuple[RouteRequest, int] | None = attrs.field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self._table)
@@ -149,7 +162,10 @@ class Sessions:
                     self._last = (request, key, kind, None)
                     return Decision(state.backend, reason="session", key=key, detail={"bound": kind})
         self._last = (request, key, kind, move)
-        place = getattr(strategy, "place", None) if kind == "session" else None
+        place = None
+        if kind == "session":
+            place = getattr(strategy, "place_session", None) if self.shared else None
+            place = place or getattr(strategy, "place", None)
         pick = place(key, request.model, candidates) if callable(place) else strategy.pick(request, candidates)
         if isinstance(pick, Decision):
             extra: dict[str, Any] = {"binds": kind}
@@ -165,6 +181,7 @@ class Sessions:
         if last is None or last[0] is not request:
             return  # not a request of a session (or decided elsewhere): nothing to bind
         _, key, kind, move = last
+        self._started = (request, key)
         now = self.clock()
         backend_id = decision.backend.id
         binding = self._live(key, now)
@@ -178,6 +195,50 @@ class Sessions:
         else:
             self.stayed += 1
         binding.last_used = now
+
+    # -- router-replica sync -----------------------------------------------------------
+
+    def holds_made(self, request: RouteRequest, decision: Decision) -> list[Hold]:
+        """The binding ``request`` made or refreshed in `request_started`, as a hold for the other replicas."""
+        started = self._started
+        self._started = None
+        if started is None or started[0] is not request:
+            return []
+        binding = self._table.get(started[1])
+        if binding is None:
+            return []
+        return [Hold(binding.kind, started[1], binding.backend_id, max(0.0, self.clock() - binding.last_used))]
+
+    def adopt_holds(self, holds: Sequence[Hold]) -> Counter[str]:
+        """Take another replica's session and conversation bindings (other kinds are skipped).
+
+        A key with no live binding here is bound (``new``); one bound to another backend moves when the
+        peer's hold is the more recent (``newer``), else stays (``older``); one bound to the same backend
+        is refreshed (``same``). Counted in ``adopted`` too.
+        """
+        results: Counter[str] = Counter()
+        now = self.clock()
+        for hold in holds:
+            if hold.kind != "session" and hold.kind != "conversation":
+                continue
+            made = now - hold.age_s
+            binding = self._live(hold.key, now)
+            if binding is None:
+                if made + self.ttl_s <= now:
+                    results["expired"] += 1
+                    continue
+                self._add(hold.key, Binding(hold.backend_id, made, hold.kind))
+                results["new"] += 1
+            elif binding.backend_id == hold.backend_id:
+                binding.last_used = max(binding.last_used, made)
+                results["same"] += 1
+            elif binding.last_used < made:
+                binding.backend_id, binding.last_used = hold.backend_id, made
+                results["newer"] += 1
+            else:
+                results["older"] += 1
+        self.adopted.update(results)
+        return results
 
     # -- the table ---------------------------------------------------------------------
 
@@ -219,6 +280,7 @@ class Sessions:
             "moved": dict(sorted(self.moved.items())),
             "expired": self.expired,
             "evicted": self.evicted,
+            "adopted": dict(sorted(self.adopted.items())),
             "ttl_s": self.ttl_s,
             "max_sessions": self.max_sessions,
         }

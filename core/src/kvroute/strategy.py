@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -23,6 +23,9 @@ __all__ = [
     "BaseStrategy",
     "Decision",
     "HasPromptTokenizer",
+    "Hold",
+    "HoldKind",
+    "Holds",
     "Outcome",
     "Pick",
     "SpillReason",
@@ -133,6 +136,45 @@ class HasPromptTokenizer(Protocol):
     @property
     def prompt_tokenizer(self) -> Any:
         """The tokenizer it uses (``tokenize`` / ``chat`` methods; see kvroute_server.parity)."""
+        ...
+
+
+#: What a `Hold`'s key stands for: a strategy's prefix key, a conversation's or a session id's (`kvroute.sessions`),
+#: or a conversation of a group (a system prompt) that started (``group``: the consistent-hash family's hot groups).
+HoldKind = Literal["key", "conversation", "session", "group"]
+
+
+@attrs.frozen(slots=True)
+class Hold:
+    """One replica's routing state for one key: requests of ``key`` go to ``backend_id`` (router-replica sync).
+
+    ``age_s`` is how long ago the hold was made or last refreshed, as its sender saw it (replicas
+    share no clock); a receiver dates it ``now - age_s``.
+    """
+
+    kind: HoldKind
+    key: int
+    backend_id: str
+    age_s: float = 0.0
+
+
+@runtime_checkable
+class Holds(Protocol):
+    """Optional strategy methods that let router replicas share where they sent keys (``kvroute serve --peer``).
+
+    A strategy that remembers where a key went (a conversation's later turns follow its first) keeps
+    that memory per process; replicas that never saw a key's first request place its later ones by
+    their own state. With these methods the router hands each started request's holds to its host
+    (`Router.holds`), which sends them to the other replicas, whose routers `adopt_holds` them.
+    `kvroute.sessions.Sessions` has the same two methods for session and conversation bindings.
+    """
+
+    def holds_made(self, request: RouteRequest, decision: Decision) -> Sequence[Hold]:
+        """The holds ``request`` made or refreshed by starting on ``decision.backend`` (under the router's lock)."""
+        ...
+
+    def adopt_holds(self, holds: Sequence[Hold]) -> Mapping[str, int]:
+        """Take another replica's holds for keys this strategy does not hold; counts by result word."""
         ...
 
 

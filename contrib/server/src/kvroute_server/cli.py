@@ -40,6 +40,7 @@ def build_config(
     shadow: tuple[str, ...] = (),
     shadow_options: tuple[str, ...] = (),
     cache_view: tuple[str, ...] = (),
+    peers: tuple[str, ...] = (),
     **flags: Any,
 ) -> ServerConfig:
     """Combine the TOML file, a SageMaker import and flags (flags win; ``None`` means not given)."""
@@ -68,6 +69,8 @@ def build_config(
             view[key] = value if key == "units" else _integer_flag("--cache-view", key, value)
         config = attrs.evolve(config, cache_view=view)
     values = {_FLAG_PATHS[name]: value for name, value in flags.items() if value is not None}
+    if peers:  # --peer replaces the file's list, as --shadow does
+        values[("peers", "urls")] = peers
     if values.get(("backend_header",)) == "":
         values[("backend_header",)] = None
     # The server's own settings are checked first, then those of its parts ([timeouts], [health]...).
@@ -86,6 +89,7 @@ def describe(config: ServerConfig) -> dict[str, Any]:
     """The effective configuration as JSON-able data, secrets hidden."""
     data = attrs.asdict(config, recurse=True)
     data["admin_token"] = "***" if config.admin_token else None
+    data["peers"]["token"] = "***" if config.peers.token else None
     for backend in data["backends"]:
         backend["api_key"] = "***" if backend.get("api_key") else None
     for source in data["discovery"]:
@@ -174,6 +178,13 @@ _FLAG_PATHS = {_param_name(path, meta): path for path, _, meta in settings() if 
     help="A setting of the cache view scoring strategies: block_size, capacity_tokens, units, chars_per_token.",
 )
 @click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    metavar="URL",
+    help="Another router replica's base URL to share routing holds with (repeatable; docs/serve.md).",
+)
+@click.option(
     "--sagemaker-config",
     type=click.Path(dir_okay=False),
     help="Import RoutingConfig from a SageMaker endpoint-config JSON.",
@@ -194,6 +205,7 @@ def serve(
     shadow: tuple[str, ...],
     shadow_options: tuple[str, ...],
     cache_view: tuple[str, ...],
+    peers: tuple[str, ...],
     log_level: str,
     log_format: str,
     check: bool,
@@ -220,6 +232,7 @@ def serve(
             shadow=shadow,
             shadow_options=shadow_options,
             cache_view=cache_view,
+            peers=peers,
             **flags,
         )
         configure_logging(log_level, log_format)

@@ -40,6 +40,7 @@ __all__ = [
     "DiscoveryPolicy",
     "HealthConfig",
     "OutlierConfig",
+    "PeerConfig",
     "ServerConfig",
     "Setting",
     "TimeoutConfig",
@@ -513,6 +514,76 @@ class SessionConfig:
     )
 
 
+def _peer_urls(value: Any) -> tuple[str, ...]:
+    """Peer base URLs from a list (TOML) or repeated flags: http(s) URLs with a host, de-duplicated in order."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"'peers' must be a list of URLs (got {value!r}).")
+    out: list[str] = []
+    for url in value:
+        checked = _check_url(url, "peer")
+        if checked not in out:
+            out.append(checked)
+    return tuple(out)
+
+
+#: Most holds one sync request may carry (docs/serve.md, "Several replicas").
+MAX_PEER_BATCH = 4096
+_peer_batch = expect(f"an integer from 1 to {MAX_PEER_BATCH}", *INTEGER, v.ge(1), v.le(MAX_PEER_BATCH))
+
+
+@attrs.frozen
+class PeerConfig:
+    """Router-replica sync (docs/serve.md, "Several replicas"): off unless peers are given.
+
+    Every ``interval`` seconds the proxy sends the holds it made (a conversation's, a session's or a
+    prefix key's backend) to each of ``urls`` (other ``kvroute serve`` replicas' base URLs), at most
+    ``batch`` per request, with ``Authorization: Bearer <token>``; at most ``queue`` holds wait per
+    peer (the oldest are dropped and counted when a peer is down or slow).
+    """
+
+    urls: tuple[str, ...] = setting((), converter=_peer_urls, help="Other router replicas' base URLs")
+    token: str | None = setting(
+        None,
+        flag="--peer-token",
+        envvar="KVROUTE_PEER_TOKEN",
+        show_default=False,
+        repr=False,
+        help="Shared secret of the replicas' sync endpoint (env KVROUTE_PEER_TOKEN); needed with --peer",
+    )
+    interval: float = setting(
+        0.05,
+        _positive_number,
+        converter=_as_float,
+        flag="--peer-interval",
+        metavar="SECONDS",
+        help="Seconds between two batches of holds sent to each peer",
+    )
+    batch: int = setting(1024, _peer_batch, flag="--peer-batch", help="Holds one sync request carries at most")
+    queue: int = setting(
+        16384, _positive_int, flag="--peer-queue", help="Holds waiting per peer at most (the oldest are dropped)"
+    )
+    timeout: float = setting(
+        1.0,
+        _positive_number,
+        converter=_as_float,
+        flag="--peer-timeout",
+        metavar="SECONDS",
+        help="Seconds a sync request to a peer may take",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+    def __attrs_post_init__(self) -> None:
+        if self.urls and self.token is None:
+            raise ConfigError("peers are configured but no peer token is set (--peer-token or KVROUTE_PEER_TOKEN).")
+        if self.token is not None and len(self.token) < 16:
+            raise ConfigError(f"'peer_token' must be at least 16 characters (got {len(self.token)}).")
+
+
 #: The priority classes (`kvroute.Priority`), most important first.
 PRIORITIES = ("critical", "standard", "sheddable")
 #: The largest latency objective taken, in milliseconds (one hour): anything larger is a mistake, not an objective.
@@ -895,6 +966,8 @@ class ServerConfig:
     sessions: SessionConfig = attrs.field(factory=SessionConfig)
     #: OpenTelemetry tracing (``[tracing]``, ``--otlp-endpoint``...): off unless an endpoint is configured.
     tracing: TracingConfig = attrs.field(factory=TracingConfig)
+    #: Router-replica sync (``[peers]``, ``--peer``, ``--peer-*``): off unless peers are given.
+    peers: PeerConfig = attrs.field(factory=PeerConfig)
     #: The server protocol of each client connection: kvroute's own (`kvroute_server.http.protocol`) or uvicorn's.
     http: str = setting(
         "kvroute",
@@ -1121,7 +1194,7 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
-    for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission", "tracing"):
+    for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission", "tracing", "peers"):
         values.update(_read_table(data, name))
     values[("backends",)] = config.backends + backends
     values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
@@ -1153,6 +1226,7 @@ for _cls in (
     SloConfig,
     AdmissionConfig,
     TracingConfig,
+    PeerConfig,
     BackendConfig,
     DiscoveryConfig,
     ServerConfig,

@@ -442,6 +442,47 @@ class ConsistentHash(kvroute.BaseStrategy):
         chosen = next(balanced.preferred())
         return _balanced_decision(balanced, chosen, key)
 
+    # -- router-replica sync (kvroute.strategy.Holds) -----------------------------------------
+
+    def holds_made(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> list[kvroute.Hold]:
+        """The keys ``on_request_start`` made ``decision.backend`` the holder of (none with the share bound off)."""
+        if self._shares is None or request.affinity_key is not None:
+            return []
+        backend_id = decision.backend.id
+        conversation = self._conversation(request)
+        holds = [] if conversation is None else [kvroute.Hold("conversation", conversation, backend_id)]
+        moves_key = not (
+            decision.spilled or decision.reason == "replicated" or decision.detail.get("held") == "conversation"
+        )
+        if moves_key and decision.key is not None and decision.key != conversation:
+            holds.append(kvroute.Hold("key", decision.key, backend_id))
+        if self.prefix == "messages" and _opens_conversation(request):  # as on_request_start observes it
+            holds.append(kvroute.Hold("group", self._group(request)[1], backend_id))
+        return holds
+
+    def adopt_holds(self, holds: Sequence[kvroute.Hold]) -> dict[str, int]:
+        """Hold the keys of another replica's holds that no request here held (``Shares.adopt``)."""
+        shares = self._shares
+        if shares is None:
+            return {}
+        adopted = opened = 0
+        members = len(self._placement.states)
+        for hold in holds:
+            if hold.kind == "group":  # a conversation another replica started: hot groups count every replica's
+                self._hot_groups.observe(hold.key, members)
+                opened += 1
+                continue
+            adopted += shares.adopt(hold.key, hold.backend_id)
+            if hold.kind != "key":  # one per request another replica started: the window counts every replica's
+                shares.record(hold.backend_id, ())
+        return {"adopted": adopted, "held": len(holds) - adopted - opened, "groups": opened}
+
+    def place_session(
+        self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]
+    ) -> kvroute.Decision:
+        """Place a new session when replicas share their bindings: under the share bound, as a new conversation."""
+        return self.place(key, model, candidates, choices=self.share_choices, balance=True)
+
     def place_home(self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]) -> kvroute.Decision:
         """Place an already computed key: its home if that is a candidate, else the next candidate in its order."""
         placement = self._placement

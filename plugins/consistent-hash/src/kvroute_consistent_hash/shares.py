@@ -143,3 +143,20 @@ class Shares:
     def stats(self) -> dict[str, object]:
         """The window and the table, for ``explain`` and tests."""
         return {"window": len(self._recent), "size": self._size, "held_keys": len(self._held), "factor": self.factor}
+
+    # -- router-replica sync (kvroute.strategy.Holds): new methods, kept at the end of the class ----------
+
+    def adopt(self, key: int, backend_id: str) -> bool:
+        """Make ``backend_id`` the holder of ``key`` for another replica's request, unless ``key`` is held here.
+
+        A key this replica holds keeps its holder (its own requests are the ones it saw); the adopted
+        hold counts no request in the window (the request ran elsewhere) and is the most recent entry
+        of the table.
+        """
+        held = self._held
+        if key in held:
+            return False
+        if len(held) >= self.max_keys:
+            held.popitem(last=False)
+        held[key] = (backend_id, self._generation)
+        return True

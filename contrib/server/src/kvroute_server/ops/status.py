@@ -328,6 +328,7 @@ class StatusView:
             },
             "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
             "sessions": self._sessions(samples) if self.config.sessions.enabled else None,
+            "peers": _peers(samples, self.config.peers.urls) if self.config.peers.enabled else None,
             "slo": self._slo(samples),
         }
 
@@ -582,3 +583,26 @@ class NoStatusRoutes:
 
     def finished(self, ex: Exchange, duration: float) -> None:
         """Record nothing."""
+
+
+def _peers(samples: _Samples, urls: Iterable[str]) -> dict[str, Any]:
+    """Router-replica sync (docs/serve.md, "Several replicas"): each peer's state and holds sent, holds
+    received and what became of them, holds dropped by reason (summed over workers)."""
+    up = samples.sum_by("kvroute_peer_up", "peer")
+    sent = samples.sum_by("kvroute_peer_holds_sent_total", "peer")
+    dropped = samples.sum_by("kvroute_peer_holds_dropped_total", "reason")
+    adopted = samples.sum_by("kvroute_peer_holds_adopted_total", "result")
+    states = {1: "up", 0: "down", -1: "self"}
+    return {
+        "peers": [
+            {
+                "url": url,
+                "state": states.get(int(up[(url,)]), "down") if (url,) in up else "unknown",
+                "sent": _number(sent.get((url,), 0.0)),
+            }
+            for url in urls
+        ],
+        "received": _number(sum(samples.sum_by("kvroute_peer_holds_received_total").values())),
+        "adopted": {k[0]: _number(v) for k, v in sorted(adopted.items()) if v},
+        "dropped": {k[0]: _number(v) for k, v in sorted(dropped.items()) if v},
+    }

@@ -62,6 +62,7 @@ from kvroute_server.http.asgi import (
 from kvroute_server.ops.admin import AdminApi
 from kvroute_server.ops.journal import ONE_PROCESS, WorkerContext
 from kvroute_server.ops.metrics import ProxyMetrics, RequestOutcome
+from kvroute_server.ops.peers import PeerSync
 from kvroute_server.ops.shadow import ProxyShadows
 from kvroute_server.ops.status import StatusRoutes
 from kvroute_server.ops.tracing import create_tracing
@@ -221,6 +222,7 @@ class ProxyApp:
         self.router = Router.create(
             self.fleet, config.strategy, config.options, plugins=self.plugins, sessions=sessions, slo=slo_choice(config)
         )
+        self.peers = PeerSync.create(config.peers, self.router, self.metrics)  # router-replica sync (--peer)
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
@@ -243,6 +245,7 @@ class ProxyApp:
         self.routes.add("GET", "/health", self._health)
         self.routes.add("GET", "/metrics", self._metrics)
         self.status.add_routes(self.routes)
+        self.peers.add_routes(self.routes)
         for path in config.passthrough_paths:  # never in place of a route above
             if path not in self.routes:
                 self.routes.add("POST", path, self._passthrough)
@@ -260,6 +263,7 @@ class ProxyApp:
                 # Admin changes made before this worker started (it may be a restart), before any request.
                 await tg.start(self.admin.follow)
                 await tg.start(self.warm_join.run, self.router)  # after the initial fleet: later adds are joins
+                await tg.start(self.peers.run)
                 if isinstance(strategy, HasPromptTokenizer) and strategy.prompt_tokenizer is not None:
                     tg.start_soon(self.backends.check_parity, strategy)
                 try:
