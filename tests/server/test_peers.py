@@ -122,6 +122,8 @@ class TestPeerSync:
         """Holds for a peer nobody listens on are dropped as peer_down; every request still gets its answer."""
         engines = servers.emulators(2)
         (a,) = replicas(servers, engines, 1, sync=True, peers=[f"http://127.0.0.1:{free_port()}"])
+        before = json.loads(http("GET", a.url + "/status.json")[2])["peers"]["peers"]
+        assert [peer["state"] for peer in before] == ["unknown"]  # nothing sent yet: not known to be down
         for c in range(6):
             send(a, turn_body(1, f"c{c}"))
         deadline = time.monotonic() + 5

@@ -274,7 +274,8 @@ class PeerSync:
 
     async def _send_loop(self, peer: _Peer) -> None:
         sent = self.peer_metrics.sent.labels(peer.url)
-        up = self.peer_metrics.up.labels(peer.url)
+        # The gauge's series starts at the first answer: until then the status page says "unknown", not "down".
+        up = self.peer_metrics.up
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.config.token}"}
         batch_size = self.config.batch
         while True:
@@ -284,15 +285,15 @@ class PeerSync:
                 status = await self._post(peer, _encode(self.id, batch), headers)
                 if status == 200:
                     sent.inc(len(batch))
-                    up.set(1)
+                    up.labels(peer.url).set(1)
                     continue
                 if status == 409:
                     self._self_peers.add(peer.url)
                     peer.queue.clear()
-                    up.set(-1)
+                    up.labels(peer.url).set(-1)
                     log.info("peer_is_self", peer=peer.url)
                     return
-                up.set(0)
+                up.labels(peer.url).set(0)
                 reason = "peer_down" if status == 0 else "peer_error"
                 self.peer_metrics.dropped.labels(peer.url, reason).inc(len(batch))
                 break
