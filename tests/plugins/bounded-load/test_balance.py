@@ -135,7 +135,7 @@ class TestNaming:
 
 class TestDistinctKeys:
     def _prompts_per_backend(self, naming: str, seed: int, **options: Any) -> dict[str, set[int]]:
-        """300 one-turn chats over 24 long system prompts (past prefix_length) on 7 backends: prompts each backend got."""
+        """300 one-turn chats over 24 long system prompts on 7 backends: the prompts each backend was sent."""
         rng = random.Random(seed)
         systems = [words(rng, 6000) for _ in range(24)]
         r = router(7, naming, **options)
