@@ -1,4 +1,4 @@
-"""`Shares`: each backend's share of the recent requests, and where each recent key went.
+"""`Shares`: each backend's share of the recent requests and of the distinct recent keys, and where each key went.
 
 Hashing places keys like balls into bins: with a few dozen conversations per backend, and
 conversations of 5 to 30 turns, the busiest backend gets 1.2-1.8 times a fair share of the
@@ -13,6 +13,11 @@ requests of the recent past, not on the requests in flight:
 * a key is *held* by the backend its last request went to (an LRU table of ``max_keys`` keys):
   a conversation's later turns follow it there, whatever the share, because that backend holds
   its history;
+* a key is *live* on a backend while one of the last ``window`` requests placed it there, and counts
+  once however many did: with ``key_factor``, a backend has *key room* for a key not live there when its
+  live keys plus one are at most ``ceil(key_factor * weight * (live keys + 1) / total weight)``. What
+  fills a cache is distinct prompts, not requests, so this spreads the prompts evenly over the caches
+  whatever the backends are called (issue 24); `is_hot` says when one key alone is over a backend's share;
 * a hold ends when the key's home is a backend that joined after the key was held (`joined`): the
   key then moves to the new backend, as consistent hashing moves it, so a scale-out takes about its
   share of the existing keys and moves no key between old backends.
