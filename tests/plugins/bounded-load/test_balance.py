@@ -133,6 +133,47 @@ class TestNaming:
         assert len(per_backend) == 7 and busiest(per_backend, 7) <= 1.4, per_backend
 
 
+class TestDistinctKeys:
+    def _prompts_per_backend(self, naming: str, seed: int, **options: Any) -> dict[str, set[int]]:
+        """300 one-turn chats over 24 long system prompts on 7 backends: the prompts each backend was sent."""
+        rng = random.Random(seed)
+        systems = [words(rng, 6000) for _ in range(24)]
+        r = router(7, naming, **options)
+        held: list[Lease] = []
+        prompts: defaultdict[str, set[int]] = defaultdict(set)
+        for _ in range(300):
+            group = rng.randrange(24)
+            messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": words(rng, 300)}]
+            lease = r.acquire(chat(messages))
+            prompts[lease.backend.id].add(group)
+            held.append(lease)
+            if len(held) >= 8:
+                r.release(held.pop(0))
+        for lease in held:
+            r.release(lease)
+        return prompts
+
+    @pytest.mark.parametrize("naming", NAMINGS)
+    @pytest.mark.parametrize("seed", [0, 1])
+    def test_each_backend_gets_at_most_its_share_of_the_prompts(self, naming: str, seed: int) -> None:
+        """24 long prompts on 7 backends, under every naming: no backend is sent more than ceil(1.1 x 25 / 7) = 4 of
+        them (what fits a cache sized for its share), and at most one prompt reaches a second backend (none is hot
+        once a few requests are in: only the first requests' noise can copy one)."""
+        prompts = self._prompts_per_backend(naming, seed)
+        assert max(len(p) for p in prompts.values()) <= 4, prompts
+        assert sum(len(p) for p in prompts.values()) <= 25
+
+    def test_without_the_key_cap_some_backend_gets_more(self) -> None:
+        """The same traffic with key_factor=off (requests only): some naming and seed sends a backend 5 or more
+        prompts, or a prompt to two backends, so the check above can fail."""
+        worst = max(
+            max(len(p) for p in self._prompts_per_backend(naming, seed, key_factor="off").values())
+            for naming in NAMINGS
+            for seed in (0, 1)
+        )
+        assert worst > 4
+
+
 class TestSessions:
     def _traffic(self, seed: int) -> list[RouteRequest]:
         rng = random.Random(seed)

@@ -59,11 +59,49 @@ class TestShares:
         shares.record("d", (3,))
         assert (shares.holder(1), shares.holder(2), shares.holder(3)) == ("c", None, "d")
 
+    def test_a_key_counts_once_per_backend(self) -> None:
+        """Five requests placing key 7 on a and one each placing keys 8 and 9 on b: a holds 1 live key, b 2."""
+        shares = Shares(window=100, key_factor=1.1)
+        for backend, key in (("a", 7),) * 5 + (("b", 8), ("b", 9)):
+            shares.record(backend, (), key)
+        assert (shares.keys_on("a"), shares.keys_on("b"), shares.live_keys) == (1, 2, 3)
+        assert (shares.count("a"), shares.count("b")) == (5, 2)
+
+    def test_key_cap_is_the_mtz_cap_on_live_keys(self) -> None:
+        """With 5 live keys (4 on a, 1 on b) and key_factor 1.0 over equal weights the cap is ceil(6 / 2) = 3: a has no
+        room for a new key, b has, and a key already live on a adds nothing there."""
+        shares = Shares(window=100, key_factor=1.0)
+        for backend, key in (("a", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 5)):
+            shares.record(backend, (), key)
+        assert not shares.has_key_room("a", 1.0, 2.0, 6) and shares.has_key_room("b", 1.0, 2.0, 6)
+        assert shares.has_key_room("a", 1.0, 2.0, 4)
+        assert Shares(window=100).has_key_room("a", 1.0, 2.0, 6)  # no key_factor: no cap
+
+    def test_live_keys_expire_after_a_window_of_requests(self) -> None:
+        """A key is live until ``window`` requests have started without placing it again on that backend."""
+        shares = Shares(window=4, key_factor=1.1)
+        shares.record("a", (), 1)
+        shares.record("b", (), 2)
+        shares.record("a", (), 1)  # key 1 renewed on a
+        shares.record("b", ())
+        shares.record("b", ())
+        assert (shares.keys_on("a"), shares.keys_on("b")) == (1, 1)
+        shares.record("b", ())  # 4 requests after key 2's only one
+        assert (shares.keys_on("a"), shares.keys_on("b"), shares.live_keys) == (1, 0, 1)
+        for _ in range(3):
+            shares.record("b", ())
+        assert shares.live_keys == 0
+
     @pytest.mark.parametrize(("factor", "window", "keys"), [(0.9, 0, 1), (1.1, -1, 1), (1.1, 0, 0)])
     def test_bad_settings_are_refused(self, factor: float, window: int, keys: int) -> None:
         """A factor under 1, a negative window or no keys is a ValueError that names the setting."""
         with pytest.raises(ValueError, match="got"):
             Shares(factor=factor, window=window, max_keys=keys)
+
+    def test_a_key_factor_under_one_is_refused(self) -> None:
+        """key_factor under 1 is a ValueError that names it."""
+        with pytest.raises(ValueError, match="key_factor"):
+            Shares(key_factor=0.5)
 
 
 class TestConsistentHashOption:

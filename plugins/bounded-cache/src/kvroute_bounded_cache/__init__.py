@@ -83,6 +83,8 @@ class BoundedCache(ConsistentHash):
     * ``index_keys`` (1-16,777,216, default 65536): keys remembered per backend when its KV
       size is unknown, and keys whose last backend is remembered.
     * ``load_factor``, ``concurrency_threshold``, ``min_capacity``, ``engine_load``: as bounded-load.
+    * ``share_factor`` (default 1.1), ``key_factor`` (default off: the footprints bound what a backend
+      keeps) and the other share options: as consistent-hash.
     """
 
     cache_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
@@ -206,7 +208,12 @@ class BoundedCache(ConsistentHash):
                 # Among the backends with room under both cache limits, those with share room first
                 # (`Shares`), then where the key went last; the other tiers as without shares.
                 total_weight = sum(s.backend.weight for s in candidates)
-                crowded = {id(s) for s in order if not shares.has_room(s.id, s.backend.weight, total_weight)}
+                crowded = {
+                    id(s)
+                    for s in order
+                    if not shares.has_room(s.id, s.backend.weight, total_weight)
+                    or (key != conversation and not shares.has_key_room(s.id, s.backend.weight, total_weight, key))
+                }
                 preferred = sorted(
                     order, key=lambda s: (tiers[id(s)], tiers[id(s)] == 0 and id(s) in crowded, s.id != last)
                 )

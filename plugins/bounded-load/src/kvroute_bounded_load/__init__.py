@@ -62,6 +62,7 @@ class BoundedLoad(ConsistentHash):
     min_capacity: int = int_option(16, min=0, max=1024)
     hot_replicas: int = int_option(1, min=1, max=64)
     share_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
+    key_factor: float | None = optional_float_option(1.1, min=1.0, max=100.0)
     replicated: int = attrs.field(default=0, init=False)
     _bound: LoadBound = attrs.field(init=False)
     _key_in_flight: Counter[int] = attrs.field(factory=Counter, init=False)
@@ -144,6 +145,7 @@ class BoundedLoad(ConsistentHash):
         conversation: int | None = None,
         choices: int = 1,
         balance: bool = False,
+        short: bool = False,
     ) -> kvroute.Decision:
         """Place an already computed key under both bounds: the first of `ConsistentHash.balanced`'s order with room.
 
@@ -155,7 +157,7 @@ class BoundedLoad(ConsistentHash):
         """
         balanced = None
         if balance and not (self.hot_replicas > 1 and key in self._key_in_flight):
-            balanced = self.balanced(key, model, candidates, conversation, choices)
+            balanced = self.balanced(key, model, candidates, conversation, choices, short)
         if balanced is None:
             return self.place_home(key, model, candidates)
         loads = self._bound.measure(

@@ -77,6 +77,7 @@ class Balanced:
         "_total_weight",
         "candidates",
         "choices",
+        "conversation",
         "held",
         "holder",
         "home",
@@ -103,6 +104,9 @@ class Balanced:
         self.shares, self.candidates = shares, candidates
         #: 2: a new key takes the less loaded of the first two backends of its order with share room.
         self.choices = 1
+        #: The request's conversation key: when it is the key itself (a hot group's conversation),
+        #: the key is not bounded by the live keys (`has_room`).
+        self.conversation: int | None = None
         self._total_weight: float | None = None
         self.home_id, self.home = home_id, home
         self.holder: kvroute.BackendState | None = None
@@ -129,8 +133,12 @@ class Balanced:
         return self._total_weight
 
     def has_room(self, state: kvroute.BackendState, slack: float = 1.0) -> bool:
-        """Whether ``state`` has share room for one more request (`Shares.has_room`)."""
-        return self.shares.has_room(state.id, state.backend.weight, self.total_weight, slack)
+        """Whether ``state`` has share room for one more request (`Shares.has_room`) and, when the key is not
+        the conversation's own, for the key among its live keys (`Shares.has_key_room`)."""
+        shares, weight, total = self.shares, state.backend.weight, self.total_weight
+        if not shares.has_room(state.id, weight, total, slack):
+            return False
+        return self.conversation == self.key or shares.has_key_room(state.id, weight, total, self.key)
 
     @property
     def order(self) -> list[kvroute.BackendState]:
@@ -249,6 +257,7 @@ class ConsistentHash(kvroute.BaseStrategy):
     share_window: int = int_option(0, min=0, max=1 << 20)
     share_keys: int = int_option(65536, min=1, max=1 << 24)
     share_choices: int = int_option(2, min=1, max=2)
+    key_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
     spills: int = attrs.field(default=0, init=False)
     spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
     _placement: Rendezvous = attrs.field(init=False)
@@ -267,7 +276,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         self._length = DEFAULT_PREFIX_LENGTH if self.prefix_length is None else self.prefix_length
         self._placement = Rendezvous((), cache_size=self.cache_size)
         if self.share_factor is not None and self.prefix == "messages":
-            self._shares = Shares(self.share_factor, self.share_window, self.share_keys)
+            self._shares = Shares(self.share_factor, self.share_window, self.share_keys, self.key_factor)
 
     @property
     def shares(self) -> Shares | None:
@@ -308,14 +317,15 @@ class ConsistentHash(kvroute.BaseStrategy):
             self.spill_reasons[str(decision.spill_reason or decision.reason)] += 1
         shares = self._shares
         if shares is not None:
+            placed = decision.key
             if request.affinity_key is not None:
-                shares.record(decision.backend.id, ())
+                shares.record(decision.backend.id, (), placed)
             elif decision.spilled or decision.reason == "replicated" or decision.detail.get("held") == "conversation":
                 # Overflow (a load spill, a hot key's extra home) does not move the key's holder: its
                 # second homes are for overflow only. A conversation follows its latest turn.
-                shares.record(decision.backend.id, (self._conversation(request),))
+                shares.record(decision.backend.id, (self._conversation(request),), placed)
             else:
-                shares.record(decision.backend.id, (self._conversation(request), decision.key))
+                shares.record(decision.backend.id, (self._conversation(request), decision.key), placed)
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -374,6 +384,7 @@ class ConsistentHash(kvroute.BaseStrategy):
             conversation=self._conversation(request),
             choices=self.share_choices,
             balance=True,
+            short=self._group(request)[0].group < self._length,
         )
 
     def balanced(
@@ -383,13 +394,17 @@ class ConsistentHash(kvroute.BaseStrategy):
         candidates: Sequence[kvroute.BackendState],
         conversation: int | None = None,
         choices: int = 1,
+        short: bool = False,
     ) -> Balanced | None:
         """``key``'s candidates under the share bound; ``None`` when it is off (``share_factor`` or ``fixed``).
 
         The holder: the backend ``conversation`` went to last, if it is a candidate; else the one
         ``key`` went to last, if it is a candidate and, for a request that opens a conversation
-        (``conversation`` given and not held), still has share room: a system prompt's first
-        conversations do not all park on its home.
+        (``conversation`` given and not held), still has share room (``HELD_SLACK``) or the key is
+        worth keeping together: a system prompt's first conversations do not all park on its home,
+        and a long prompt is not copied to a second backend for a busy holder's sake. A key is worth
+        keeping together unless it is ``short`` (its shared prefix is under ``prefix_length``
+        characters: cheap to copy) or hot (`Shares.is_hot`: it alone is over one backend's share).
         """
         shares = self._shares
         if shares is None:
@@ -408,13 +423,18 @@ class ConsistentHash(kvroute.BaseStrategy):
             home_state = view.get(home)
         balanced = Balanced(placement, view, key, model, shares, candidates, placement.states[home].id, home_state)
         balanced.choices = choices
+        balanced.conversation = conversation
         if conversation is not None:
             holder = balanced.member(shares.holder(conversation, balanced.home_id))
             if holder is not None:
                 balanced.holder, balanced.held = holder, "conversation"
                 return balanced
         holder = balanced.member(shares.holder(key, balanced.home_id))
-        if holder is not None and (conversation is None or balanced.has_room(holder, HELD_SLACK)):
+        if holder is not None and (
+            conversation is None
+            or balanced.has_room(holder, HELD_SLACK)
+            or not (short or shares.is_hot(key, len(candidates)))
+        ):
             balanced.holder, balanced.held = holder, "key"
         return balanced
 
@@ -427,6 +447,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         conversation: int | None = None,
         choices: int = 1,
         balance: bool = False,
+        short: bool = False,
     ) -> kvroute.Decision:
         """Place an already computed key; with ``balance``, under the share bound.
 
@@ -436,7 +457,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         else the first backend of the key's order with share room (``choices`` 2: the less loaded
         of the first two, `Balanced.preferred`).
         """
-        balanced = self.balanced(key, model, candidates, conversation, choices) if balance else None
+        balanced = self.balanced(key, model, candidates, conversation, choices, short) if balance else None
         if balanced is None:
             return self.place_home(key, model, candidates)
         chosen = next(balanced.preferred())

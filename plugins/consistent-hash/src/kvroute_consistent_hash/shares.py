@@ -1,4 +1,4 @@
-"""`Shares`: each backend's share of the recent requests, and where each recent key went.
+"""`Shares`: each backend's share of the recent requests and of the distinct recent keys, and where each key went.
 
 Hashing places keys like balls into bins: with a few dozen conversations per backend, and
 conversations of 5 to 30 turns, the busiest backend gets 1.2-1.8 times a fair share of the
@@ -13,6 +13,11 @@ requests of the recent past, not on the requests in flight:
 * a key is *held* by the backend its last request went to (an LRU table of ``max_keys`` keys):
   a conversation's later turns follow it there, whatever the share, because that backend holds
   its history;
+* a key is *live* on a backend while one of the last ``window`` requests placed it there, and counts
+  once however many did: with ``key_factor``, a backend has *key room* for a key not live there when its
+  live keys plus one are at most ``ceil(key_factor * weight * (live keys + 1) / total weight)``. What
+  fills a cache is distinct prompts, not requests, so this spreads the prompts evenly over the caches
+  whatever the backends are called (issue 24); `is_hot` says when one key alone is over a backend's share;
 * a hold ends when the key's home is a backend that joined after the key was held (`joined`): the
   key then moves to the new backend, as consistent hashing moves it, so a scale-out takes about its
   share of the existing keys and moves no key between old backends.
@@ -37,6 +42,9 @@ __all__ = ["Shares", "auto_window"]
 WINDOW_PER_MEMBER = 64
 MIN_WINDOW = 256
 _EPSILON = 1e-9
+#: Recent requests a key must have placed before `Shares.is_hot` can call it hot (a key's first requests
+#: are too few to tell a popular key from a lucky one).
+HOT_EVIDENCE = 2
 
 
 def auto_window(members: int) -> int:
@@ -52,7 +60,11 @@ class Shares:
     #: Requests in the window; 0 sizes it with the fleet (`auto_window`).
     window: int = 0
     max_keys: int = 65536
-    _recent: deque[str] = attrs.field(factory=deque, init=False)
+    #: The cap on each backend's distinct live keys, as ``factor`` is on its requests; ``None``: no cap.
+    key_factor: float | None = None
+    _recent: deque[tuple[str, int | None]] = attrs.field(factory=deque, init=False)
+    #: placed key -> requests among the recent ones that it placed.
+    _placed: Counter[int] = attrs.field(factory=Counter, init=False)
     _counts: Counter[str] = attrs.field(factory=Counter, init=False)
     #: key -> (its holder, the join generation when it was recorded).
     _held: OrderedDict[int, tuple[str, int]] = attrs.field(factory=OrderedDict, init=False)
@@ -60,10 +72,18 @@ class Shares:
     _generation: int = attrs.field(default=0, init=False)
     #: backend id -> the join generation it (last) joined at.
     _joined: dict[str, int] = attrs.field(factory=dict, init=False)
+    #: (backend id, placed key) -> the number of the last request that placed the key there, oldest first.
+    _live: OrderedDict[tuple[str, int], int] = attrs.field(factory=OrderedDict, init=False)
+    #: backend id -> its distinct live keys.
+    _keyed: Counter[str] = attrs.field(factory=Counter, init=False)
+    #: Requests recorded so far.
+    _seq: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.factor >= 1.0:
             raise ValueError(f"'factor' must be >= 1.0 (got {self.factor!r}).")
+        if self.key_factor is not None and not self.key_factor >= 1.0:
+            raise ValueError(f"'key_factor' must be >= 1.0 (got {self.key_factor!r}).")
         if self.window < 0 or self.max_keys < 1:
             raise ValueError(f"'window' must be >= 0 and 'max_keys' >= 1 (got {self.window!r}, {self.max_keys!r}).")
         self._size = self.window or MIN_WINDOW
@@ -75,6 +95,7 @@ class Shares:
         self._size = auto_window(members)
         while len(self._recent) > self._size:
             self._drop()
+        self._expire()
 
     @property
     def size(self) -> int:
@@ -96,6 +117,37 @@ class Shares:
         cap = math.ceil(self.factor * slack * weight * (len(self._recent) + 1) / total_weight - _EPSILON)
         return self._counts.get(backend_id, 0) + 1 <= max(1, cap)
 
+    def placed(self, key: int) -> int:
+        """Requests among the recent ones that were placed by ``key``."""
+        return self._placed.get(key, 0)
+
+    def is_hot(self, key: int, members: int) -> bool:
+        """Whether ``key`` placed over one in ``members`` of the recent requests, and `HOT_EVIDENCE` of them at least.
+
+        A key that hot cannot stay on one backend within its share, whatever else goes there.
+        """
+        placed = self._placed.get(key, 0)
+        return placed >= HOT_EVIDENCE and placed * members > len(self._recent)
+
+    def keys_on(self, backend_id: str) -> int:
+        """Distinct keys placed on ``backend_id`` by one of the recent requests (a key counts once)."""
+        return self._keyed.get(backend_id, 0)
+
+    @property
+    def live_keys(self) -> int:
+        """Distinct (backend, key) pairs placed by the recent requests: the sum of `keys_on`."""
+        return len(self._live)
+
+    def has_key_room(self, backend_id: str, weight: float, total_weight: float, key: int | None = None) -> bool:
+        """Whether placing ``key`` keeps ``backend_id`` within ``key_factor`` times its weight share of the live keys.
+
+        A key already live there adds nothing, and so has room; always room without ``key_factor``.
+        """
+        if self.key_factor is None or (key is not None and (backend_id, key) in self._live):
+            return True
+        cap = math.ceil(self.key_factor * weight * (len(self._live) + 1) / total_weight - _EPSILON)
+        return self._keyed.get(backend_id, 0) + 1 <= max(1, cap)
+
     def joined(self, backend_ids: Iterable[str]) -> None:
         """``backend_ids`` joined the fleet now: keys held before, whose home one of them is, stop being held."""
         self._generation += 1
@@ -115,13 +167,28 @@ class Shares:
             return None
         return backend_id
 
-    def record(self, backend_id: str, keys: tuple[int | None, ...]) -> None:
-        """Count one started request on ``backend_id`` and make it the holder of ``keys`` (``None`` ones skipped)."""
+    def record(self, backend_id: str, keys: tuple[int | None, ...], placed: int | None = None) -> None:
+        """Count one started request on ``backend_id`` and make it the holder of ``keys`` (``None`` ones skipped).
+
+        ``placed`` is the key the request was placed by: it is live on ``backend_id`` until ``size``
+        requests have started without placing it there again.
+        """
+        self._seq += 1
+        if placed is not None:
+            live = self._live
+            pair = (backend_id, placed)
+            if live.pop(pair, None) is None:
+                self._keyed[backend_id] += 1
+            live[pair] = self._seq
+        if self._live:
+            self._expire()
         recent = self._recent
         if len(recent) >= self._size:
             self._drop()
-        recent.append(backend_id)
+        recent.append((backend_id, placed))
         self._counts[backend_id] += 1
+        if placed is not None:
+            self._placed[placed] += 1
         held = self._held
         for key in keys:
             if key is None:
@@ -133,16 +200,43 @@ class Shares:
             held[key] = (backend_id, self._generation)
 
     def _drop(self) -> None:
-        gone = self._recent.popleft()
+        gone, placed = self._recent.popleft()
         left = self._counts[gone] - 1
         if left:
             self._counts[gone] = left
         else:
             del self._counts[gone]
+        if placed is not None:
+            left = self._placed[placed] - 1
+            if left:
+                self._placed[placed] = left
+            else:
+                del self._placed[placed]
+
+    def _expire(self) -> None:
+        """Forget the live keys whose last request is ``size`` or more requests ago."""
+        live, oldest = self._live, self._seq - self._size
+        while live:
+            pair, seq = next(iter(live.items()))
+            if seq > oldest:
+                return
+            del live[pair]
+            left = self._keyed[pair[0]] - 1
+            if left:
+                self._keyed[pair[0]] = left
+            else:
+                del self._keyed[pair[0]]
 
     def stats(self) -> dict[str, object]:
         """The window and the table, for ``explain`` and tests."""
-        return {"window": len(self._recent), "size": self._size, "held_keys": len(self._held), "factor": self.factor}
+        return {
+            "window": len(self._recent),
+            "size": self._size,
+            "held_keys": len(self._held),
+            "factor": self.factor,
+            "live_keys": len(self._live),
+            "key_factor": self.key_factor,
+        }
 
     # -- router-replica sync (kvroute.strategy.Holds): new methods, kept at the end of the class ----------
 
