@@ -1,4 +1,5 @@
-"""Router-replica sync in the consistent-hash family: `Shares.adopt` and the strategy's `kvroute.Holds` methods."""
+"""Router-replica sync in the consistent-hash family (consistent-hash and bounded-load): `Shares.adopt` and the
+strategies' `kvroute.Holds` methods. Here because this env installs both plugins."""
 
 from __future__ import annotations
 
