@@ -10,6 +10,7 @@ import pytest
 
 from kvroute import Backend, BackendState, EngineLoad, Predictor, Priors
 from kvroute.backend import RankLoad
+from kvroute.predictor import FULL_FOR_S
 
 
 def _state(backend_id: str = "b0", **kwargs: object) -> BackendState:
@@ -282,24 +283,34 @@ class _Clock:
         return self.now
 
 
+def _seen_full(predictor: Predictor, state: BackendState, clock: _Clock, **load: object) -> None:
+    """Report ``load`` (requests waiting) twice, `FULL_FOR_S` apart: the engine is seen full."""
+    state.load = EngineLoad(**load)  # type: ignore[arg-type]
+    predictor.predict(state, 0)
+    clock.now += FULL_FOR_S
+    state.load = EngineLoad(**load)  # type: ignore[arg-type]
+
+
 class TestSeats:
     """The wait for a batch seat: engines limited by ``max_num_seqs`` queue requests beyond their seats."""
 
     def test_full_engine_waits_for_a_seat(self) -> None:
         """An engine reporting requests waiting while its seats are taken predicts the wait for a seat:
         ``(waiting + 1/2) x seat time / seats``, more than the waiting requests' prefill alone."""
-        predictor = Predictor(SEATED)
+        clock = _Clock()
+        predictor = Predictor(SEATED, clock=clock)
         state = _state()
-        state.load = EngineLoad(running=8, waiting=2)
+        _seen_full(predictor, state, clock, running=8, waiting=2)
         service = 1000 / 10_000 + 0.02 * 50  # prefill plus 50 output tokens
         assert predictor.predict(state, 500).ttft_s == pytest.approx(2.5 * service / 8 + 0.05)
 
     def test_free_seat_means_no_wait(self) -> None:
         """With a seat free (the router's own requests finished since the report), only prefill counts."""
-        predictor = Predictor(SEATED)
+        clock = _Clock()
+        predictor = Predictor(SEATED, clock=clock)
         state = _state()
         state.in_flight = 10
-        state.load = EngineLoad(running=8, waiting=2)
+        _seen_full(predictor, state, clock, running=8, waiting=2)
         assert predictor.predict(state, 500).ttft_s > 0.3
         state.in_flight = 5  # five of them ended since the engine was read
         assert predictor.predict(state, 500).ttft_s == pytest.approx(0.05)
@@ -346,7 +357,8 @@ class TestSeats:
     def test_seats_learned_from_first_come_order(self) -> None:
         """A request's first token while k earlier ones still run proves k + 1 seats, so a report of fewer running
         with one waiting (a request read between two engine steps) does not make the engine look full."""
-        predictor = Predictor(SEATED)
+        clock = _Clock()
+        predictor = Predictor(SEATED, clock=clock)
         state = _state()
         for n in range(3):  # proved three times
             for i in range(6):
@@ -355,17 +367,19 @@ class TestSeats:
             for i in range(6):
                 predictor.forget(f"r{n}.{i}")
         state.in_flight = 8
-        state.load = EngineLoad(running=4, waiting=1)
+        _seen_full(predictor, state, clock, running=4, waiting=1)
         assert predictor.predict(state, 0).ttft_s < 0.05  # the waiting one's prefill only, no seat wait
-        naive = Predictor(SEATED)  # without the router's own evidence, 4 seats: the 8 in flight wait
+        naive = Predictor(SEATED, clock=clock)  # without the router's own evidence, 4 seats: the 8 in flight wait
+        _seen_full(naive, state, clock, running=4, waiting=1)
         assert naive.predict(state, 0).ttft_s > 0.2
 
     def test_stale_telemetry_uses_configured_seats(self) -> None:
         """With stale telemetry the learned seats are not used; the configured ones are."""
-        predictor = Predictor(SEATED)
+        clock = _Clock()
+        predictor = Predictor(SEATED, clock=clock)
         state = _state()
-        state.load = EngineLoad(running=2, waiting=5)
         state.in_flight = 3
+        _seen_full(predictor, state, clock, running=2, waiting=5)
         assert predictor.predict(state, 0).ttft_s > 0.0
         state.load = EngineLoad(running=2, waiting=5, observed_at=time.monotonic() - 60)
         stale = predictor.predict(state, 0)
@@ -379,6 +393,27 @@ class TestSeats:
         state.in_flight = 3
         assert predictor.predict(state, 0).ttft_s == pytest.approx(3 * 1000 / 10_000)  # their prefill only
         assert predictor.seats("b0") is None
+
+    def test_one_report_of_waiting_is_not_full(self) -> None:
+        """A request read between two engine steps waits with seats free: one report of it, or a spell in which
+        the engine ran more requests than before, does not make the engine full (no seat wait predicted)."""
+        clock = _Clock()
+        predictor = Predictor(SEATED, clock=clock)
+        state = _state()
+        state.in_flight = 6
+        state.load = EngineLoad(running=1, waiting=1)  # the first request, read before the engine's next step
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.1)  # the waiting one's prefill only
+        for running in range(2, 6):  # the engine keeps admitting: every report runs more than ever before
+            clock.now += FULL_FOR_S
+            state.load = EngineLoad(running=running, waiting=1)
+            assert predictor.predict(state, 0).ttft_s == pytest.approx(0.1)
+        clock.now += FULL_FOR_S / 2
+        state.load = EngineLoad(running=5, waiting=1)  # a spell, but shorter than FULL_FOR_S
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(0.1)
+        clock.now += FULL_FOR_S / 2
+        state.load = EngineLoad(running=5, waiting=1)  # still waiting, no more running: full, at 5 seats
+        service = 1000 / 10_000 + 0.02 * 50
+        assert predictor.predict(state, 0).ttft_s == pytest.approx(max(1.5 * service / 5, 0.1))
 
     def test_bad_seats(self) -> None:
         """Seats that are not a positive integer are refused."""

@@ -34,9 +34,10 @@ reported ``running`` or by this router's own requests (a request's first token w
 there before it are still in flight proves ``n + 1`` seats, engines serving in order; one-rank backends;
 counted once proved `SEEN_SEATS` times).
 Requiring "full" keeps a request read between two engine steps (waiting while seats are free) from
-counting. This router's own requests also show the engine full, without telemetry and before the next
-report: a request sent behind at least as many of them as the seats proved, whose first token came when
-fewer of those were left and after more than twice its prefill time, waited for a seat (`SEEN_SEATS` such).
+counting: requests must be reported waiting, with no more running than ever seen, for `FULL_FOR_S`. This
+router's own requests also show the engine full, without telemetry and before the next report: a request
+sent behind at least as many of them as the seats proved, whose first token came when fewer of those were
+left and after more than twice its prefill time, waited for a seat (`SEEN_SEATS` such).
 The *seat time* (how long a request holds its seat: ``ttft_overhead_s`` + its uncached tokens over the
 prefill rate + the time from its first token to `Predictor.forget`) is learned per backend like
 the rates; before, ``ttft_overhead_s + uncached_tokens / rate + decode step x output_tokens``.
@@ -86,6 +87,11 @@ __all__ = ["Base", "Observation", "PredictionErrors", "Predictor", "Priors"]
 
 #: Times this router's own requests must prove a seat count before it counts (see `Predictor._seated`).
 SEEN_SEATS = 3
+#: Seconds requests must be reported waiting, while the engine runs no more requests than ever seen, before the
+#: engine counts as full (see `Predictor._saw`). A request sent between two engine steps waits too, with seats
+#: free; the engine admits it at its next step (milliseconds, or one prefill chunk: a few hundred), so one
+#: report of it proves nothing. Engines polled every few seconds prove it with two consecutive reports.
+FULL_FOR_S = 1.0
 
 _positive = expect("a positive number", v.instance_of((int, float)), v.gt(0), v.lt(math.inf), error=ValueError)
 _seats = expect("a positive integer", v.instance_of(int), v.ge(1), error=ValueError)
@@ -217,6 +223,9 @@ class _Rates:
     #: seen waiting for a seat by this router's own accounting.
     bounds: dict[int, int] = attrs.field(factory=dict)
     full_seen: int = 0
+    #: `Predictor.clock` when the first engine report of the current spell of requests waiting while every seat
+    #: seen was taken was read (``None`` outside one): the engine counts as full once a spell lasts `FULL_FOR_S`.
+    full_since: float | None = None
 
 
 @attrs.define
@@ -421,6 +430,7 @@ class Predictor:
         total = (load.running or 0) + (load.waiting or 0)
         rates.others = float(max(total - own, 0))
         reports = [(r.running, r.waiting) for r in load.ranks] if load.ranks else [(load.running, load.waiting)]
+        seats, full = rates.seats, False
         for running, waiting in reports:
             if running is None:
                 continue
@@ -428,7 +438,12 @@ class Predictor:
             if per_rank > rates.seats:
                 rates.seats = per_rank
             if waiting and per_rank >= rates.seats and per_rank > 0:
-                rates.saturated = True  # requests waited while every seat seen so far was taken
+                full = True  # requests wait while every seat seen so far is taken
+        if not full or rates.seats > seats or rates.full_since is None:
+            # A spell of waiting starts (or restarts: the engine ran more than ever, so it had seats free).
+            rates.full_since = self.clock() if full else None
+        elif self.clock() - rates.full_since >= FULL_FOR_S:
+            rates.saturated = True  # requests kept waiting, and the engine ran no more, for FULL_FOR_S
 
     def _seat_wait(self, rates: _Rates | None, priors: Priors, ahead: float, seats: int, decoding: float) -> float:
         """Seconds until a seat frees for a request arriving behind ``ahead`` requests on ``seats`` seats.
