@@ -34,10 +34,10 @@ def _free_port() -> int:
 class Proxy:
     """``kvroute serve`` in a child process on loopback, stopped by `stop`."""
 
-    def __init__(self, backends: list[str], *args: str) -> None:
+    def __init__(self, backends: list[str], *args: str, port: int | None = None) -> None:
         exe = shutil.which("kvroute", path=str(Path(sys.executable).parent)) or shutil.which("kvroute")
         assert exe, "the kvroute command is not installed in this environment (pip install -e ./core)"
-        self.port = _free_port()
+        self.port = _free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         command = [exe, "serve", "--port", str(self.port), "--admin-token", TOKEN, "--no-access-log"]
         for backend in backends:

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.browser.conftest import PREFIXES, TOKEN, Proxy, Traffic
+from tests.browser.conftest import PREFIXES, TOKEN, Proxy, Traffic, _free_port
 from tests.server.admission_harness import LONG, OBJECTIVE_MS, Occupier, prompt
 from tests.server.harness import Servers, chat_body, http
 
@@ -66,6 +66,10 @@ def next_refresh(page: Any) -> None:
 
 def cell(page: Any, backend: str, field: str) -> str:
     return str(page.inner_text(f'#backends tr[data-backend="{backend}"] td[data-field="{field}"]')).strip()
+
+
+def page_text(page: Any, selector: str) -> str:
+    return str(page.inner_text(selector)).strip()
 
 
 def quiesce(proxy: Proxy) -> None:
@@ -222,3 +226,41 @@ class TestAdmissionCard:
             assert page.errors == []
         finally:
             proxy.stop()
+
+
+class TestPeersCard:
+    """The Replica sync card, against two ``kvroute serve`` replicas that list each other as peers."""
+
+    def test_card_shows_peers_and_holds(self, chromium: Any, servers: Servers) -> None:
+        """Requests routed by one replica reach the other as holds: the sender's card shows its peer up (and its
+        own URL as itself), the receiver's the holds /status.json counts; a proxy without peers shows no card."""
+        engine = servers.emulator()
+        ports = [_free_port(), _free_port()]
+        peers = [arg for port in ports for arg in ("--peer", f"http://127.0.0.1:{port}")]
+        backend = [f"id=solo,url={engine.url}"]
+        first = Proxy(backend, *peers, "--peer-token", "peer-token-0123456789", port=ports[0])
+        second = Proxy(backend, *peers, "--peer-token", "peer-token-0123456789", port=ports[1])
+        try:
+            for i in range(3):
+                code, _, body = http("POST", first.url + "/v1/chat/completions", chat_body(f"{PREFIXES[0]} q{i}"))
+                assert code == 200, body[:300]
+            wait_for(lambda: status_json(second)["peers"]["received"] > 0, "the second replica to receive holds")
+            sender = open_page(chromium, first)  # it sent holds: the second answered, its own batch came back 409
+            wait_for(lambda: page_text(sender, "#peers-up") == "1 / 1 up", "the sender's card to show its peer up")
+            detail = page_text(sender, "#peers-detail")
+            assert f"127.0.0.1:{ports[1]} up" in detail and f"127.0.0.1:{ports[0]} self" in detail, detail
+            page = open_page(chromium, second)  # it received them, and has sent nothing yet: peers unknown
+            next_refresh(page)
+            received = status_json(second)["peers"]["received"]
+            detail = page_text(page, "#peers-detail")
+            assert f"holds received {received:,}, adopted " in detail and "unknown" in detail, (detail, received)
+            assert sender.errors == [] and page.errors == []
+        finally:
+            first.stop()
+            second.stop()
+        plain = Proxy(backend)
+        try:
+            page = open_page(chromium, plain)
+            assert page.is_hidden("#peers-card")
+        finally:
+            plain.stop()
