@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,6 +82,7 @@ class TestCacheView:
         assert again == r and not again.memo  # the memo is no part of equality
         fresh = CacheView(block_size=4, units="words").blocks(again)
         assert fresh is not first and fresh == first
+        assert not attrs.evolve(r, text=words(41)).memo  # a request made from another starts afresh
 
     def test_token_ids_are_units(self) -> None:
         """A prompt sent as token ids is cut in blocks of ids."""
