@@ -30,6 +30,10 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   predicted). 32 KB routing text, 200 prefixes cycling, fresh engine loads, 0-7 requests in flight.
   Wall clock (``Decision.duration_s``) and the CPU time of the whole ``acquire`` (the choice's
   accounting included) in this thread, which a shared machine's other processes do not inflate.
+  ``meets, dry run first``: as ``meets``, after a dry run of the same request (``Router.decide``, as
+  the proxy's admission judges a request before its lease); the figures are the lease's. ``choice
+  cpu``: this thread's CPU time of ``SloChoice.choose`` alone (the part the choice adds to the
+  decision; the two clock reads around it are counted in, and in the other columns' slo rows).
 * ``fleet7``: consistent-hash over 7 instances (SageMaker's published setup): spread of shares
   over 140,000 prompts, keys moved on 7 -> 8 and 7 -> 6, and how the orphans spread.
 """
@@ -144,14 +148,30 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
     from kvroute import EngineLoad, Objectives, Predictor
     from kvroute.slo_choice import SloChoice
 
+    class _TimedChoice(SloChoice):
+        """Records this thread's CPU time of each `choose`: the part the choice adds to a decision."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.cpu_ns: list[int] = []
+
+        def choose(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return super().choose(*args, **kwargs)
+            finally:
+                self.cpu_ns.append(time.thread_time_ns() - t0)
+
     plugins = PluginManager()
     text = base_text(3)
     rows: list[dict[str, Any]] = []
+    meets = Objectives(ttft_s=3600.0, tpot_s=3600.0)
     cases: list[tuple[str, Objectives | None, bool]] = [
         ("off", None, False),
-        ("meets", Objectives(ttft_s=3600.0, tpot_s=3600.0), True),
+        ("meets", meets, True),
         ("misses", Objectives(ttft_s=0.001), True),
         ("none", None, True),
+        ("meets, dry run first", meets, True),
     ]
     count = 2000 if quick else 20000
     for n in (16, 64):
@@ -160,7 +180,7 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
             rng = random.Random(n)
             for state in fleet:
                 state.load = EngineLoad(running=rng.randrange(0, 40), waiting=rng.randrange(0, 4), observed_at=1e18)
-            slo = SloChoice(Predictor(), unmet="sink") if on else None
+            slo = _TimedChoice(Predictor(), unmet="sink") if on else None
             router = Router(fleet, plugins.create_strategy("bounded-load"), strategy_name="bounded-load", slo=slo)
             samples: list[int] = []
             cpu: list[int] = []
@@ -170,6 +190,8 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
                 request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id=f"r{i}")
                 if objectives is not None:
                     request = attrs.evolve(request, objectives=objectives)
+                if case.endswith("dry run first"):
+                    router.decide(request)  # admission's judgement (kvroute_server.proxy.admission.judge)
                 t0 = time.thread_time_ns()
                 lease = router.acquire(request)
                 cpu.append(time.thread_time_ns() - t0)
@@ -177,6 +199,9 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
                 router.release(lease)
             router.close()
             wall, used = summary(samples[200:]), summary(cpu[200:])
+            choice: dict[str, Any] = {"median_us": "", "p99_us": ""}
+            if slo is not None:  # with a dry run first, the lease's choice is every second one
+                choice = summary((slo.cpu_ns[1::2] if case.endswith("dry run first") else slo.cpu_ns)[200:])
             rows.append(
                 {
                     "backends": n,
@@ -185,6 +210,8 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
                     "decision p99_us": wall["p99_us"],
                     "acquire cpu median_us": used["median_us"],
                     "acquire cpu p99_us": used["p99_us"],
+                    "choice cpu median_us": choice["median_us"],
+                    "choice cpu p99_us": choice["p99_us"],
                     "n": wall["n"],
                 }
             )

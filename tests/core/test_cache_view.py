@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,21 @@ class TestCacheView:
         blocks = view.blocks(request("x" * 33))
         assert blocks.units == 9
         assert len(blocks.hashes) == 4
+
+    def test_blocks_kept_in_the_request(self) -> None:
+        """Views that cut alike hash a request's prompt once (its memo); another cut, or a new request, hashes anew."""
+        r = request(words(40), request_id="r1")
+        first = CacheView(block_size=4, units="words").blocks(r)
+        assert CacheView(block_size=4, units="words").blocks(r) is first
+        other = CacheView(block_size=8, units="words").blocks(r)
+        assert other is not first and len(other.hashes) == 4
+        chars = CacheView(block_size=4).blocks(r)
+        assert chars is not first and chars.units != first.units
+        again = request(words(40), request_id="r1")
+        assert again == r and not again.memo  # the memo is no part of equality
+        fresh = CacheView(block_size=4, units="words").blocks(again)
+        assert fresh is not first and fresh == first
+        assert not attrs.evolve(r, text=words(41)).memo  # a request made from another starts afresh
 
     def test_token_ids_are_units(self) -> None:
         """A prompt sent as token ids is cut in blocks of ids."""

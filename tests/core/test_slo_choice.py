@@ -170,6 +170,28 @@ class TestAccounting:
         assert router.predictor is not None and router.predictor.pending == 0
         assert router.predictor.queued_tokens("b0") == 0
 
+    def test_dry_run_and_lease_hash_the_prompt_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A dry run (`Router.decide`, as admission does) and the lease of the same request hash its blocks once."""
+        import kvroute.cache_view
+
+        calls: list[int] = []
+        real = kvroute.cache_view._xxh3
+
+        def counted(data: object, seed: int = 0) -> int:
+            calls.append(seed)
+            return real(data, seed)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kvroute.cache_view, "_xxh3", counted)
+        router = _router()
+        r = _request("r1", words=1000, objectives=Objectives(ttft_s=1e-6))  # nothing meets it: every candidate read
+        dry, _ = router.decide(r)
+        hashed = len(calls)
+        assert hashed > 0
+        lease = router.acquire(r)
+        assert len(calls) == hashed
+        assert lease.decision.prediction == dry.prediction
+        router.release(lease)
+
     def test_bad_options(self) -> None:
         """Options out of range are refused with the value named."""
         with pytest.raises(ValueError, match=r"'tpot_weight' must be a non-negative number \(got -1\)"):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Literal
 
 import attrs
@@ -51,6 +51,8 @@ Units = Literal["chars", "words"]
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 
 _xxh3 = xxhash.xxh3_64_intdigest
+#: Key prefix of the block hashes in a request's memo (`RouteRequest.memo`).
+_MEMO = "kvroute-cache-view/1"
 _WORD = re.compile(r"<\|.*?\|>|[^\s<]+|<")
 
 
@@ -109,39 +111,48 @@ class CacheView:
     # -- prompts -------------------------------------------------------------------------
 
     def blocks(self, request: RouteRequest) -> PromptBlocks:
-        """The request's chained block hashes (full blocks only) and its length in units."""
+        """The request's chained block hashes (full blocks only) and its length in units.
+
+        Kept in the request's memo (`RouteRequest.memo`) under how they were cut, so every view
+        cutting the same way (the SLO choice's in a dry run and then for the lease, a shadow view)
+        hashes a request's prompt once.
+        """
+        memo = request.memo
+        cut = (_MEMO, self.units, self.block_size, self.chars_per_token)  # views that cut alike share the blocks
+        kept = memo.get(cut)
+        if kept is not None:
+            return kept  # type: ignore[no-any-return]
         where = (request.model, request.lora, request.cache_salt)
         seed = self._seeds.get(where)
         if seed is None:
             if len(self._seeds) >= 1024:
                 self._seeds.clear()
-            seed = self._seeds[where] = hash_parts("kvroute-cache-view/1", *where)
+            seed = self._seeds[where] = hash_parts(_MEMO, *where)
         size = self.block_size
-        pieces: Sequence[bytes] | Iterable[memoryview]
+        hashes: list[int] = []
+        append = hashes.append
+        h = seed
         if request.token_ids is not None:
             ids = request.token_ids
             count = len(ids)
-            pieces = [
-                b",".join(b"%d" % t for t in ids[i : i + size]) for i in range(0, (count - 1) // size * size, size)
-            ]
+            for i in range(0, (count - 1) // size * size, size):
+                h = _xxh3(b",".join(b"%d" % t for t in ids[i : i + size]), h)
+                append(h)
         elif self.units == "words":
             words = _WORD.findall(request.text)
             count = len(words)
-            pieces = [
-                " ".join(words[i : i + size]).encode("utf-8", "surrogatepass")
-                for i in range(0, (count - 1) // size * size, size)
-            ]
+            for i in range(0, (count - 1) // size * size, size):
+                h = _xxh3(" ".join(words[i : i + size]).encode("utf-8", "surrogatepass"), h)
+                append(h)
         else:
             raw = memoryview(request.text.encode("utf-8", "surrogatepass"))
             count = -(-len(raw) // self.chars_per_token)
             step = size * self.chars_per_token
-            pieces = (raw[i : i + step] for i in range(0, (count - 1) // size * step, step))  # no copies
-        hashes = []
-        h = seed
-        for piece in pieces:
-            h = _xxh3(piece, h)
-            hashes.append(h)
-        return PromptBlocks(tuple(hashes), count)
+            for i in range(0, (count - 1) // size * step, step):
+                h = _xxh3(raw[i : i + step], h)  # a memoryview slice: no copy
+                append(h)
+        blocks = memo[cut] = PromptBlocks(tuple(hashes), count)
+        return blocks
 
     # -- reading -------------------------------------------------------------------------
 

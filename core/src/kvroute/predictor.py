@@ -527,13 +527,22 @@ class Predictor:
         if kept is not None and kept[0] is load and kept[1] == state.in_flight and now <= kept[2]:
             return kept[3]
         backend_id = state.backend.id
-        queued, decoding, stale = self._load(state, None, now)
-        at_zero = self._predict(backend_id, queued, 0.0, decoding, stale)
-        rate = self.overrides.get(backend_id, self.priors).prefill_tokens_per_s
+        # `_load` then `_predict` with nothing uncached, the same arithmetic in one pass (no Prediction made).
+        queued, decoding, seat_wait, stale = self._ahead(state, None, now)
+        priors = self.overrides.get(backend_id, self.priors)
+        rate, step, overhead = priors.prefill_tokens_per_s, priors.decode_step_s, priors.ttft_overhead_s
         rates = None if stale else self._rates.get(backend_id)
-        if rates is not None and rates.prefill_rate is not None:
-            rate = rates.prefill_rate
-        base = Base(at_zero.ttft_s, 1.0 / rate, at_zero.tpot_s or 0.0, stale)
+        if rates is not None:
+            if rates.prefill_rate is not None:
+                rate = rates.prefill_rate
+            if rates.decode_step is not None:
+                step = rates.decode_step
+            if rates.overhead is not None:
+                overhead = rates.overhead
+        if seat_wait > 0.0 and seat_wait * rate > queued:
+            queued = seat_wait * rate
+        tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
+        base = Base(overhead + (queued + 0.0) / rate, 1.0 / rate, tpot, stale)
         if not self.prefill_slows_decode:
             until = math.inf if load is None or stale else load.observed_at + state.load_max_age
             self._bases[backend_id] = (load, state.in_flight, until, base)

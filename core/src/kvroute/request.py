@@ -31,7 +31,7 @@ import json
 import re
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -326,6 +326,11 @@ class RouteRequest:
     #: The request's latency objectives and priority class (`kvroute.slo`), set by the host
     #: from headers or per-model defaults; ``None``: none.
     objectives: Objectives | None = attrs.field(default=None, eq=False)
+    #: Values derived from this request by whoever first needed them, keyed by how they were derived (the
+    #: cache view keeps the prompt's block hashes here), so that the other readers of the same request (a dry
+    #: run before its lease, a retry, a shadow's view) do not derive them again. Not part of equality; a
+    #: request made with ``attrs.evolve`` starts with an empty one (its text may differ).
+    memo: dict[Hashable, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @classmethod
     def from_text(

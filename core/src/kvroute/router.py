@@ -239,10 +239,11 @@ class Router:
         )
 
     def _normalize(
-        self, pick: Pick, candidates: Sequence[BackendState], elapsed: float
+        self, pick: Pick, candidates: Sequence[BackendState], elapsed: float, stamp: bool = True
     ) -> tuple[Decision, BackendState]:
         if type(pick) is Decision:
-            decision = _stamped(pick, self.strategy_name, elapsed)
+            # Unstamped when the SLO choice copies it anyway (the router stamps its result).
+            decision = _stamped(pick, self.strategy_name, elapsed) if stamp else pick
         elif isinstance(pick, Decision):  # a subclass may add fields: evolve copies them
             decision = attrs.evolve(pick, strategy=self.strategy_name, duration_s=elapsed)
         elif isinstance(pick, BackendState):
@@ -282,7 +283,7 @@ class Router:
             pick = self.sessions.pick(self.strategy, request, candidates)
         if self.slo is None:
             return self._normalize(pick, candidates, time.perf_counter() - t0)
-        decision, state = self._normalize(pick, candidates, 0.0)
+        decision, state = self._normalize(pick, candidates, 0.0, stamp=False)
         decision, state = self.slo.choose(request, decision, state, candidates, self.strategy)
         elapsed = time.perf_counter() - t0
         if type(decision) is Decision:

@@ -127,6 +127,9 @@ class SloChoice:
         self.moved = 0
         self.unmet = 0
         self._last: tuple[str, PromptBlocks, int] | None = None
+        #: The last strategy `choose` saw and its ``cached_tokens`` (`ReuseEstimator`), if it has one.
+        self._estimator_of: object = None
+        self._estimate: Any = None
 
     # -- choosing ------------------------------------------------------------------------
 
@@ -141,7 +144,9 @@ class SloChoice:
             matched, tokens = detail.get("matched_tokens"), detail.get("tokenized")
             if type(matched) is int and type(tokens) is int:
                 return max(tokens - matched, 0)
-        estimate = getattr(strategy, "cached_tokens", None)  # ReuseEstimator (isinstance on a Protocol is slow)
+        if strategy is not self._estimator_of:  # ReuseEstimator (isinstance on a Protocol is slow), looked up once
+            self._estimator_of, self._estimate = strategy, getattr(strategy, "cached_tokens", None)
+        estimate = self._estimate
         if estimate is not None:
             said = estimate(request, decision)
             if said is not None:
@@ -249,9 +254,17 @@ class SloChoice:
         if n - 1 > self.scan:
             # A window of ``scan`` candidates first; the rest only when a request with objectives finds
             # none meeting them there (so a miss means no candidate within the bound can meet them).
+            # Both are slices of the candidates rotated to start at ``start``, without rotating them all.
             start = hash64(request.request_id) % n
-            order = [*candidates[start:], *candidates[:start]]
-            windows = [order[: self.scan + 1], order[self.scan + 1 :]] if wants else [order[: self.scan + 1]]
+            stop = start + self.scan + 1
+            if stop <= n:
+                windows = [candidates[start:stop]]
+                if wants:
+                    windows.append([*candidates[stop:], *candidates[:start]])
+            else:
+                windows = [[*candidates[start:], *candidates[: stop - n]]]
+                if wants:
+                    windows.append(candidates[stop - n : start])
         for k, window in enumerate(windows):
             if k and best_meets:
                 break
