@@ -178,7 +178,12 @@ def _sessions(config: ServerConfig) -> tuple[tuple[SessionSource, ...], dict[byt
             headers[source.name.encode("latin-1")] = source.name
     if not settings.enabled:
         return sources, headers, None
-    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, conversations=settings.conversations)
+    sessions = Sessions(
+        ttl_s=settings.ttl,
+        max_sessions=settings.max_sessions,
+        conversations=settings.conversations,
+        agree=settings.agree,
+    )
     return sources, headers, sessions
 
 
