@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from typing import Any
@@ -63,7 +64,7 @@ def run(routers: list[Router], conversations: int = 56, turns: int = 6) -> dict[
 
 def changes(path: dict[int, list[str]]) -> int:
     """Turns that went to another backend than the turn before them."""
-    return sum(a != b for p in path.values() for a, b in zip(p, p[1:], strict=False))
+    return sum(a != b for p in path.values() for a, b in itertools.pairwise(p))
 
 
 class TestStrangers:
@@ -105,7 +106,9 @@ class TestOpensConversation:
         """A chat opens its conversation until an answer follows its first user message."""
         first = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         assert opens_conversation(chat(first))
-        assert not opens_conversation(chat([*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]))
+        assert not opens_conversation(
+            chat([*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}])
+        )
         completion = RouteRequest.from_openai({"model": "m", "prompt": "p"}, endpoint="completions")
         assert opens_conversation(completion)
 
@@ -141,7 +144,8 @@ class TestAgreement:
         assert router.sessions.strangers.on and not router.sessions.agreeing
 
     def test_a_binding_made_before_the_switch_is_placed_again_once(self) -> None:
-        """A conversation bound by the strategy's own pick moves to its key's home when the replica switches, then stays."""
+        """A conversation bound by the strategy's own pick moves to its key's home once the replica switches, then
+        stays."""
         router = replica()
         sessions = router.sessions
         assert sessions is not None

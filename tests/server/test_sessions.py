@@ -131,3 +131,20 @@ class TestProxySessions:
         assert status_json(proxy)["sessions"] is None
         _, _, metrics = http("GET", proxy.url + "/metrics")
         assert b"kvroute_session_routes_total{" not in metrics
+
+
+class TestReplicasWithoutPeers:
+    @pytest.mark.parametrize(("agree", "split"), [("on", False), ("off", True)])
+    def test_two_replicas_agree_on_each_conversation(self, servers: Servers, agree: str, split: bool) -> None:
+        """Two proxies without peers, turns alternating between them: with ``agree=on`` every conversation keeps
+        one engine; with ``off`` each proxy places the turns it never saw by its own state, and some split."""
+        engines = servers.emulators(4)
+        proxies = [
+            servers.proxy(engines, strategy="bounded-load", sessions=SessionConfig(agree=agree)) for _ in range(2)
+        ]
+        homes: dict[str, set[str]] = {}
+        for turn in range(1, 5):
+            for c in range(12):
+                name = f"conv-{c}"
+                homes.setdefault(name, set()).add(send(proxies[(c + turn) % 2], turn_body(turn, name)))
+        assert any(len(engines) > 1 for engines in homes.values()) is split, homes
