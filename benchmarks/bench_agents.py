@@ -51,7 +51,8 @@ LRU cache of the fleet's 7 x 512 blocks) is printed too.
 
 Run: ``nice -n 10 python benchmarks/bench_agents.py`` (13 rows, about 17 minutes on 2 cores);
 ``--only "sessions,SGLang"`` for rows whose label contains one of the substrings, ``--replicas 1``,
-``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``. Every process is started
+``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``, ``--proxy-args "--session-agree
+off"`` for extra ``kvroute serve`` arguments on every kvroute row. Every process is started
 in its own process group and stopped by its pid when its row ends, on an error or on Ctrl-C/SIGTERM.
 Results in docs/performance.md ("Agent traffic through the proxy").
 """
@@ -65,6 +66,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -322,7 +324,7 @@ def fleet(
                            "--prometheus-port", str(bp.free_port()), *target.args]  # fmt: skip
             else:
                 command = [*KVROUTE, "serve", "--port", str(port), "--health-interval", "0", "--no-access-log",
-                           "--log-level", "warning", *target.args]  # fmt: skip
+                           "--log-level", "warning", *target.args, *shlex.split(args.proxy_args)]  # fmt: skip
                 command += [a for i, e in enumerate(engines) for a in ("--backend", f"e{i}={e}")]
                 if target.no_sessions and sessions_flag:
                     command.append("--no-sessions")
@@ -468,6 +470,9 @@ def main() -> None:
         help="where SGLang's router gets its virtual environment [~/.cache/kvroute-bench]",
     )
     parser.add_argument("--json", type=Path, help="write the rows' figures to this file")
+    parser.add_argument(
+        "--proxy-args", default="", help="extra kvroute serve arguments for every kvroute row ('--session-agree off')"
+    )
     args = parser.parse_args()
     _stop_on_sigterm()
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]

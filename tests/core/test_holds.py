@@ -31,9 +31,9 @@ def fleet(count: int = 7) -> Fleet:
     return f
 
 
-def replica(sync: bool, clock: Clock | None = None) -> Router:
+def replica(sync: bool, clock: Clock | None = None, agree: str = "auto") -> Router:
     """A router as ``kvroute serve`` builds it: bounded-load, sessions, and a hold log when synced."""
-    sessions = Sessions(shared=sync, clock=clock or Clock())
+    sessions = Sessions(shared=sync, clock=clock or Clock(), agree=agree)
     return Router.create(fleet(), "bounded-load", sessions=sessions, holds=HoldLog() if sync else None)
 
 
@@ -150,9 +150,10 @@ class TestRouterSync:
         assert router.holds is None
 
     def test_conversations_stay_on_one_backend_across_synced_replicas(self) -> None:
-        """Four replicas that share holds send each conversation's turns to one backend; without, many split."""
+        """Four replicas that share holds send each conversation's turns to one backend; without (nor ``agree``),
+        many split."""
         synced = run([replica(sync=True) for _ in range(4)], sync=True)
-        alone = run([replica(sync=False) for _ in range(4)], sync=False)
+        alone = run([replica(sync=False, agree="off") for _ in range(4)], sync=False)
         assert all(len(b) == 1 for b in synced.values()), synced
         assert sum(len(b) > 1 for b in alone.values()) >= 10, alone
 

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvroute_server import ProxyApp, SessionConfig
+from kvroute_server import BackendConfig, ProxyApp, ServerConfig, SessionConfig
 from tests.server.harness import MODEL, Servers, http, in_loop
 
 PREAMBLE = "You are a coding agent. Tools: read_file, write_file, run_tests. " * 40
@@ -131,3 +131,29 @@ class TestProxySessions:
         assert status_json(proxy)["sessions"] is None
         _, _, metrics = http("GET", proxy.url + "/metrics")
         assert b"kvroute_session_routes_total{" not in metrics
+
+
+class TestReplicasWithoutPeers:
+    @pytest.mark.parametrize(("agree", "split"), [("on", False), ("off", True)])
+    def test_two_replicas_agree_on_each_conversation(self, servers: Servers, agree: str, split: bool) -> None:
+        """Two proxies without peers, turns alternating between them: with ``agree=on`` every conversation keeps
+        one engine; with ``off`` each proxy places the turns it never saw by its own state, and some split."""
+        engines = servers.emulators(4)
+        proxies = [
+            servers.proxy(engines, strategy="bounded-load", sessions=SessionConfig(agree=agree)) for _ in range(2)
+        ]
+        homes: dict[str, set[str]] = {}
+        for turn in range(1, 5):
+            for c in range(12):
+                name = f"conv-{c}"
+                homes.setdefault(name, set()).add(send(proxies[(c + turn) % 2], turn_body(turn, name)))
+        assert any(len(engines) > 1 for engines in homes.values()) is split, homes
+
+    def test_settings_reach_the_session_table(self) -> None:
+        """Every ``[sessions]`` setting is the router's: TTL, size, conversations and agreement."""
+        config = SessionConfig(ttl=42.0, max_sessions=7, conversations=False, agree="on")
+        app = ProxyApp(ServerConfig(backends=(BackendConfig(id="e0", url="http://127.0.0.1:9"),), sessions=config))
+        sessions = app.router.sessions
+        assert sessions is not None
+        assert (sessions.ttl_s, sessions.max_sessions, sessions.conversations, sessions.agree) == (42.0, 7, False, "on")
+        assert not sessions.shared

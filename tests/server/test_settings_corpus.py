@@ -45,6 +45,7 @@ ADDED: dict[str, Any] = {
         "ttl": 300.0,
         "max_sessions": 100000,
         "conversations": True,
+        "agree": "auto",
     },
     "slo": {
         "ttft_ms": None,
@@ -82,6 +83,7 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         "--session-ttl",
         "--max-sessions",
         "--session-conversations",
+        "--session-agree",
         "--first-byte-deadline-floor",
         "--first-byte-deadline-factor",
         *(f"--outlier-{name}" for name in ("detection", "consecutive-errors", "consecutive-deadlines")),

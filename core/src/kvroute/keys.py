@@ -47,6 +47,7 @@ __all__ = [
     "Cuts",
     "conversation_key",
     "message_cuts",
+    "opens_conversation",
     "prefix_key",
 ]
 
@@ -150,6 +151,20 @@ def message_cuts(request: RouteRequest, prefix_length: int = DEFAULT_PREFIX_LENG
     preamble, first_turn = boundaries
     conversation = min(first_turn, cap)
     return Cuts(min(preamble, cap) if preamble else conversation, conversation)
+
+
+def opens_conversation(request: RouteRequest) -> bool:
+    """Whether ``request`` is a conversation's first turn: no answer after its first user message (every completion).
+
+    A later turn resends the history, so it has an ``assistant`` message after its first ``user``
+    message (an agent's later turns too, whose other messages are tool results). Sibling
+    sub-requests of a first turn, which add their own task after it, are first turns as well.
+    """
+    messages = request.messages
+    if messages is None:
+        return True
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+    return not any(m.get("role") == "assistant" for m in messages[first_user + 1 :])
 
 
 def _chat_boundaries(request: RouteRequest) -> tuple[int, int] | None:

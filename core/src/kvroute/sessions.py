@@ -15,6 +15,15 @@ two kinds of keys:
   turn). The first turn goes where the strategy sends it; later turns follow it, even after
   the strategy's own key for them changed (a system prompt that turned hot).
 
+Router replicas that do not talk to each other each see a part of every conversation's turns. A
+turn that reaches a replica which never saw its conversation would be placed by that replica's own
+share and holder state, often elsewhere than its history. So, with ``agree`` (``auto``: when the
+replica's own traffic shows other routers, `kvroute.agreement.Strangers`; ``on``; ``off``), a
+conversation is placed as a session id is: by the strategy's ``place`` on its conversation key
+(its home, moved only by the load bound), a pure function of the request that every replica
+computes alike. A binding made before that by the strategy's own pick (an ``unagreed`` one) is
+placed again once, by the same rule, so replicas that switched at different times converge.
+
 Router replicas that share their holds (``kvroute serve --peer``; `holds_made` and `adopt_holds`,
 the `kvroute.strategy.Holds` methods) agree on bindings without the pure hash: with ``shared``, a new
 session is placed by the strategy's ``place_session(key, model, candidates)`` when it has one (the
@@ -44,13 +53,18 @@ from typing import Any, Literal
 import attrs
 import xxhash
 
+from kvroute.agreement import Strangers
 from kvroute.backend import BackendState
 from kvroute.hashing import hash_parts
-from kvroute.options import float_option, int_option
+from kvroute.keys import opens_conversation
+from kvroute.options import float_option, int_option, str_option
 from kvroute.request import RouteRequest
 from kvroute.strategy import Decision, Hold, Pick, Strategy
 
-__all__ = ["Binding", "Kind", "Sessions", "session_key"]
+__all__ = ["AGREE", "Binding", "Kind", "Sessions", "session_key"]
+
+#: Values of ``Sessions.agree``: place conversations by their key's home when other routers are seen, always, never.
+AGREE = ("auto", "on", "off")
 
 #: What a binding's key stands for.
 Kind = Literal["session", "conversation"]
@@ -80,6 +94,8 @@ class Binding:
     backend_id: str
     last_used: float
     kind: Kind
+    #: Placed by a pure function of the request (``agree``), so other replicas would place it alike.
+    agreed: bool = False
 
 
 @attrs.define
@@ -97,6 +113,8 @@ class Sessions:
     conversations: bool = True
     #: Replicas share their bindings (`adopt_holds`): place new sessions by the strategy's ``place_session``.
     shared: bool = False
+    #: Place conversations by their key's home (``AGREE``): ``auto`` when `Strangers` sees other routers.
+    agree: str = str_option("auto", choices=AGREE)
     clock: Callable[[], float] = time.monotonic
     new: int = attrs.field(default=0, init=False)
     stayed: int = attrs.field(default=0, init=False)
@@ -105,10 +123,13 @@ class Sessions:
     evicted: int = attrs.field(default=0, init=False)
     #: Other replicas' holds taken by `adopt_holds`, by result.
     adopted: Counter[str] = attrs.field(factory=Counter, init=False)
+    #: New conversations, and which arrived with a history (``agree=auto``).
+    strangers: Strangers = attrs.field(factory=Strangers, init=False)
     _table: OrderedDict[int, Binding] = attrs.field(factory=OrderedDict, init=False)
     _kinds: Counter[str] = attrs.field(factory=Counter, init=False)
-    #: What the last `pick` found, for `request_started` on the same request: (request, key, kind, move reason).
-    _last: tuple[RouteRequest, int, Kind, str | None] | None = attrs.field(default=None, init=False, repr=False)
+    #: What the last `pick` found, for `request_started` on the same request: (request, key, kind, move
+    #: reason, placed by the pure rule).
+    _last: tuple[RouteRequest, int, Kind, str | None, bool] | None = attrs.field(default=None, init=False, repr=False)
     #: The last request `request_started` bound, and its key, for `holds_made` on the same request.
     _started: tuple[RouteRequest, int] | None = attrs.field(default=None, init=False, repr=False)
 
@@ -143,6 +164,12 @@ class Sessions:
         key = conversation_key(request)
         return None if key is None else (key, "conversation")
 
+    @property
+    def agreeing(self) -> bool:
+        """Whether conversations are placed now by their key's home (``agree``; ``auto``: `Strangers` and no sync)."""
+        agree = self.agree
+        return agree == "on" or (agree == "auto" and not self.shared and self.strangers.on)
+
     def pick(self, strategy: Strategy, request: RouteRequest, candidates: Sequence[BackendState]) -> Pick:
         """``strategy``'s pick, or the bound backend when the request's session has one with room."""
         found = self._key(strategy, request)
@@ -151,6 +178,8 @@ class Sessions:
             return strategy.pick(request, candidates)
         key, kind = found
         binding = self._live(key, self.clock())
+        place = getattr(strategy, "place", None)
+        agreeing = kind == "conversation" and callable(place) and self.agreeing
         move: str | None = None
         if binding is not None:
             state = _find(candidates, binding.backend_id)
@@ -158,19 +187,30 @@ class Sessions:
                 move = "unroutable"
             else:
                 move = _over_limit(strategy, state, candidates)
+                if move is None and agreeing and not binding.agreed:
+                    move = "agree"  # placed by this replica's own state: place it again, as every replica would
                 if move is None:
-                    self._last = (request, key, kind, None)
+                    self._last = (request, key, kind, None, binding.agreed)
                     return Decision(state.backend, reason="session", key=key, detail={"bound": kind})
-        self._last = (request, key, kind, move)
-        place = None
         if kind == "session":
-            place = getattr(strategy, "place_session", None) if self.shared else None
-            place = place or getattr(strategy, "place", None)
+            if self.shared:
+                place = getattr(strategy, "place_session", None) or place
+            agreeing = callable(place) and not self.shared
+        elif not agreeing:
+            place = None
+        self._last = (request, key, kind, move, agreeing)
         pick = place(key, request.model, candidates) if callable(place) else strategy.pick(request, candidates)
         if isinstance(pick, Decision):
             extra: dict[str, Any] = {"binds": kind}
+            if agreeing and kind == "conversation":
+                extra["agreed"] = True
             if binding is not None:
                 extra.update(moved_from=binding.backend_id, move_reason=move)
+            if move == "agree" and binding is not None and pick.backend.id == binding.backend_id:
+                # The pure rule keeps it where it is: no move, the binding is agreed from now on.
+                extra = {"bound": kind, "agreed": True}
+                pick = attrs.evolve(pick, reason="session", detail=extra)
+                return pick
             pick = attrs.evolve(pick, detail={**pick.detail, **extra})
         return pick
 
@@ -180,14 +220,16 @@ class Sessions:
         self._last = None
         if last is None or last[0] is not request:
             return  # not a request of a session (or decided elsewhere): nothing to bind
-        _, key, kind, move = last
+        _, key, kind, move, agreed = last
         self._started = (request, key)
         now = self.clock()
         backend_id = decision.backend.id
         binding = self._live(key, now)
         if binding is None:
-            self._add(key, Binding(backend_id, now, kind))
+            self._add(key, Binding(backend_id, now, kind, agreed))
             self.new += 1
+            if kind == "conversation":
+                self.strangers.observe(not opens_conversation(request))
             return
         if binding.backend_id != backend_id:
             binding.backend_id = backend_id
@@ -195,6 +237,7 @@ class Sessions:
         else:
             self.stayed += 1
         binding.last_used = now
+        binding.agreed = binding.agreed or agreed
 
     # -- router-replica sync -----------------------------------------------------------
 
@@ -281,6 +324,9 @@ class Sessions:
             "expired": self.expired,
             "evicted": self.evicted,
             "adopted": dict(sorted(self.adopted.items())),
+            "agree": self.agree,
+            "agreeing": self.agreeing,
+            "strangers": {"seen": self.strangers.seen, "with_history": self.strangers.foreign},
             "ttl_s": self.ttl_s,
             "max_sessions": self.max_sessions,
         }

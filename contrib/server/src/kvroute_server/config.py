@@ -28,6 +28,7 @@ from attrs import validators as v
 from kvroute.backend import Backend
 from kvroute.errors import ConfigError
 from kvroute.session_ids import DEFAULT_SESSION_SOURCES, parse_sources
+from kvroute.sessions import AGREE
 from kvroute.settings import Setting, setting
 from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_values
 
@@ -485,7 +486,9 @@ class SessionConfig:
     with no binding is placed by its id's hash, so every proxy replica agrees; bindings idle for
     ``ttl`` seconds expire, and at most ``max_sessions`` are kept. With ``conversations``, chat
     requests without a session id are bound by their conversation (strategies that tell
-    conversations apart: the consistent-hash family).
+    conversations apart: the consistent-hash family). ``agree`` (``auto``, ``on``, ``off``) places
+    conversations by their key's home, as session ids are, so replicas without peers agree
+    (`kvroute.sessions.Sessions.agree`).
     """
 
     enabled: bool = setting(True, flag="--sessions", help="Keep sessions and conversations on one backend")
@@ -511,6 +514,14 @@ class SessionConfig:
     )
     conversations: bool = setting(
         True, flag="--session-conversations", help="Bind conversations that carry no session id"
+    )
+    agree: str = setting(
+        "auto",
+        _one_of(AGREE),
+        flag="--session-agree",
+        choices=AGREE,
+        help="Place conversations by their key's home so replicas agree without peers; auto: once other "
+        "routers are seen",
     )
 
 

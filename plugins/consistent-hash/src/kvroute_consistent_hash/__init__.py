@@ -31,6 +31,7 @@ from kvroute.keys import (
     Cuts,
     conversation_key,
     message_cuts,
+    opens_conversation,
     prefix_key,
 )
 from kvroute.options import int_option, optional_float_option, optional_int_option, str_option
@@ -560,18 +561,12 @@ def _balanced_decision(balanced: Balanced, chosen: kvroute.BackendState, key: in
 
 
 def _opens_conversation(request: kvroute.RouteRequest) -> bool:
-    """Whether ``request`` is a conversation's first turn (no answer after its first user message; every completion).
+    """Whether ``request`` is a conversation's first turn (`kvroute.keys.opens_conversation`).
 
     Hot groups count conversations, not turns: a few long conversations would otherwise make a
-    group look hot early on, and moving them to their own keys costs their history. An agent's
-    later turns have one user message too (then answers and tool results): the assistant's answer
-    after the first user message tells them from a first turn.
+    group look hot early on, and moving them to their own keys costs their history.
     """
-    messages = request.messages
-    if messages is None:
-        return True
-    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
-    return not any(m.get("role") == "assistant" for m in messages[first_user + 1 :])
+    return opens_conversation(request)
 
 
 @kvroute.hookimpl

@@ -178,7 +178,8 @@ def _sessions(config: ServerConfig) -> tuple[tuple[SessionSource, ...], dict[byt
             headers[source.name.encode("latin-1")] = source.name
     if not settings.enabled:
         return sources, headers, None
-    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, conversations=settings.conversations)
+    sessions = Sessions(ttl_s=settings.ttl, max_sessions=settings.max_sessions, agree=settings.agree)
+    sessions.conversations = settings.conversations
     return sources, headers, sessions
 
 
