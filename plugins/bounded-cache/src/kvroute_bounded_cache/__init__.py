@@ -191,6 +191,8 @@ class BoundedCache(ConsistentHash):
             # A new conversation leaves the holders of its key when they are over their share.
             total_weight = sum(s.backend.weight for s in candidates)
             holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, HELD_SLACK)]
+            if self.share_choices > 1:  # the least loaded of the key's copies first (`Shares.load`)
+                holders.sort(key=lambda s: shares.load(s.id, s.backend.weight, self.share_conversations))
         if holder is not None:
             preferred = [holder] + [s for s in order if s is not holder]
         elif holders:
@@ -217,6 +219,7 @@ class BoundedCache(ConsistentHash):
                 preferred = sorted(
                     order, key=lambda s: (tiers[id(s)], tiers[id(s)] == 0 and id(s) in crowded, s.id != last)
                 )
+                preferred = self._choose(preferred, tiers, crowded, last)
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
@@ -236,6 +239,32 @@ class BoundedCache(ConsistentHash):
             detail=detail,
             spill_reason=choice.spill_reason,
         )
+
+    def _choose(
+        self,
+        preferred: list[kvroute.BackendState],
+        tiers: dict[int, int],
+        crowded: set[int],
+        last: str | None,
+    ) -> list[kvroute.BackendState]:
+        """``preferred`` with its first ``share_choices`` backends that fit and have share room in the order of
+        their load (`Shares.load`: active conversations with ``share_conversations``, then recent requests): the power
+        of d choices, as consistent-hash's share bound takes them. Where the key went last stays first."""
+        shares = self._shares
+        if shares is None or self.share_choices < 2 or (preferred and preferred[0].id == last):
+            return preferred
+        count = 0
+        for state in preferred[: self.share_choices]:
+            if tiers[id(state)] or id(state) in crowded:
+                break
+            count += 1
+        if count < 2:
+            return preferred
+
+        def load(state: kvroute.BackendState) -> tuple[float, float]:
+            return shares.load(state.id, state.backend.weight, self.share_conversations)
+
+        return sorted(preferred[:count], key=load) + preferred[count:]
 
     def _order(
         self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]

@@ -33,7 +33,7 @@ from kvroute.keys import (
     message_cuts,
     prefix_key,
 )
-from kvroute.options import int_option, optional_float_option, optional_int_option, str_option
+from kvroute.options import bool_option, int_option, optional_float_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
 from kvroute_consistent_hash.placement import HEAD, CandidateView, Rendezvous, backend_seed
 from kvroute_consistent_hash.shares import Shares
@@ -86,6 +86,7 @@ class Balanced:
         "model",
         "placement",
         "shares",
+        "by_conversations",
         "view",
     )
 
@@ -107,6 +108,8 @@ class Balanced:
         #: The request's conversation key: when it is the key itself (a hot group's conversation),
         #: the key is not bounded by the live keys (`has_room`).
         self.conversation: int | None = None
+        #: The choices compare active conversations first (`Shares.active_on`), then recent requests.
+        self.by_conversations = False
         self._total_weight: float | None = None
         self.home_id, self.home = home_id, home
         self.holder: kvroute.BackendState | None = None
@@ -178,26 +181,22 @@ class Balanced:
         holder = self.holder
         if holder is not None:
             yield holder
-        two = self.choices > 1 and holder is None
+        choices = self.choices if holder is None else 1
         crowded: list[kvroute.BackendState] = []
-        first: kvroute.BackendState | None = None
+        pool: list[kvroute.BackendState] = []
         for state in self._walk():
             if state is holder:
                 continue
             if not self.has_room(state):
                 crowded.append(state)
-            elif not two:
+            elif choices <= 1:
                 yield state
-            elif first is None:
-                first = state
             else:
-                if self.per_weight(state) < self.per_weight(first):
-                    first, state = state, first
-                yield first
-                yield state
-                first, two = None, False
-        if first is not None:
-            yield first
+                pool.append(state)
+                if len(pool) == choices:
+                    yield from sorted(pool, key=self.load)  # stable: ties to the earlier
+                    pool, choices = [], 1
+        yield from sorted(pool, key=self.load)
         yield from crowded
 
     def _walk(self) -> Iterator[kvroute.BackendState]:
@@ -211,6 +210,11 @@ class Balanced:
     def per_weight(self, state: kvroute.BackendState) -> float:
         """``state``'s recent requests per unit of weight."""
         return self.shares.count(state.id) / state.backend.weight
+
+    def load(self, state: kvroute.BackendState) -> tuple[float, float]:
+        """What the choices compare (`Shares.load`): active conversations with ``by_conversations``, then recent
+        requests, per unit of weight."""
+        return self.shares.load(state.id, state.backend.weight, self.by_conversations)
 
     def rank(self, state: kvroute.BackendState) -> int:
         """Position of ``state`` in the key's order over every member serving the model (0: the home)."""
@@ -256,7 +260,8 @@ class ConsistentHash(kvroute.BaseStrategy):
     share_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
     share_window: int = int_option(0, min=0, max=1 << 20)
     share_keys: int = int_option(65536, min=1, max=1 << 24)
-    share_choices: int = int_option(2, min=1, max=2)
+    share_choices: int = int_option(HEAD, min=1, max=HEAD)
+    share_conversations: bool = bool_option(True)
     key_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
     spills: int = attrs.field(default=0, init=False)
     spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
@@ -326,6 +331,8 @@ class ConsistentHash(kvroute.BaseStrategy):
                 shares.record(decision.backend.id, (self._conversation(request),), placed)
             else:
                 shares.record(decision.backend.id, (self._conversation(request), decision.key), placed)
+            if self.share_conversations:
+                shares.converse(decision.backend.id, self._conversation(request))
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -424,6 +431,7 @@ class ConsistentHash(kvroute.BaseStrategy):
         balanced = Balanced(placement, view, key, model, shares, candidates, placement.states[home].id, home_state)
         balanced.choices = choices
         balanced.conversation = conversation
+        balanced.by_conversations = self.share_conversations
         if conversation is not None:
             holder = balanced.member(shares.holder(conversation, balanced.home_id))
             if holder is not None:
