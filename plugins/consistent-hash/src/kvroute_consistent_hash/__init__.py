@@ -75,6 +75,7 @@ class Balanced:
         "_order",
         "_ranks",
         "_total_weight",
+        "by_conversations",
         "candidates",
         "choices",
         "conversation",
@@ -86,7 +87,6 @@ class Balanced:
         "model",
         "placement",
         "shares",
-        "by_conversations",
         "view",
     )
 
