@@ -188,9 +188,12 @@ class BoundedCache(ConsistentHash):
             holder = next((s for s in order if s.id == holder_id), None) if holder_id is not None else None
         holders = [s for s in order if held.holds(s.id, key)]
         if shares is not None and conversation is not None and holder is None:
-            # A new conversation leaves the holders of its key when they are over their share.
+            # A new conversation leaves the holders of its key when they are over their share: 1.375x it
+            # (`HELD_SLACK`), or the share itself for a short key (its shared prefix under ``prefix_length``
+            # characters), which is cheap to copy.
             total_weight = sum(s.backend.weight for s in candidates)
-            holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, HELD_SLACK)]
+            slack = 1.0 if self._group(request)[0].group < self._length else HELD_SLACK
+            holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, slack)]
             if self.share_choices > 1:  # the least loaded of the key's copies first (`Shares.load`)
                 holders.sort(key=lambda s: shares.load(s.id, s.backend.weight, self.share_conversations))
         if holder is not None:
@@ -217,7 +220,7 @@ class BoundedCache(ConsistentHash):
                     or (key != conversation and not shares.has_key_room(s.id, s.backend.weight, total_weight, key))
                 }
                 preferred = sorted(
-                    order, key=lambda s: (tiers[id(s)], tiers[id(s)] == 0 and id(s) in crowded, s.id != last)
+                    order, key=lambda s: (tiers[id(s)], tiers[id(s)] < 2 and id(s) in crowded, s.id != last)
                 )
                 preferred = self._choose(preferred, tiers, crowded, last)
         choice = choose(preferred, self._bound.measure(candidates))
@@ -247,15 +250,16 @@ class BoundedCache(ConsistentHash):
         crowded: set[int],
         last: str | None,
     ) -> list[kvroute.BackendState]:
-        """``preferred`` with its first ``share_choices`` backends that fit and have share room in the order of
-        their load (`Shares.load`: active conversations with ``share_conversations``, then recent requests): the power
-        of d choices, as consistent-hash's share bound takes them. Where the key went last stays first."""
+        """``preferred`` with its first ``share_choices`` backends in the order of their load (`Shares.load`: active
+        conversations with ``share_conversations``, then recent requests), as far as they fit as well as the first
+        (the same tier, not 2) and have share room: the power of d choices, as consistent-hash's share bound takes
+        them. Where the key went last stays first."""
         shares = self._shares
         if shares is None or self.share_choices < 2 or (preferred and preferred[0].id == last):
             return preferred
-        count = 0
+        count, tier = 0, tiers[id(preferred[0])] if preferred else 0
         for state in preferred[: self.share_choices]:
-            if tiers[id(state)] or id(state) in crowded:
+            if tiers[id(state)] != tier or tier == 2 or id(state) in crowded:
                 break
             count += 1
         if count < 2:

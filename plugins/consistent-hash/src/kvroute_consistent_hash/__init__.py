@@ -103,7 +103,7 @@ class Balanced:
     ) -> None:
         self.placement, self.view, self.key, self.model = placement, view, key, model
         self.shares, self.candidates = shares, candidates
-        #: 2: a new key takes the less loaded of the first two backends of its order with share room.
+        #: d > 1: a new key takes the least loaded (`load`) of the first d backends of its order with share room.
         self.choices = 1
         #: The request's conversation key: when it is the key itself (a hot group's conversation),
         #: the key is not bounded by the live keys (`has_room`).
@@ -175,8 +175,9 @@ class Balanced:
         """The candidates, best first (lazily: the order is computed only as far as the walk goes).
 
         The holder; then the candidates with share room in the key's order, except that with
-        ``choices`` 2 and no holder the first two of them come in the order of their recent
-        requests per unit of weight (the power of two choices; ties to the earlier); then the rest.
+        ``choices`` d > 1 and no holder the first d of them come in the order of their `load`
+        (active conversations, then recent requests, per unit of weight: the power of d choices;
+        ties to the earlier); then the rest.
         """
         holder = self.holder
         if holder is not None:
@@ -245,8 +246,11 @@ class ConsistentHash(kvroute.BaseStrategy):
       weight share, and a conversation's later turns follow its first (`Shares`).
     * ``share_window`` (0-1,048,576, default 0 = 64 requests per member, at least 256): recent
       requests the shares are counted over. ``share_keys`` (default 65536): keys whose holder is kept.
-    * ``share_choices`` (1 or 2, default 2): a new key takes the first backend of its order with
-      share room (1), or the less loaded of the first two (2, the power of two choices).
+    * ``share_choices`` (1-4, default 4): a new key takes the first backend of its order with
+      share room (1), or the least loaded of the first d (the power of d choices).
+    * ``share_conversations`` (default true): the choices compare each backend's active
+      conversations (`Shares.converse`: a conversation is active until three mean gaps between a
+      conversation's requests pass without one), then its recent requests; false: recent requests only.
 
     Decisions: reason ``hash`` (the home), ``held`` (the backend holding the conversation or key,
     not its home), ``balanced`` (a later backend of the key's order, the home being over its
@@ -504,6 +508,8 @@ class ConsistentHash(kvroute.BaseStrategy):
             adopted += shares.adopt(hold.key, hold.backend_id)
             if hold.kind != "key":  # one per request another replica started: the window counts every replica's
                 shares.record(hold.backend_id, ())
+            if hold.kind == "conversation" and self.share_conversations:  # and the conversations under way
+                shares.converse(hold.backend_id, hold.key)
         return {"adopted": adopted, "held": len(holds) - adopted - opened, "groups": opened}
 
     def place_session(
