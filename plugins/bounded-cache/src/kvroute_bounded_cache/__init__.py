@@ -219,10 +219,19 @@ class BoundedCache(ConsistentHash):
                     if not shares.has_room(s.id, s.backend.weight, total_weight)
                     or (key != conversation and not shares.has_key_room(s.id, s.backend.weight, total_weight, key))
                 }
+                # The share bound orders the backends where the prefix fits: under both cache limits, or under
+                # cache_factor when the fill is over only for what is held there (the prefix alone fits it).
+                fill = self._fill
+                bounded = {
+                    id(s)
+                    for s in order
+                    if tiers[id(s)] == 0
+                    or (tiers[id(s)] == 1 and fill is not None and footprint * fill[1] <= fill[0] * capacity[id(s)])
+                }
                 preferred = sorted(
-                    order, key=lambda s: (tiers[id(s)], tiers[id(s)] < 2 and id(s) in crowded, s.id != last)
+                    order, key=lambda s: (tiers[id(s)], id(s) in bounded and id(s) in crowded, s.id != last)
                 )
-                preferred = self._choose(preferred, tiers, crowded, last)
+                preferred = self._choose(preferred, tiers, crowded | (set(map(id, order)) - bounded), last)
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
@@ -252,14 +261,14 @@ class BoundedCache(ConsistentHash):
     ) -> list[kvroute.BackendState]:
         """``preferred`` with its first ``share_choices`` backends in the order of their load (`Shares.load`: active
         conversations with ``share_conversations``, then recent requests), as far as they fit as well as the first
-        (the same tier, not 2) and have share room: the power of d choices, as consistent-hash's share bound takes
-        them. Where the key went last stays first."""
+        (the same tier) and have share room (not in ``crowded``): the power of d choices, as consistent-hash's share
+        bound takes them. Where the key went last stays first."""
         shares = self._shares
         if shares is None or self.share_choices < 2 or (preferred and preferred[0].id == last):
             return preferred
         count, tier = 0, tiers[id(preferred[0])] if preferred else 0
         for state in preferred[: self.share_choices]:
-            if tiers[id(state)] != tier or tier == 2 or id(state) in crowded:
+            if tiers[id(state)] != tier or id(state) in crowded:
                 break
             count += 1
         if count < 2:

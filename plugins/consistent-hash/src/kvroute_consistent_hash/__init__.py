@@ -441,7 +441,10 @@ class ConsistentHash(kvroute.BaseStrategy):
             if holder is not None:
                 balanced.holder, balanced.held = holder, "conversation"
                 return balanced
-        holder = balanced.member(shares.holder(key, balanced.home_id))
+        holder_id = shares.holder(key, balanced.home_id)
+        if holder_id is None and shares.holder(key) is not None:
+            balanced.choices = 1  # its home joined since it was held: it moves there, as rendezvous hashing moves it
+        holder = balanced.member(holder_id)
         if holder is not None and (
             conversation is None
             or balanced.has_room(holder, HELD_SLACK)
