@@ -119,7 +119,14 @@ def _without_logs(text: str) -> list[str]:
 
 
 #: Strategy options added since the corpus was recorded (the consistent-hash family's share bound).
-ADDED_STRATEGY_OPTIONS = {"share_factor", "share_window", "share_keys", "share_choices", "key_factor"}
+ADDED_STRATEGY_OPTIONS = {
+    "share_factor",
+    "share_window",
+    "share_keys",
+    "share_choices",
+    "key_factor",
+    "share_conversations",
+}
 
 
 def _without_added(lines: list[str]) -> list[str]:

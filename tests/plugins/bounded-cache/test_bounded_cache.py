@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from kvroute_bounded_cache import BoundedCache, Footprints
 
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
-from tests.helpers import chat
+from tests.helpers import chat, words
 
 #: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
@@ -266,3 +268,71 @@ class TestShareBound:
             assert max(Counter(firsts.values()).values()) <= most, (options, firsts)
             if most == 12:
                 assert len(set(firsts.values())) == 1
+
+
+def agent_sessions(seed: int, sessions: int = 160) -> list[tuple[int, RouteRequest]]:
+    """``sessions`` agent conversations of 2-20 turns under one 6,000-character preamble, interleaved at random."""
+    rng = random.Random(seed)
+    preamble = words(rng, 6000)
+    plans: list[list[RouteRequest]] = []
+    for number in range(sessions):
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": preamble},
+            {"role": "user", "content": f"task {number}: " + words(rng, 400)},
+        ]
+        turns = []
+        for _ in range(rng.randint(2, 20)):
+            turns.append(chat(list(messages)))
+            messages += [
+                {"role": "assistant", "content": words(rng, 80)},
+                {"role": "user", "content": "tool output: " + words(rng, 300)},
+            ]
+        plans.append(turns)
+    out: list[tuple[int, RouteRequest]] = []
+    cursors, opened = [0] * sessions, 1
+    while True:
+        open_ones = [s for s in range(opened) if cursors[s] < len(plans[s])]
+        if not open_ones and opened == sessions:
+            return out
+        if opened < sessions and (not open_ones or rng.random() < 0.15):
+            opened += 1
+            continue
+        s = rng.choice(open_ones)
+        out.append((s, plans[s][cursors[s]]))
+        cursors[s] += 1
+
+
+def spread(seed: int, **options: object) -> tuple[float, float]:
+    """The busiest and idlest of 8 backends' requests over a fair share, for `agent_sessions`, 4 requests in flight;
+    each conversation must stay on one backend."""
+    r = router([Backend(f"instance-{i}") for i in range(8)], **options)
+    per_backend: Counter[str] = Counter()
+    homes: dict[int, set[str]] = {}
+    held = []
+    for session, request in agent_sessions(seed):
+        lease = r.acquire(request)
+        per_backend[lease.backend.id] += 1
+        homes.setdefault(session, set()).add(lease.backend.id)
+        held.append(lease)
+        if len(held) >= 4:
+            r.release(held.pop(0))
+    for lease in held:
+        r.release(lease)
+    assert all(len(backends) == 1 for backends in homes.values())
+    total = sum(per_backend.values())
+    return max(per_backend.values()) * 8 / total, min(per_backend.values()) * 8 / total if len(per_backend) == 8 else 0
+
+
+class TestActiveConversations:
+    @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+    def test_conversations_spread_within_1_2x_of_fair(self, seed: int) -> None:
+        """160 agent conversations on 8 backends: a new one goes to the backend with the fewest active conversations
+        among the first four of its order that fit and have share room, so the busiest takes at most 1.2x a fair
+        share of the requests and the idlest at least 0.8x."""
+        most, least = spread(seed)
+        assert most <= 1.2 and least >= 0.8, (most, least)
+
+    def test_the_first_backend_with_room_is_lumpier(self) -> None:
+        """The same traffic with one choice compared by recent requests: some seed is outside 1.2x / 0.8x."""
+        runs = [spread(seed, share_choices=1, share_conversations=False) for seed in range(5)]
+        assert any(most > 1.2 or least < 0.8 for most, least in runs), runs

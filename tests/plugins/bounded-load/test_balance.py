@@ -117,6 +117,29 @@ class TestAgentTraffic:
             assert least <= len(chosen) <= most, (options, chosen)
 
 
+def idlest(per_backend: Counter[str], backends: int) -> float:
+    """The idlest backend's requests over a fair share (0 when some backend got none)."""
+    return min(per_backend.values()) * backends / sum(per_backend.values()) if len(per_backend) == backends else 0.0
+
+
+class TestActiveConversations:
+    @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+    def test_conversations_spread_within_1_25x_of_fair(self, seed: int) -> None:
+        """160 agent conversations of 2-20 turns on 8 backends: a new one goes to the backend with the fewest active
+        conversations among the first four of its order with share room, so every backend takes within 1.25x of a
+        fair share of the requests (busiest <= 1.25, idlest >= 0.8), and no conversation moves."""
+        per_backend, per_session = run(router(), agent_traffic(seed, sessions=160))
+        assert busiest(per_backend, 8) <= 1.25 and idlest(per_backend, 8) >= 0.8, per_backend
+        assert all(len(backends) == 1 for backends in per_session.values())
+
+    def test_recent_requests_over_two_choices_are_lumpier(self) -> None:
+        """The same traffic placed as before (two choices, compared by recent requests alone): the busiest backend
+        takes more than 1.25x a fair share on some of those seeds, so the check above can fail."""
+        old = {"share_conversations": False, "share_choices": 2}
+        worst = max(busiest(run(router(**old), agent_traffic(seed, sessions=160))[0], 8) for seed in range(5))
+        assert worst > 1.25
+
+
 class TestNaming:
     @pytest.mark.parametrize("naming", NAMINGS)
     def test_system_prompts_balance_whatever_the_names(self, naming: str) -> None:

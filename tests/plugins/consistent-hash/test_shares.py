@@ -92,6 +92,31 @@ class TestShares:
             shares.record("b", ())
         assert shares.live_keys == 0
 
+    def test_a_conversation_is_active_for_three_mean_gaps(self) -> None:
+        """Conversations 1 and 2 with a request every 2 requests (mean gap 2, horizon 6): both active, on a and b;
+        after 6 requests of neither they are not, and the horizon is the window before any gap is seen."""
+        shares = Shares(window=100)
+        assert shares.horizon == 100
+        for backend, conversation in (("a", 1), ("b", 2)) * 3:
+            shares.record(backend, ())
+            shares.converse(backend, conversation)
+        assert shares.horizon == 6
+        assert (shares.active_on("a"), shares.active_on("b"), shares.active) == (1, 1, 2)
+        for _ in range(5):
+            shares.record("c", ())
+        assert (shares.active_on("a"), shares.active_on("b")) == (0, 1)  # a's last request was 6 requests ago
+        shares.record("c", ())
+        assert (shares.active_on("b"), shares.active) == (0, 0)
+
+    def test_a_moved_conversation_counts_on_its_new_backend_only(self) -> None:
+        """A conversation whose next request goes to b is active on b and no longer on a."""
+        shares = Shares(window=100)
+        shares.record("a", ())
+        shares.converse("a", 7)
+        shares.record("b", ())
+        shares.converse("b", 7)
+        assert (shares.active_on("a"), shares.active_on("b"), shares.active) == (0, 1, 1)
+
     @pytest.mark.parametrize(("factor", "window", "keys"), [(0.9, 0, 1), (1.1, -1, 1), (1.1, 0, 0)])
     def test_bad_settings_are_refused(self, factor: float, window: int, keys: int) -> None:
         """A factor under 1, a negative window or no keys is a ValueError that names the setting."""

@@ -188,9 +188,14 @@ class BoundedCache(ConsistentHash):
             holder = next((s for s in order if s.id == holder_id), None) if holder_id is not None else None
         holders = [s for s in order if held.holds(s.id, key)]
         if shares is not None and conversation is not None and holder is None:
-            # A new conversation leaves the holders of its key when they are over their share.
+            # A new conversation leaves the holders of its key when they are over their share: 1.375x it
+            # (`HELD_SLACK`), or the share itself for a short key (its shared prefix under ``prefix_length``
+            # characters), which is cheap to copy.
             total_weight = sum(s.backend.weight for s in candidates)
-            holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, HELD_SLACK)]
+            slack = 1.0 if self._group(request)[0].group < self._length else HELD_SLACK
+            holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, slack)]
+            if self.share_choices > 1:  # the least loaded of the key's copies first (`Shares.load`)
+                holders.sort(key=lambda s: shares.load(s.id, s.backend.weight, self.share_conversations))
         if holder is not None:
             preferred = [holder] + [s for s in order if s is not holder]
         elif holders:
@@ -214,9 +219,19 @@ class BoundedCache(ConsistentHash):
                     if not shares.has_room(s.id, s.backend.weight, total_weight)
                     or (key != conversation and not shares.has_key_room(s.id, s.backend.weight, total_weight, key))
                 }
+                # The share bound orders the backends where the prefix fits: under both cache limits, or under
+                # cache_factor when the fill is over only for what is held there (the prefix alone fits it).
+                fill = self._fill
+                bounded = {
+                    id(s)
+                    for s in order
+                    if tiers[id(s)] == 0
+                    or (tiers[id(s)] == 1 and fill is not None and footprint * fill[1] <= fill[0] * capacity[id(s)])
+                }
                 preferred = sorted(
-                    order, key=lambda s: (tiers[id(s)], tiers[id(s)] == 0 and id(s) in crowded, s.id != last)
+                    order, key=lambda s: (tiers[id(s)], id(s) in bounded and id(s) in crowded, s.id != last)
                 )
+                preferred = self._choose(preferred, tiers, crowded | (set(map(id, order)) - bounded), last)
         choice = choose(preferred, self._bound.measure(candidates))
         home = order[0]
         detail: dict[str, object] = {"home": home.id, "footprint": footprint}
@@ -236,6 +251,33 @@ class BoundedCache(ConsistentHash):
             detail=detail,
             spill_reason=choice.spill_reason,
         )
+
+    def _choose(
+        self,
+        preferred: list[kvroute.BackendState],
+        tiers: dict[int, int],
+        crowded: set[int],
+        last: str | None,
+    ) -> list[kvroute.BackendState]:
+        """``preferred`` with its first ``share_choices`` backends in the order of their load (`Shares.load`: active
+        conversations with ``share_conversations``, then recent requests), as far as they fit as well as the first
+        (the same tier) and have share room (not in ``crowded``): the power of d choices, as consistent-hash's share
+        bound takes them. Where the key went last stays first."""
+        shares = self._shares
+        if shares is None or self.share_choices < 2 or (preferred and preferred[0].id == last):
+            return preferred
+        count, tier = 0, tiers[id(preferred[0])] if preferred else 0
+        for state in preferred[: self.share_choices]:
+            if tiers[id(state)] != tier or id(state) in crowded:
+                break
+            count += 1
+        if count < 2:
+            return preferred
+
+        def load(state: kvroute.BackendState) -> tuple[float, float]:
+            return shares.load(state.id, state.backend.weight, self.share_conversations)
+
+        return sorted(preferred[:count], key=load) + preferred[count:]
 
     def _order(
         self, key: int, model: str | None, candidates: Sequence[kvroute.BackendState]

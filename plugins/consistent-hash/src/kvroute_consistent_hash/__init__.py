@@ -34,7 +34,7 @@ from kvroute.keys import (
     opens_conversation,
     prefix_key,
 )
-from kvroute.options import int_option, optional_float_option, optional_int_option, str_option
+from kvroute.options import bool_option, int_option, optional_float_option, optional_int_option, str_option
 from kvroute_consistent_hash.groups import HotGroups
 from kvroute_consistent_hash.placement import HEAD, CandidateView, Rendezvous, backend_seed
 from kvroute_consistent_hash.shares import Shares
@@ -76,6 +76,7 @@ class Balanced:
         "_order",
         "_ranks",
         "_total_weight",
+        "by_conversations",
         "candidates",
         "choices",
         "conversation",
@@ -103,11 +104,13 @@ class Balanced:
     ) -> None:
         self.placement, self.view, self.key, self.model = placement, view, key, model
         self.shares, self.candidates = shares, candidates
-        #: 2: a new key takes the less loaded of the first two backends of its order with share room.
+        #: d > 1: a new key takes the least loaded (`load`) of the first d backends of its order with share room.
         self.choices = 1
         #: The request's conversation key: when it is the key itself (a hot group's conversation),
         #: the key is not bounded by the live keys (`has_room`).
         self.conversation: int | None = None
+        #: The choices compare active conversations first (`Shares.active_on`), then recent requests.
+        self.by_conversations = False
         self._total_weight: float | None = None
         self.home_id, self.home = home_id, home
         self.holder: kvroute.BackendState | None = None
@@ -173,32 +176,29 @@ class Balanced:
         """The candidates, best first (lazily: the order is computed only as far as the walk goes).
 
         The holder; then the candidates with share room in the key's order, except that with
-        ``choices`` 2 and no holder the first two of them come in the order of their recent
-        requests per unit of weight (the power of two choices; ties to the earlier); then the rest.
+        ``choices`` d > 1 and no holder the first d of them come in the order of their `load`
+        (active conversations, then recent requests, per unit of weight: the power of d choices;
+        ties to the earlier); then the rest.
         """
         holder = self.holder
         if holder is not None:
             yield holder
-        two = self.choices > 1 and holder is None
+        choices = self.choices if holder is None else 1
         crowded: list[kvroute.BackendState] = []
-        first: kvroute.BackendState | None = None
+        pool: list[kvroute.BackendState] = []
         for state in self._walk():
             if state is holder:
                 continue
             if not self.has_room(state):
                 crowded.append(state)
-            elif not two:
+            elif choices <= 1:
                 yield state
-            elif first is None:
-                first = state
             else:
-                if self.per_weight(state) < self.per_weight(first):
-                    first, state = state, first
-                yield first
-                yield state
-                first, two = None, False
-        if first is not None:
-            yield first
+                pool.append(state)
+                if len(pool) == choices:
+                    yield from sorted(pool, key=self.load)  # stable: ties to the earlier
+                    pool, choices = [], 1
+        yield from sorted(pool, key=self.load)
         yield from crowded
 
     def _walk(self) -> Iterator[kvroute.BackendState]:
@@ -212,6 +212,11 @@ class Balanced:
     def per_weight(self, state: kvroute.BackendState) -> float:
         """``state``'s recent requests per unit of weight."""
         return self.shares.count(state.id) / state.backend.weight
+
+    def load(self, state: kvroute.BackendState) -> tuple[float, float]:
+        """What the choices compare (`Shares.load`): active conversations with ``by_conversations``, then recent
+        requests, per unit of weight."""
+        return self.shares.load(state.id, state.backend.weight, self.by_conversations)
 
     def rank(self, state: kvroute.BackendState) -> int:
         """Position of ``state`` in the key's order over every member serving the model (0: the home)."""
@@ -242,8 +247,11 @@ class ConsistentHash(kvroute.BaseStrategy):
       weight share, and a conversation's later turns follow its first (`Shares`).
     * ``share_window`` (0-1,048,576, default 0 = 64 requests per member, at least 256): recent
       requests the shares are counted over. ``share_keys`` (default 65536): keys whose holder is kept.
-    * ``share_choices`` (1 or 2, default 2): a new key takes the first backend of its order with
-      share room (1), or the less loaded of the first two (2, the power of two choices).
+    * ``share_choices`` (1-4, default 4): a new key takes the first backend of its order with
+      share room (1), or the least loaded of the first d (the power of d choices).
+    * ``share_conversations`` (default true): the choices compare each backend's active
+      conversations (`Shares.converse`: a conversation is active until three mean gaps between a
+      conversation's requests pass without one), then its recent requests; false: recent requests only.
 
     Decisions: reason ``hash`` (the home), ``held`` (the backend holding the conversation or key,
     not its home), ``balanced`` (a later backend of the key's order, the home being over its
@@ -257,7 +265,8 @@ class ConsistentHash(kvroute.BaseStrategy):
     share_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
     share_window: int = int_option(0, min=0, max=1 << 20)
     share_keys: int = int_option(65536, min=1, max=1 << 24)
-    share_choices: int = int_option(2, min=1, max=2)
+    share_choices: int = int_option(HEAD, min=1, max=HEAD)
+    share_conversations: bool = bool_option(True)
     key_factor: float | None = optional_float_option(None, min=1.0, max=100.0)
     spills: int = attrs.field(default=0, init=False)
     spill_reasons: Counter[str] = attrs.field(factory=Counter, init=False)
@@ -327,6 +336,8 @@ class ConsistentHash(kvroute.BaseStrategy):
                 shares.record(decision.backend.id, (self._conversation(request),), placed)
             else:
                 shares.record(decision.backend.id, (self._conversation(request), decision.key), placed)
+            if self.share_conversations:
+                shares.converse(decision.backend.id, self._conversation(request))
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -425,12 +436,16 @@ class ConsistentHash(kvroute.BaseStrategy):
         balanced = Balanced(placement, view, key, model, shares, candidates, placement.states[home].id, home_state)
         balanced.choices = choices
         balanced.conversation = conversation
+        balanced.by_conversations = self.share_conversations
         if conversation is not None:
             holder = balanced.member(shares.holder(conversation, balanced.home_id))
             if holder is not None:
                 balanced.holder, balanced.held = holder, "conversation"
                 return balanced
-        holder = balanced.member(shares.holder(key, balanced.home_id))
+        holder_id = shares.holder(key, balanced.home_id)
+        if holder_id is None and shares.holder(key) is not None:
+            balanced.choices = 1  # its home joined since it was held: it moves there, as rendezvous hashing moves it
+        holder = balanced.member(holder_id)
         if holder is not None and (
             conversation is None
             or balanced.has_room(holder, HELD_SLACK)
@@ -497,6 +512,8 @@ class ConsistentHash(kvroute.BaseStrategy):
             adopted += shares.adopt(hold.key, hold.backend_id)
             if hold.kind != "key":  # one per request another replica started: the window counts every replica's
                 shares.record(hold.backend_id, ())
+            if hold.kind == "conversation" and self.share_conversations:  # and the conversations under way
+                shares.converse(hold.backend_id, hold.key)
         return {"adopted": adopted, "held": len(holds) - adopted - opened, "groups": opened}
 
     def place_session(
