@@ -23,14 +23,23 @@ from kvroute_consistent_hash import Rendezvous
 
 import kvroute
 
-__all__ = ["SHARE_FACTOR", "START_WINDOW", "Chooser", "StartWindow"]
+__all__ = ["COLD_EVIDENCE", "EVIDENCE", "SHARE_FACTOR", "START_WINDOW", "Chooser", "StartWindow"]
 
 #: Started requests per cache in the fleet that `StartWindow` keeps.
 START_WINDOW = 256
 #: A backend has *share room* while its count among the window's starts, plus one, is at most this many
 #: times its weight share of them (`StartWindow.has_room`).
 SHARE_FACTOR = 1.1
+#: Starts the window must hold before a cold prompt's order looks at the shares (fewer cannot tell a busy
+#: backend from a burst's siblings, which must land together).
+COLD_EVIDENCE = START_WINDOW
+#: Starts per candidate the window must hold before a new conversation leaves a holder for the shares: a fair
+#: count of 64 varies by about 12 % (one standard deviation), the scale of the share factor, and each move
+#: costs the shared prefix's prefill once more.
+EVIDENCE = 64
 _EPSILON = 1e-9
+#: A cold prompt's order by use level (`StartWindow.levels`): the starved first, then the rest with share room.
+_COLD_RANK = (0, 1, 1, 2)
 
 
 @attrs.define
@@ -69,11 +78,12 @@ class StartWindow:
         total = sum(state.backend.weight for state in candidates) or 1.0
         return [self.has_room(state.id, state.backend.weight, total, factor) for state in candidates]
 
-    def levels(self, candidates: Sequence[kvroute.BackendState], factor: float = SHARE_FACTOR) -> list[int]:
-        """Each candidate's use: 0 under ``1 / factor`` times its weight share of the window (*starved*), 1 within
-        its share room (`has_room`), 2 without; all 1 until the window holds `START_WINDOW` starts (too few to
-        tell a busy backend from a burst's)."""
-        if len(self.ids) < START_WINDOW:
+    def levels(
+        self, candidates: Sequence[kvroute.BackendState], factor: float = SHARE_FACTOR, evidence: int = 0
+    ) -> list[int]:
+        """Each candidate's use of its weight share of the window: 0 under ``1 / factor`` of it (*starved*), 1 under
+        it, 2 within its share room (`has_room`), 3 without; all 1 until the window holds ``evidence`` starts."""
+        if len(self.ids) < evidence:
             return [1] * len(candidates)
         total = sum(state.backend.weight for state in candidates) or 1.0
         seen = len(self.ids) + 1
@@ -83,11 +93,11 @@ class StartWindow:
             share = state.backend.weight * seen / total
             used = counts.get(state.id, 0) + 1
             if used > max(1, math.ceil(factor * share - _EPSILON)):
-                out.append(2)
+                out.append(3)
             elif used * factor < share:
                 out.append(0)
             else:
-                out.append(1)
+                out.append(1 if used < share else 2)
         return out
 
     def clear(self) -> None:
@@ -138,7 +148,7 @@ class Chooser:
         ``room``: each candidate's use level (`StartWindow.levels`); a cold prompt's order then takes
         the starved candidates first, then those with share room (``None``: the key's order alone).
         ``held``: the candidate the key's last request went to (here or, through its holds, on another
-        router replica); a cold prompt tries it first.
+        router replica); a cold prompt tries it first, a warm one among the best scores.
 
         Reason ``cold`` or ``prefix`` when the first of the order had room, else `choose`'s
         (``spilled``, ``least_loaded``). Adds ``matched_tokens`` (the chosen candidate's) and,
@@ -153,7 +163,8 @@ class Chooser:
             loads = self._cold_bound.measure(candidates)
             order = sorted(range(len(candidates)), key=ranks.__getitem__)
             if room is not None:
-                order.sort(key=room.__getitem__)  # stable: the starved first, then those with room, in the key's order
+                # Stable: the starved first, then those with share room, then the rest, each in the key's order.
+                order.sort(key=lambda j: _COLD_RANK[room[j]])
             choices = min(self.cold_choices, len(order))
             if choices > 1:
                 # The key's first few, least used first (ties in the key's order), then the rest.
@@ -176,7 +187,7 @@ class Chooser:
                 scores = [
                     c * bs - cost * loads.load(s) / s.backend.weight for c, s in zip(credit, candidates, strict=True)
                 ]
-            order = sorted(range(len(candidates)), key=lambda j: (-scores[j], ranks[j]))
+            order = sorted(range(len(candidates)), key=lambda j: (-scores[j], j != held, ranks[j]))
         choice = choose((candidates[j] for j in order), loads)
         chosen = next(j for j in order if candidates[j] is choice.state)
         first = candidates[order[0]]

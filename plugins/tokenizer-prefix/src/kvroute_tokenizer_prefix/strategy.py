@@ -69,7 +69,7 @@ from kvroute.options import (
 )
 from kvroute.ranks import choose_rank, rank_for, rank_order
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
-from kvroute_tokenizer_prefix.choice import SHARE_FACTOR, Chooser, StartWindow
+from kvroute_tokenizer_prefix.choice import COLD_EVIDENCE, EVIDENCE, SHARE_FACTOR, Chooser, StartWindow
 from kvroute_tokenizer_prefix.choice import START_WINDOW as START_WINDOW
 from kvroute_tokenizer_prefix.heat import HotPrefixes
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
@@ -95,7 +95,7 @@ _MAX_PENDING = 1024
 RANK_WINDOW = 64
 #: A conversation's first turn whose match past the hot head is at most this many tokens (a short shared prefix,
 #: such as an application's system prompt: cheap to compute again) leaves a holder without share room.
-COPY_TOKENS = 1024
+COPY_TOKENS = 256
 #: Keys whose last backend the strategy remembers (`TokenizerPrefix.holds_made` and the cold placement).
 MAX_HELD = 65536
 
@@ -456,14 +456,19 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             return blocks.hashes[min(end, len(blocks.hashes)) - 1]
         return blocks.tail_key()
 
+    def _short(self, request: kvroute.RouteRequest, blocks: PromptBlocks, best: int, hot: int) -> bool:
+        """Whether ``request`` is a chat request matching at most `COPY_TOKENS` tokens past its hot head."""
+        if request.messages is None or request.message_offsets is None or best > blocks.max_blocks:
+            return False
+        return (best - hot) * blocks.block_size <= COPY_TOKENS
+
     def _opens_short(self, request: kvroute.RouteRequest, blocks: PromptBlocks, best: int, hot: int) -> bool:
         """Whether ``request`` opens a chat conversation (no answer after its first user message) and matches at
         most `COPY_TOKENS` tokens past its hot head (a shared prefix that is cheap to compute on another backend)."""
+        if not self._short(request, blocks, best, hot):
+            return False
         messages = request.messages
-        if messages is None or request.message_offsets is None or best > blocks.max_blocks:
-            return False
-        if (best - hot) * blocks.block_size > COPY_TOKENS:
-            return False
+        assert messages is not None
         first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
         return not any(m.get("role") == "assistant" for m in messages[first_user + 1 :])
 
@@ -593,21 +598,32 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         self._totals["available"] += tokens_of(best)
         room = None
         if self.share_factor is not None and len(candidates) > 1:
-            room = self._started.levels(candidates, self.share_factor)
-            if best > hot and (2 in room or 0 in room) and self._opens_short(request, blocks, best, hot):
-                # A new conversation under a short shared prefix (not hot): it leaves holders without share room,
-                # and for a starved backend.
-                starved = 0 in room
-                kept = [m if ok < 2 and not starved else min(m, hot) for m, ok in zip(matched, room, strict=True)]
+            room = self._started.levels(candidates, self.share_factor, COLD_EVIDENCE)
+            if (
+                best > hot
+                and max(room) > 1
+                and len(self._started) >= EVIDENCE * len(candidates)
+                and self._opens_short(request, blocks, best, hot)
+            ):
+                # A new conversation under a short shared prefix (not hot) leaves a holder without share room, and
+                # one at or over its share while another backend is starved.
+                limit = 1 if 0 in room else 2
+                kept = [m if level <= limit else min(m, hot) for m, level in zip(matched, room, strict=True)]
                 if max(kept) <= hot:
                     detail["left"] = candidates[max(range(len(matched)), key=matched.__getitem__)].id
                     key = self._conversation_key(request, blocks, key)
                 best = max(kept)
                 matched = kept
-                scores = [score if ok < 2 and not starved else 0.0 for score, ok in zip(scores, room, strict=True)]
+                scores = [score if level <= limit else 0.0 for score, level in zip(scores, room, strict=True)]
         held = None
-        if best <= hot and self._held:
-            holder = self._held.get(key)
+        if self._held:
+            holder = None
+            if best <= hot:
+                holder = self._held.get(key)
+            elif room is not None and self._short(request, blocks, best, hot):
+                # A conversation's later turn with little history matched: where its first turn went, among the
+                # backends that match it best (its first turn may have left its system prompt's holder).
+                holder = self._held.get(self._conversation_key(request, blocks, key))
             held = next((j for j, state in enumerate(candidates) if state.id == holder), None)
             if held is not None:
                 detail["held"] = holder
