@@ -30,9 +30,9 @@ START_WINDOW = 256
 #: A backend has *share room* while its count among the window's starts, plus one, is at most this many
 #: times its weight share of them (`StartWindow.has_room`).
 SHARE_FACTOR = 1.1
-#: Starts the window must hold before a cold prompt's order looks at the shares (fewer cannot tell a busy
-#: backend from a burst's siblings, which must land together).
-COLD_EVIDENCE = START_WINDOW
+#: Starts the window must hold before a cold prompt's order looks at the shares: none (a cold prompt has no hits to
+#: lose, and a burst's later siblings are not cold: they match the first one's blocks).
+COLD_EVIDENCE = 0
 #: Starts per candidate the window must hold before a new conversation leaves a holder for the shares: a fair
 #: count of 64 varies by about 12 % (one standard deviation), the scale of the share factor, and each move
 #: costs the shared prefix's prefill once more.

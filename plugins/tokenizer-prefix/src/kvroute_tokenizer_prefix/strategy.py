@@ -28,6 +28,10 @@ Per request (``pick``, under the router's lock, no I/O):
      best score first (ties in the key's rendezvous order); the ``bounded-load`` plugin's
      `choose` takes the first with room under ``load_factor`` / ``concurrency_threshold``,
      else the least loaded.
+   * with ``share_factor`` (the share bound, `kvroute_tokenizer_prefix.choice.StartWindow`): a new
+     chat conversation under a short shared prefix does not count its match on a backend over its
+     share of the recent starts (it is then cold, keyed by its own first user message), and a cold
+     prompt goes first to its key's last backend, then to starved backends, then to those with room.
 
 When the router sends the request (``on_request_start``) the blocks ``pick`` hashed are
 recorded for that backend at once. The rest of the prompt is not tokenized then: it is kept
@@ -107,7 +111,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
     ``messages_past_cap``, ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``cold_choices``,
-    ``hot_window``, ``load_factor``,
+    ``share_factor``, ``hot_window``, ``load_factor``,
     ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``recent_grace``,
     ``cpu_credit``, ``disk_credit``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
