@@ -33,7 +33,9 @@ client sends each request to a replica picked at random, seeded):
   header. On a proxy without sessions (before issue 23), the three kvroute default rows are one
   configuration.
 * ``kvroute tokenizer-prefix``: ``--strategy tokenizer-prefix --option block_size=32`` (its default
-  tokenizer is the emulator's word vocabulary), no header.
+  tokenizer is the emulator's word vocabulary), no header; ``..., replica sync`` the same with ``--peer``
+  as above (the replicas share their key holds and count each other's requests in their share windows);
+  ``..., share bound off`` with ``--option share_factor=off`` (its placement before the share bound).
 * ``SGLang cache_aware``: SGLang's Rust router (``sglang-router`` 0.3.2 from PyPI, installed in its own
   virtual environment under ``~/.cache/kvroute-bench/sglang-router`` when missing, as
   bench_vs_sglang.py does) with ``--policy cache_aware`` and its defaults.
@@ -49,7 +51,7 @@ next turn). No routing can do better; parallel sub-requests sent together cannot
 sibling hits its siblings' new blocks only once they are computed). The pooled-LRU reference (one
 LRU cache of the fleet's 7 x 512 blocks) is printed too.
 
-Run: ``nice -n 10 python benchmarks/bench_agents.py`` (13 rows, about 17 minutes on 2 cores);
+Run: ``nice -n 10 python benchmarks/bench_agents.py`` (17 rows, about 22 minutes on 2 cores);
 ``--only "sessions,SGLang"`` for rows whose label contains one of the substrings, ``--replicas 1``,
 ``--requests 60`` for a smoke run, ``--rate``, ``--seed``, ``--json FILE``, ``--proxy-args "--session-agree
 off"`` for extra ``kvroute serve`` arguments on every kvroute row. Every process is started
@@ -248,6 +250,17 @@ TARGETS = (
         "kvroute tokenizer-prefix",
         "kvroute",
         ("--strategy", "tokenizer-prefix", "--option", f"block_size={BLOCK_SIZE}"),
+    ),
+    Target(
+        "kvroute tokenizer-prefix, replica sync",
+        "kvroute",
+        ("--strategy", "tokenizer-prefix", "--option", f"block_size={BLOCK_SIZE}"),
+        sync=True,
+    ),
+    Target(
+        "kvroute tokenizer-prefix, share bound off",
+        "kvroute",
+        ("--strategy", "tokenizer-prefix", "--option", f"block_size={BLOCK_SIZE}", "--option", "share_factor=off"),
     ),
     Target("SGLang cache_aware", "sglang", ("--policy", "cache_aware")),
 )

@@ -811,3 +811,77 @@ class TestSessionsWithTokenizerPrefix:
         with tp.route(request) as first, tp.route(request) as second:
             assert second.backend.id != first.backend.id
             assert second.decision.detail["move_reason"] == "concurrency_threshold"
+
+
+def family_opener(family: int, conv: int) -> dict[str, Any]:
+    """A conversation's first turn under one of a few short system prompts (``multi-turn-short``'s shape)."""
+    system = f"System prompt of application {family}: answer politely and briefly. " * 6
+    return chat(f"Conversation {conv} asks about topic {conv * 31} today.", system=system)
+
+
+class TestShares:
+    def run(self, strategy: TokenizerPrefix, count: int = 8, requests: int = 900) -> Counter[str]:
+        """Openers of 6 families (of unequal sizes) on ``count`` backends; requests per backend over the last 400."""
+        router = make_router(strategy, count)
+        counts: Counter[str] = Counter()
+        for i in range(requests):
+            family = min(i % 10, 5)  # family 5 gets 5 of every 10 conversations
+            with router.route(request(family_opener(family, i))) as lease:
+                if i >= requests - 400:
+                    counts[lease.backend.id] += 1
+        return counts
+
+    def test_new_conversations_leave_a_short_prefixs_busy_holder(self) -> None:
+        """Openers under short system prompts spread within the share bound; without it each family stays home."""
+        counts = self.run(TokenizerPrefix(block_size=16))
+        assert len(counts) == 8 and max(counts.values()) <= 1.25 * 400 / 8 and min(counts.values()) >= 0.6 * 400 / 8
+        before = self.run(TokenizerPrefix(block_size=16, share_factor=None))
+        assert min(before.values()) <= 0.5 * 400 / 8, before  # the backends no family's home is
+
+    def test_later_turns_stay_with_their_history(self) -> None:
+        """The share bound moves conversation openers only: a later turn follows its history, over share or not."""
+        strategy = TokenizerPrefix(block_size=16)
+        router = make_router(strategy, 4)
+        for i in range(300):
+            with router.route(request(family_opener(0, i))):
+                pass
+        system = family_opener(0, 0)["messages"][0]["content"]
+        homes: dict[int, set[str]] = {}
+        for turn in range(3):
+            for conv in range(8):
+                turns = []  # a first question long enough to fill blocks of its own, then answers and questions
+                for t in range(turn + 1):
+                    turns.append(f"Conversation {conv} question {t}: " + f"tell me about topic {conv}. " * 8)
+                    if t < turn:
+                        turns.append(f"Answer {t} for conversation {conv}: " + "some words " * 20)
+                with router.route(request(chat(*turns, system=system))) as lease:
+                    homes.setdefault(conv, set()).add(lease.backend.id)
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert len({h for hs in homes.values() for h in hs}) > 1  # the openers did leave the busy holder
+
+    def test_an_adopted_hold_places_a_cold_prompt(self) -> None:
+        """A key another replica holds sends that prompt where the other replica sent it (router-replica sync)."""
+        a, b = make_router(TokenizerPrefix(block_size=16)), make_router(TokenizerPrefix(block_size=16))
+        body = {"model": "m", "prompt": "A prompt of its own about routing keys. " * 10}
+        with a.route(request(body, endpoint="completions")) as lease:
+            holds = a.strategy.holds_made(lease.request, lease.decision)  # type: ignore[attr-defined]
+            home = lease.backend.id
+        assert [(h.kind, h.backend_id) for h in holds] == [("key", home)]
+        other = next(s.id for s in b.fleet if s.id != home)
+        moved = [kvroute.Hold("key", holds[0].key, other)]
+        assert b.strategy.adopt_holds(moved) == {"adopted": 1, "held": 0, "counted": 1}  # type: ignore[attr-defined]
+        decision = b.decide(request(body, endpoint="completions"))[0]
+        assert decision.backend.id == other and decision.reason == "cold" and decision.detail["held"] == other
+
+    def test_other_replicas_starts_count_towards_the_share(self) -> None:
+        """Requests another replica started (its holds) fill a backend's share here, so new prompts go elsewhere."""
+        bodies = [{"model": "m", "prompt": f"Prompt {i} of its own, about {i * 17}. " * 12} for i in range(40)]
+        fresh = make_router(TokenizerPrefix(block_size=16))
+        homes = [fresh.decide(request(body, endpoint="completions"))[0].backend.id for body in bodies]
+        b = make_router(TokenizerPrefix(block_size=16))
+        b.strategy.adopt_holds([kvroute.Hold("key", k, "b0") for k in range(300)])  # type: ignore[attr-defined]
+        after = [b.decide(request(body, endpoint="completions"))[0].backend.id for body in bodies]
+        assert "b0" in homes and "b0" not in after
+        assert [x for x, y in zip(homes, after, strict=True) if x != "b0"] == [
+            y for x, y in zip(homes, after, strict=True) if x != "b0"
+        ]

@@ -28,6 +28,10 @@ Per request (``pick``, under the router's lock, no I/O):
      best score first (ties in the key's rendezvous order); the ``bounded-load`` plugin's
      `choose` takes the first with room under ``load_factor`` / ``concurrency_threshold``,
      else the least loaded.
+   * with ``share_factor`` (the share bound, `kvroute_tokenizer_prefix.choice.StartWindow`): a new
+     chat conversation under a short shared prefix does not count its match on a backend over its
+     share of the recent starts (it is then cold, keyed by its own first user message), and a cold
+     prompt goes first to its key's last backend, then to starved backends, then to those with room.
 
 When the router sends the request (``on_request_start``) the blocks ``pick`` hashed are
 recorded for that backend at once. The rest of the prompt is not tokenized then: it is kept
@@ -69,7 +73,8 @@ from kvroute.options import (
 )
 from kvroute.ranks import choose_rank, rank_for, rank_order
 from kvroute_tokenizer_prefix.blocks import PromptBlocks, root_hash
-from kvroute_tokenizer_prefix.choice import Chooser
+from kvroute_tokenizer_prefix.choice import COLD_EVIDENCE, EVIDENCE, SHARE_FACTOR, Chooser, StartWindow
+from kvroute_tokenizer_prefix.choice import START_WINDOW as START_WINDOW
 from kvroute_tokenizer_prefix.heat import HotPrefixes
 from kvroute_tokenizer_prefix.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, RecentDecisions
 from kvroute_tokenizer_prefix.match import match_bisect, match_walk
@@ -92,8 +97,11 @@ _WORDS = ("words", "none", "whitespace")
 _MAX_PENDING = 1024
 #: Started requests per data-parallel backend over which a new prompt's rank is chosen (the least used rank).
 RANK_WINDOW = 64
-#: Started requests per cache in the fleet over which ``cold_choices`` counts how much each backend was used.
-START_WINDOW = 256
+#: A conversation's first turn whose match past the hot head is at most this many tokens (a short shared prefix,
+#: such as an application's system prompt: cheap to compute again) leaves a holder without share room.
+COPY_TOKENS = 256
+#: Keys whose last backend the strategy remembers (`TokenizerPrefix.holds_made` and the cold placement).
+MAX_HELD = 65536
 
 
 @attrs.define
@@ -103,7 +111,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     Options (all documented with their defaults and ranges in docs/tokenizer-prefix.md):
     ``tokenizer``, ``chat_template``, ``content_format``, ``block_size``, ``max_prefix_tokens``,
     ``messages_past_cap``, ``capacity_blocks``, ``load_cost_tokens``, ``key_blocks``, ``cold_choices``,
-    ``hot_window``, ``load_factor``,
+    ``share_factor``, ``hot_window``, ``load_factor``,
     ``concurrency_threshold``, ``min_capacity``, ``engine_load``, ``recent_ttl``, ``recent_grace``,
     ``cpu_credit``, ``disk_credit``, ``piece_bytes``,
     ``fine_bytes``, ``cache_tokens``, ``memo_blocks``, ``prefetch``.
@@ -124,6 +132,7 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     load_cost_tokens: float = float_option(0.0, min=0.0, max=1e9)
     key_blocks: int = int_option(4, min=1, max=4096)
     cold_choices: int = int_option(1, min=1, max=64)
+    share_factor: float | None = optional_float_option(SHARE_FACTOR, min=1.0, max=100.0)
     hot_window: int = int_option(1024, min=0, max=1 << 20)
     load_factor: float | None = optional_float_option(1.25, min=1.0, max=100.0)
     concurrency_threshold: int | None = optional_int_option(min=1, max=1024)
@@ -156,7 +165,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
     rank_decisions: Counter[int] = attrs.field(factory=Counter, init=False)
     _credit: dict[str, float] = attrs.field(init=False, factory=dict)
     _rank_started: dict[str, _RankWindow] = attrs.field(init=False, factory=dict)
-    _started: _StartWindow = attrs.field(init=False, factory=lambda: _StartWindow())
+    _started: StartWindow = attrs.field(init=False, factory=StartWindow)
+    #: key -> the backend its last request went to (here, or on another replica: `adopt_holds`), oldest first.
+    _held: OrderedDict[int, str] = attrs.field(init=False, factory=OrderedDict)
     _caches_memo: tuple[object, int, int] = attrs.field(init=False, default=(None, 0, 0))
     _memo: PieceMemo = attrs.field(init=False)
     _prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
@@ -296,8 +307,9 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                     blocks.complete()  # little left, and cheap to tokenize: no pending tail
             except InvalidRequest:
                 return  # pick() already placed it by its text
-            if self.cold_choices > 1:
-                self._started.add(decision.backend.id, self._caches())
+            self._started.add(decision.backend.id, self._caches())
+            if decision.key is not None and decision.reason != "session":
+                self._hold(decision.key, decision.backend.id)
             rank = self._rank_sent(decision)
             if rank is not None:
                 window = self._rank_started.get(decision.backend.id)
@@ -329,6 +341,43 @@ class TokenizerPrefix(kvroute.BaseStrategy):
                 if self._prefetcher is None:
                     self._prefetcher = Prefetcher(index.lock)
                 self._prefetcher.submit(blocks)
+
+    def _hold(self, key: int, backend_id: str) -> None:
+        """Make ``backend_id`` the holder of ``key`` (the most recent entry; past `MAX_HELD` the oldest go)."""
+        held = self._held
+        if key in held:
+            held.move_to_end(key)
+        elif len(held) >= MAX_HELD:
+            held.popitem(last=False)
+        held[key] = backend_id
+
+    # -- router-replica sync (kvroute.strategy.Holds) -----------------------------------------
+
+    def holds_made(self, request: kvroute.RouteRequest, decision: kvroute.Decision) -> list[kvroute.Hold]:
+        """The key ``request`` was placed by and its backend, for the other replicas.
+
+        None for a request the session table placed or bound (``session`` decisions, ``binds`` in the
+        detail): its own hold stands for it.
+        """
+        if decision.key is None or decision.reason == "session" or "binds" in decision.detail:
+            return []
+        return [kvroute.Hold("key", decision.key, decision.backend.id)]
+
+    def adopt_holds(self, holds: Sequence[kvroute.Hold]) -> dict[str, int]:
+        """Take another replica's holds: each is one request it started (counted in the window of starts, so that
+        replicas measure the same use) and, for a key not held here, where that key's requests go."""
+        adopted = counted = 0
+        with self._index.lock:
+            caches = self._caches()
+            for hold in holds:
+                if hold.kind == "group":
+                    continue
+                self._started.add(hold.backend_id, caches)
+                counted += 1
+                if hold.kind == "key" and hold.key not in self._held:
+                    self._hold(hold.key, hold.backend_id)
+                    adopted += 1
+        return {"adopted": adopted, "held": counted - adopted, "counted": counted}
 
     def _rank_sent(self, decision: kvroute.Decision) -> int | None:
         """The rank the request reaches: the decision's, or for a decision this strategy did not make (a session's
@@ -410,6 +459,30 @@ class TokenizerPrefix(kvroute.BaseStrategy):
         if blocks.hashes:
             return blocks.hashes[min(end, len(blocks.hashes)) - 1]
         return blocks.tail_key()
+
+    def _short(self, request: kvroute.RouteRequest, blocks: PromptBlocks, best: int, hot: int) -> bool:
+        """Whether ``request`` is a chat request matching at most `COPY_TOKENS` tokens past its hot head."""
+        if request.messages is None or request.message_offsets is None or best > blocks.max_blocks:
+            return False
+        return (best - hot) * blocks.block_size <= COPY_TOKENS
+
+    def _opens_short(self, request: kvroute.RouteRequest, blocks: PromptBlocks, best: int, hot: int) -> bool:
+        """Whether ``request`` opens a chat conversation (no answer after its first user message) and matches at
+        most `COPY_TOKENS` tokens past its hot head (a shared prefix that is cheap to compute on another backend)."""
+        if not self._short(request, blocks, best, hot):
+            return False
+        messages = request.messages
+        assert messages is not None
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+        return not any(m.get("role") == "assistant" for m in messages[first_user + 1 :])
+
+    def _conversation_key(self, request: kvroute.RouteRequest, blocks: PromptBlocks, key: int) -> int:
+        """A conversation's own key: the hash of its text through its first user message (the caller's key if any)."""
+        if request.affinity_key is not None or request.messages is None or request.message_offsets is None:
+            return key
+        first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), 0)
+        end = request.message_offsets[min(first_user + 1, len(request.message_offsets) - 1)]
+        return xxhash.xxh3_64_intdigest(request.text[:end].encode("utf-8", "surrogatepass"), blocks.root)
 
     def _slots(self, candidates: Sequence[kvroute.BackendState]) -> tuple[list[int], list[int | None], list[str]]:
         """The index slots to match: each candidate's, or each of its ranks' (owner index, rank, slot name)."""
@@ -527,8 +600,39 @@ class TokenizerPrefix(kvroute.BaseStrategy):
             detail["best_matched_messages"] = max(0, best - blocks.max_blocks)
         self._totals["prompt_tokens"] += blocks.tokens
         self._totals["available"] += tokens_of(best)
+        room = None
+        if self.share_factor is not None and len(candidates) > 1:
+            room = self._started.levels(candidates, self.share_factor, COLD_EVIDENCE)
+            if (
+                best > hot
+                and max(room) > 1
+                and len(self._started) >= EVIDENCE * len(candidates)
+                and self._opens_short(request, blocks, best, hot)
+            ):
+                # A new conversation under a short shared prefix (not hot) leaves a holder without share room, and
+                # one at or over its share while another backend is starved.
+                limit = 1 if 0 in room else 2
+                kept = [m if level <= limit else min(m, hot) for m, level in zip(matched, room, strict=True)]
+                if max(kept) <= hot:
+                    detail["left"] = candidates[max(range(len(matched)), key=matched.__getitem__)].id
+                    key = self._conversation_key(request, blocks, key)
+                best = max(kept)
+                matched = kept
+                scores = [score if level <= limit else 0.0 for score, level in zip(scores, room, strict=True)]
+        held = None
+        if self._held:
+            holder = None
+            if best <= hot:
+                holder = self._held.get(key)
+            elif room is not None and self._short(request, blocks, best, hot):
+                # A conversation's later turn with little history matched: where its first turn went, among the
+                # backends that match it best (its first turn may have left its system prompt's holder).
+                holder = self._held.get(self._conversation_key(request, blocks, key))
+            held = next((j for j, state in enumerate(candidates) if state.id == holder), None)
+            if held is not None:
+                detail["held"] = holder
         decision = self._chooser.decide(
-            key, request.model, candidates, matched, best, hot, bs, detail, scores if tiered else None
+            key, request.model, candidates, matched, best, hot, bs, detail, scores if tiered else None, room, held
         )
         if len(owners) == len(candidates):
             slot = next(j for j, state in enumerate(candidates) if state.backend is decision.backend)
@@ -595,22 +699,6 @@ class _RankWindow:
             self.counts[self.ranks[0]] -= 1
         self.ranks.append(rank)
         self.counts[rank] += 1
-
-
-@attrs.define
-class _StartWindow:
-    """The backends of the strategy's last started requests (`START_WINDOW` per cache in the fleet), and how many
-    each got."""
-
-    ids: deque[str] = attrs.field(factory=deque)
-    counts: Counter[str] = attrs.field(factory=Counter)
-
-    def add(self, backend: str, caches: int) -> None:
-        """Count one started request on ``backend`` (the oldest leave the window)."""
-        while len(self.ids) >= START_WINDOW * max(1, caches):
-            self.counts[self.ids.popleft()] -= 1
-        self.ids.append(backend)
-        self.counts[backend] += 1
 
 
 @kvroute.hookimpl
