@@ -62,6 +62,18 @@ class TestSettings:
         assert out.startswith("Error: ") and out.count("\n") == 1 and "Traceback" not in out, out
         assert expected in out and got in out, out
 
+    def test_the_file_names_the_peers_and_the_environment_gives_the_token(self, tmp_path: Path) -> None:
+        """A file with ``[peers] discovery`` and no token loads; ``KVROUTE_PEER_TOKEN`` completes it (a Secret)."""
+        path = tmp_path / "kvroute.toml"
+        path.write_text(f'[peers]\ndiscovery = ["{SOURCE}"]\n')
+        assert load_toml(path).peers.discovery[0].options == {"target": SOURCE.removeprefix("dns:")}
+        result = CliRunner().invoke(
+            main, ["serve", "--config", str(path), "--check"], env={"KVROUTE_PEER_TOKEN": TOKEN}
+        )
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(main, ["serve", "--config", str(path), "--check"], env={"KVROUTE_PEER_TOKEN": ""})
+        assert result.exit_code != 0 and "no peer token is set" in result.output
+
     def test_a_peer_source_needs_the_token(self) -> None:
         """Discovered peers need the shared token as listed ones do."""
         code, out = serve("--peer-discovery", SOURCE)

@@ -79,7 +79,9 @@ def build_config(
         values[("backend_header",)] = None
     # The server's own settings are checked first, then those of its parts ([timeouts], [health]...).
     config = apply_settings(config, {path: value for path, value in values.items() if len(path) == 1})
-    return apply_settings(config, {path: value for path, value in values.items() if len(path) > 1})
+    config = apply_settings(config, {path: value for path, value in values.items() if len(path) > 1})
+    config.peers.check()
+    return config
 
 
 def _integer_flag(flag: str, key: str, value: str) -> int:

@@ -623,9 +623,13 @@ class PeerConfig:
     def enabled(self) -> bool:
         return bool(self.urls or self.discovery)
 
-    def __attrs_post_init__(self) -> None:
+    def check(self) -> None:
+        """Refuse peers without a token: checked on the final configuration (flags and environment applied), so
+        that a file can name the peers while the token comes from ``KVROUTE_PEER_TOKEN`` (a Kubernetes Secret)."""
         if self.enabled and self.token is None:
             raise ConfigError("peers are configured but no peer token is set (--peer-token or KVROUTE_PEER_TOKEN).")
+
+    def __attrs_post_init__(self) -> None:
         if self.token is not None and len(self.token) < 16:
             raise ConfigError(f"'peer_token' must be at least 16 characters (got {len(self.token)}).")
 

@@ -208,6 +208,7 @@ class PeerSync:
         plugins: PluginManager | None = None,
         listen: tuple[str, int] | None = None,
     ) -> None:
+        config.check()
         assert config.token is not None
         self.config = config
         self.router = router
