@@ -398,11 +398,15 @@ class StatusView:
             return {k[0]: _number(v) for k, v in sorted(samples.sum_by(name, label).items()) if k[0]}
 
         routes = samples.sum_by("kvroute_session_routes_total", "kind", "result")
+        sessions = self.router.sessions
         return {
             "ttl_s": self.config.sessions.ttl,
             "agree": self.config.sessions.agree,
-            # Placing conversations by their key's home now (kvroute_sessions_agreeing; any worker counts).
+            # Placing conversations by their key's home now (kvroute_sessions_agreeing; any worker counts), and the
+            # answering worker's evidence: new conversations in its window and those that arrived with a history.
             "agreeing": any(v > 0 for v in samples.sum_by("kvroute_sessions_agreeing").values()),
+            "new_conversations": None if sessions is None else sessions.strangers.seen,
+            "with_history": None if sessions is None else sessions.strangers.foreign,
             "max_sessions": self.config.sessions.max_sessions,
             "bound": by("kvroute_sessions", "kind"),
             "requests": {f"{kind}/{result}": _number(v) for (kind, result), v in sorted(routes.items())},
@@ -471,7 +475,16 @@ class StatusView:
             "count": count,
             # What is merged over every worker, and what is this worker's own.
             "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow", "slo"],
-            "own": ["decisions", "spills_to", "engine", "healthy", "draining", "slo.predictions.rates"]
+            "own": [
+                "decisions",
+                "spills_to",
+                "engine",
+                "healthy",
+                "draining",
+                "slo.predictions.rates",
+                "sessions.new_conversations",
+                "sessions.with_history",
+            ]
             if count > 1
             else [],
         }
