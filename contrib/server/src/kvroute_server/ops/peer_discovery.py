@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -33,10 +33,24 @@ from anyio.abc import TaskStatus
 from kvroute.discovery import Snapshot
 from kvroute.errors import ConfigError
 from kvroute.plugins import PluginManager
+from kvroute_server.config import PeerConfig
 from kvroute_server.fleet.discovery import SourceStatus, build_providers, run_provider
 
-if TYPE_CHECKING:
-    from kvroute_server.ops.peers import PeerSync
+
+class PeerSet(Protocol):
+    """What peer discovery changes (`kvroute_server.ops.peers.PeerSync`): its settings, counters and peers."""
+
+    config: PeerConfig
+    peer_metrics: Any
+
+    def add_peer(self, url: str) -> bool:
+        """Start sending to ``url``; False when it is a peer already."""
+        ...
+
+    def remove_peer(self, url: str) -> bool:
+        """Stop sending to ``url``; False when it was no peer."""
+        ...
+
 
 __all__ = ["PeerDiscovery", "SelfAddress"]
 
@@ -104,7 +118,7 @@ def _host_port(url: str) -> tuple[str, int] | None:
 class PeerDiscovery:
     """The sink of the peer discovery providers; applies their answers to a `PeerSync`'s peer set."""
 
-    def __init__(self, sync: PeerSync, providers: list[Any], listen: SelfAddress | None) -> None:
+    def __init__(self, sync: PeerSet, providers: list[Any], listen: SelfAddress | None) -> None:
         self.sync = sync
         self.providers = providers
         self.listen = listen
@@ -116,7 +130,7 @@ class PeerDiscovery:
         self.itself: set[str] = set()
 
     @classmethod
-    def create(cls, sync: PeerSync, plugins: PluginManager, listen: tuple[str, int] | None) -> PeerDiscovery:
+    def create(cls, sync: PeerSet, plugins: PluginManager, listen: tuple[str, int] | None) -> PeerDiscovery:
         """The sink for ``sync.config.discovery``'s sources; raises `ConfigError` for a source that cannot be built."""
         try:
             providers = build_providers(sync.config.discovery, plugins)

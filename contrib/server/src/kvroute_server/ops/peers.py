@@ -44,7 +44,7 @@ from kvroute.holds import HoldLog
 from kvroute.plugins import PluginManager
 from kvroute.router import Router
 from kvroute.strategy import Hold
-from kvroute_server.config import MAX_PEER_BATCH, PeerConfig
+from kvroute_server.config import MAX_PEER_BATCH, PeerConfig, ServerConfig
 from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -230,17 +230,13 @@ class PeerSync:
 
     @classmethod
     def create(
-        cls,
-        config: PeerConfig,
-        router: Router,
-        metrics: ProxyMetrics,
-        *,
-        plugins: PluginManager | None = None,
-        listen: tuple[str, int] | None = None,
+        cls, config: ServerConfig, router: Router, metrics: ProxyMetrics, plugins: PluginManager | None = None
     ) -> PeerSync | NoPeers:
-        """Sync with ``config.urls`` and the discovered peers, set up in ``router``; `NoPeers` when none are
-        configured. ``listen`` is this replica's listen address (host, port), to know itself among the peers."""
-        return cls(config, router, metrics, plugins=plugins, listen=listen) if config.enabled else NoPeers()
+        """Sync with ``config.peers``' URLs and discovered peers, set up in ``router``; `NoPeers` when none are
+        configured. The listen address (``config.host``, ``config.port``) tells this replica among its peers."""
+        if not config.peers.enabled:
+            return NoPeers()
+        return cls(config.peers, router, metrics, plugins=plugins, listen=(config.host, config.port))
 
     # -- the peer set ---------------------------------------------------------------------
 
