@@ -2,9 +2,10 @@
 
 The replicas listen on 127.0.0.2, 127.0.0.3 and 127.0.0.4 (every 127.0.0.x is loopback on Linux), all on the
 same port, so one A-record name with that port names them all, as a Kubernetes headless Service does for the
-pods of a Deployment. Each replica skips its own address (no 409 from itself), sends its holds to the other
-two, and adopts theirs. Then one replica leaves the name: the others stop sending to it. Then the name
-disappears and dnsmasq stops: the replicas keep the last good peers and count the failures.
+pods of a Deployment. A replica that joins the name becomes a peer of the others; each skips its own
+address (no 409 from itself), sends its holds to the other two, and adopts theirs. Then one replica leaves
+the name: the others stop sending to it. Then the name disappears and dnsmasq stops: the replicas keep the
+last good peers and count the failures.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ async def test_replicas_find_each_other_by_dns(dnsmasq_factory: Callable[..., Dn
     """Each replica sends to the two others (itself skipped), they adopt; a replica gone from DNS is no longer
     sent to; a DNS outage keeps the last peers and is counted."""
     port = common_port(ADDRESSES)
-    dns = dnsmasq_factory(ttl=1, hosts={NAME: ADDRESSES})
+    dns = dnsmasq_factory(ttl=1, hosts={NAME: ADDRESSES[:2]})
     urls = [f"http://{a}:{port}" for a in ADDRESSES]
     async with httpx.AsyncClient(timeout=30) as client:
         engines: list[Process] = []
@@ -115,7 +116,10 @@ async def test_replicas_find_each_other_by_dns(dnsmasq_factory: Callable[..., Dn
                 answer = await client.post(replica.url + "/v1/chat/completions", json=sent, headers=headers)
                 assert answer.status_code == 200, answer.text
 
-            # Every replica: the two others as discovered peers, itself recognised by its listen address.
+            # The name lists two replicas: each sees the other and itself; the third, not listed, sees both.
+            await each_sees(lambda r: {u: "self" if u == r.url else "unknown" for u in urls[:2]})
+            # The third joins the name: every replica has the two others as peers, itself recognised by its address.
+            await dns.set_hosts({NAME: ADDRESSES})
             await each_sees(lambda r: {u: "self" if u == r.url else "unknown" for u in urls})
             for r in replicas:
                 status = await peers(client, r)
