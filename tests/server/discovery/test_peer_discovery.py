@@ -176,3 +176,9 @@ class TestPeerSet:
         peers.discovery.publish(answer("127.0.0.4"))
         assert sorted(peers.peers) == ["http://127.0.0.2:8000", "http://127.0.0.4:8000"]
         assert changes(peers) == {"added": 1.0}
+
+    def test_a_listed_url_that_is_this_replica_gets_no_sender(self) -> None:
+        """``--peer`` naming this replica's own listen address is known as itself at once, without a 409 round trip."""
+        peers = sync(urls=("http://127.0.0.3:8000", "http://127.0.0.2:8000"))
+        assert peers.peer_metrics.up.labels("http://127.0.0.3:8000")._value.get() == -1
+        assert ("http://127.0.0.2:8000",) not in {k for k in peers.peer_metrics.up._metrics}

@@ -227,6 +227,11 @@ class PeerSync:
         self._tg: TaskGroup | None = None
         #: The peers found by ``--peer-discovery`` (raises `ConfigError` for a source it cannot build).
         self.discovery = PeerDiscovery.create(self, plugins or PluginManager(), listen)
+        for url in config.urls:  # a listed URL that is this replica's listen address: no sender (the 409 needs one)
+            if self.discovery.listen is not None and self.discovery.listen.matches(url):
+                self._self_peers.add(url)
+                self.peer_metrics.up.labels(url).set(-1)
+                log.info("peer_is_self", peer=url, by="listen_address")
 
     @classmethod
     def create(
@@ -265,7 +270,7 @@ class PeerSync:
         return True
 
     async def _run_peer(self, peer: _Peer) -> None:
-        if self.peers.get(peer.url) is not peer:  # removed before its sender started
+        if self.peers.get(peer.url) is not peer or peer.url in self._self_peers:  # removed before it started, or self
             return
         with anyio.CancelScope() as peer.scope:
             await self._send_loop(peer)
