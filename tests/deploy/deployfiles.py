@@ -124,11 +124,11 @@ def render(directory: Path) -> list[dict[str, Any]]:
 
 
 def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    """The one object of that kind whose name is ``name`` (a generated one may carry a hash suffix)."""
-    found = [
-        doc
-        for doc in objects
-        if doc["kind"] == kind and (doc["metadata"]["name"] == name or doc["metadata"]["name"].startswith(name + "-"))
+    """The one object of that kind whose name is ``name`` (a generated one may carry a hash suffix; an exact name
+    wins, so ``kvroute`` is not confused with ``kvroute-peers``)."""
+    of_kind = [doc for doc in objects if doc["kind"] == kind]
+    found = [doc for doc in of_kind if doc["metadata"]["name"] == name] or [
+        doc for doc in of_kind if doc["metadata"]["name"].startswith(name + "-")
     ]
     assert len(found) == 1, f"expected one {kind} named {name!r}, got {[d['metadata']['name'] for d in found]}"
     return found[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -42,7 +43,9 @@ class TestConfigFiles:
         """`kvroute serve --check --config FILE` accepts the file (strategy and options included)."""
         if not has_discovery() and "discovery" in tomllib.loads(path.read_text(encoding="utf-8")):
             pytest.skip("kvroute_server.config has no [[discovery]] yet: kvroute serve would refuse the file")
-        done = run_kvroute("serve", "--check", "--config", str(path))
+        # The manifests' files name peers; the token comes from the Secret through KVROUTE_PEER_TOKEN.
+        env = {**os.environ, "KVROUTE_PEER_TOKEN": "t" * 32}
+        done = run_kvroute("serve", "--check", "--config", str(path), env=env)
         assert done.returncode == 0, f"kvroute serve --check --config {path} failed: {done.stderr}"
         assert json.loads(done.stdout)["host"] == "0.0.0.0"
 
@@ -56,6 +59,17 @@ class TestConfigFiles:
         namespace = Kustomization.load(directory).data.get("namespace", "default")
         assert source.kind == "kubernetes"
         assert source.options["target"] == f"{namespace}/vllm:8000"
+
+    @pytest.mark.parametrize("directory", CLUSTER_CONFIGS, ids=["base", "overlay"])
+    def test_peers_follow_the_headless_router_service(self, directory: Path) -> None:
+        """The replicas find each other by DNS through kvroute-peers in the objects' namespace, on the server port."""
+        config = load_toml(directory / "kvroute.toml")
+        (source,) = config.peers.discovery
+        namespace = Kustomization.load(directory).data.get("namespace", "default")
+        assert source.kind == "dns"
+        assert source.options["target"] == f"kvroute-peers.{namespace}.svc.cluster.local:{config.port}"
+        service = find(Kustomization.load(BASE).own_objects(), "Service", "kvroute-peers")
+        assert [p["port"] for p in service["spec"]["ports"]] == [config.port]
 
     def test_example_engine_service_matches_the_target(self) -> None:
         """The overlay's engine Service is the one the target names: name vllm, port 8000."""

@@ -164,7 +164,10 @@ class TestObjects:
         }
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
 
-    @pytest.mark.parametrize(("kind", "name"), [("Service", "kvroute"), ("PodDisruptionBudget", "kvroute")])
+    @pytest.mark.parametrize(
+        ("kind", "name"),
+        [("Service", "kvroute"), ("Service", "kvroute-peers"), ("PodDisruptionBudget", "kvroute")],
+    )
     def test_selectors_match_the_router_pods(self, kind: str, name: str) -> None:
         """The Service and the PodDisruptionBudget select the kvroute pods, and only by labels the pods carry."""
         deployment = kvroute_deployment()
@@ -243,6 +246,25 @@ class TestObjects:
         assert option.envvar in env, f"kvroute serve reads {option.envvar}; the container sets {sorted(env)}"
         ref = env[option.envvar]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("kvroute-admin", "token")
+
+    def test_peer_service_is_headless(self) -> None:
+        """kvroute-peers answers one address per router pod (headless), ready or not, on the pods' named port."""
+        spec = find(base().own_objects(), "Service", "kvroute-peers")["spec"]
+        assert spec["clusterIP"] == "None"
+        assert spec["publishNotReadyAddresses"] is True
+        ports = {p["name"] for p in container(kvroute_deployment(), "kvroute")["ports"]}
+        assert {p["targetPort"] for p in spec["ports"]} <= ports
+
+    def test_peer_token_comes_from_a_secret(self) -> None:
+        """KVROUTE_PEER_TOKEN, the variable `kvroute serve` reads, comes from the kvroute-peer Secret (required)."""
+        from kvroute_server.cli import serve
+
+        (option,) = [p for p in serve.params if p.name == "peer_token"]
+        env = {e["name"]: e for e in container(kvroute_deployment(), "kvroute")["env"]}
+        assert option.envvar in env, f"kvroute serve reads {option.envvar}; the container sets {sorted(env)}"
+        ref = env[option.envvar]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("kvroute-peer", "token")
+        assert not ref.get("optional", False), "peers are configured: without the token kvroute serve refuses to start"
 
     def test_termination_outlasts_the_drain(self) -> None:
         """The grace period covers the preStop pause plus kvroute's own shutdown_timeout for requests in flight."""

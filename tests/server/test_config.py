@@ -356,12 +356,12 @@ class TestSettingsDocs:
 
     def test_every_row_is_a_setting(self) -> None:
         """Every TOML key and flag the settings table names exists (besides the structured and command flags)."""
-        known = {f"{toml_table(p, m)}.{p[-1]}" for p, _, m in settings()} | {"backends", "discovery"}
+        known = {f"{toml_table(p, m)}.{p[-1]}" for p, _, m in settings()} | {"backends", "discovery", "peers.discovery"}
         flags = {m.flag for _, _, m in settings() if m.flag} | {
             f"--no-{m.flag[2:]}" for _, f, m in settings() if m.flag
         }
         structured = {"--config", "--backend", "--discovery", "--option", "--shadow", "--shadow-option", "--cache-view"}
-        structured.add("--peer")
+        structured |= {"--peer", "--peer-discovery"}
         structured |= {"--sagemaker-config", "--sagemaker-variant", "--log-level", "--log-format"}
         for row_flags, keys, _ in _doc_rows():
             assert set(keys) <= known, keys

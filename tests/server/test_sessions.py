@@ -30,6 +30,15 @@ def send(proxy: Any, body: dict[str, Any], **headers: str) -> str:
     return got["x-kvroute-backend"]
 
 
+def metric_value(proxy: Any, name: str) -> float:
+    """The value of an unlabelled metric in the proxy's exposition (absent: nan)."""
+    _, _, raw = http("GET", proxy.url + "/metrics")
+    for line in raw.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
 def status_json(proxy: Any) -> dict[str, Any]:
     status, _, raw = http("GET", proxy.url + "/status.json")
     assert status == 200
@@ -148,6 +157,28 @@ class TestReplicasWithoutPeers:
                 name = f"conv-{c}"
                 homes.setdefault(name, set()).add(send(proxies[(c + turn) % 2], turn_body(turn, name)))
         assert any(len(engines) > 1 for engines in homes.values()) is split, homes
+        for proxy in proxies:
+            sessions = status_json(proxy)["sessions"]
+            assert (sessions["agree"], sessions["agreeing"]) == (agree, agree == "on"), sessions
+            assert metric_value(proxy, "kvroute_sessions_agreeing") == (1.0 if agree == "on" else 0.0)
+
+    def test_auto_shows_when_it_agrees(self, servers: Servers) -> None:
+        """``auto``: a replica whose new conversations arrive with a history says it agrees (status and metric);
+        one that sees every conversation from its first turn does not."""
+        engines = servers.emulators(3)
+        pair = [servers.proxy(engines, strategy="bounded-load") for _ in range(2)]
+        alone = servers.proxy(engines, strategy="bounded-load")
+        for turn in range(1, 4):
+            for c in range(8):
+                send(pair[(c + turn) % 2], turn_body(turn, f"pair-{c}"))
+                send(alone, turn_body(turn, f"alone-{c}"))
+        for proxy in pair:
+            sessions = status_json(proxy)["sessions"]
+            assert sessions["agreeing"] is True and sessions["with_history"] > 0, sessions
+            assert metric_value(proxy, "kvroute_sessions_agreeing") == 1.0
+        sessions = status_json(alone)["sessions"]
+        assert (sessions["agreeing"], sessions["with_history"], sessions["new_conversations"]) == (False, 0, 8)
+        assert metric_value(alone, "kvroute_sessions_agreeing") == 0.0
 
     def test_settings_reach_the_session_table(self) -> None:
         """Every ``[sessions]`` setting is the router's: TTL, size, conversations and agreement."""

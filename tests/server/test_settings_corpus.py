@@ -70,7 +70,15 @@ ADDED: dict[str, Any] = {
         "sheddable": "auto",
     },
     "tracing": {"endpoint": None, "protocol": None, "sample_ratio": None, "service_name": None, "max_queue": 2048},
-    "peers": {"urls": [], "token": None, "interval": 0.05, "batch": 1024, "queue": 16384, "timeout": 1.0},
+    "peers": {
+        "urls": [],
+        "discovery": [],
+        "token": None,
+        "interval": 0.05,
+        "batch": 1024,
+        "queue": 16384,
+        "timeout": 1.0,
+    },
 }
 #: Keys of nested tables added since, with their defaults: ``{table: {key: default}}``.
 ADDED_NESTED: dict[str, dict[str, Any]] = {"timeouts": {"deadline_floor": 5.0, "deadline_factor": 4.0}}
@@ -98,7 +106,7 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         "--otlp-endpoint",
         "--otlp-protocol",
         "--trace-sample-ratio",
-        *(f"--peer{name}" for name in ("", "-token", "-interval", "-batch", "-queue", "-timeout")),
+        *(f"--peer{name}" for name in ("", "-discovery", "-token", "-interval", "-batch", "-queue", "-timeout")),
     },
     # "-j," is how the first word of "-j, --jobs N" reads.
     "simulate": {"--sessions", "--ray", "-j,", "--slo", "--load"},

@@ -41,6 +41,7 @@ def build_config(
     shadow_options: tuple[str, ...] = (),
     cache_view: tuple[str, ...] = (),
     peers: tuple[str, ...] = (),
+    peer_discovery: tuple[str, ...] = (),
     **flags: Any,
 ) -> ServerConfig:
     """Combine the TOML file, a SageMaker import and flags (flags win; ``None`` means not given)."""
@@ -71,11 +72,16 @@ def build_config(
     values = {_FLAG_PATHS[name]: value for name, value in flags.items() if value is not None}
     if peers:  # --peer replaces the file's list, as --shadow does
         values[("peers", "urls")] = peers
+    if peer_discovery:  # --peer-discovery adds to the file's sources, as --discovery does
+        found = tuple(parse_discovery_flag(d, "--peer-discovery") for d in peer_discovery)
+        values[("peers", "discovery")] = config.peers.discovery + found
     if values.get(("backend_header",)) == "":
         values[("backend_header",)] = None
     # The server's own settings are checked first, then those of its parts ([timeouts], [health]...).
     config = apply_settings(config, {path: value for path, value in values.items() if len(path) == 1})
-    return apply_settings(config, {path: value for path, value in values.items() if len(path) > 1})
+    config = apply_settings(config, {path: value for path, value in values.items() if len(path) > 1})
+    config.peers.check()
+    return config
 
 
 def _integer_flag(flag: str, key: str, value: str) -> int:
@@ -94,6 +100,8 @@ def describe(config: ServerConfig) -> dict[str, Any]:
         backend["api_key"] = "***" if backend.get("api_key") else None
     for source in data["discovery"]:
         source["api_key"] = "***" if source.get("api_key") else None
+    for source in data["peers"]["discovery"]:
+        source.pop("api_key", None)  # never set for a peer source
     return data
 
 
@@ -185,6 +193,14 @@ _FLAG_PATHS = {_param_name(path, meta): path for path, _, meta in settings() if 
     help="Another router replica's base URL to share routing holds with (repeatable; docs/serve.md).",
 )
 @click.option(
+    "--peer-discovery",
+    "peer_discovery",
+    multiple=True,
+    metavar="KIND:TARGET",
+    help="Find the other router replicas (repeatable), as --discovery finds backends: dns:NAME:PORT, "
+    "dns:_svc._tcp.NAME, kubernetes:NS/SVC:PORT, file:PATH.",
+)
+@click.option(
     "--sagemaker-config",
     type=click.Path(dir_okay=False),
     help="Import RoutingConfig from a SageMaker endpoint-config JSON.",
@@ -206,6 +222,7 @@ def serve(
     shadow_options: tuple[str, ...],
     cache_view: tuple[str, ...],
     peers: tuple[str, ...],
+    peer_discovery: tuple[str, ...],
     log_level: str,
     log_format: str,
     check: bool,
@@ -233,6 +250,7 @@ def serve(
             shadow_options=shadow_options,
             cache_view=cache_view,
             peers=peers,
+            peer_discovery=peer_discovery,
             **flags,
         )
         configure_logging(log_level, log_format)

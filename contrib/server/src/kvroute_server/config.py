@@ -386,14 +386,45 @@ class DiscoveryConfig:
         return cls(kind=kind, options=options, api_key=api_key)
 
 
-def parse_discovery_flag(value: str) -> DiscoveryConfig:
-    """Parse ``--discovery KIND:TARGET`` (``file:fleet.toml``, ``dns:vllm.svc:8000``); the factory gets ``target``."""
+def parse_discovery_flag(value: str, flag: str = "--discovery") -> DiscoveryConfig:
+    """Parse ``--discovery KIND:TARGET`` (``file:fleet.toml``, ``dns:vllm.svc:8000``); the factory gets ``target``.
+
+    ``flag`` names the option in the error (``--peer-discovery`` takes the same form).
+    """
+    if not isinstance(value, str):
+        raise ConfigError(f"{flag} must be KIND:TARGET such as 'dns:vllm.default.svc:8000' (got {value!r}).")
     kind, sep, target = value.strip().partition(":")
     if not sep or not kind or not target:
         raise ConfigError(
-            f"--discovery must be KIND:TARGET such as 'dns:vllm.default.svc:8000' or 'file:fleet.toml' (got {value!r})."
+            f"{flag} must be KIND:TARGET such as 'dns:vllm.default.svc:8000' or 'file:fleet.toml' (got {value!r})."
         )
     return DiscoveryConfig(kind=kind, options={"target": target})
+
+
+def _peer_discovery(value: Any) -> tuple[DiscoveryConfig, ...]:
+    """Peer discovery sources from ``[peers] discovery`` (a list of ``KIND:TARGET`` strings or of tables shaped
+    like ``[[discovery]]``) or repeated ``--peer-discovery`` flags; a source's found endpoints are peers."""
+    if isinstance(value, str | Mapping | DiscoveryConfig):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise ConfigError(
+            f"[peers] 'discovery' must be a list of 'KIND:TARGET' strings or tables with 'kind' (got {value!r})."
+        )
+    out: list[DiscoveryConfig] = []
+    for i, item in enumerate(value):
+        where = f"[peers] discovery #{i + 1}"
+        if isinstance(item, DiscoveryConfig):
+            source = item
+        elif isinstance(item, str):
+            source = parse_discovery_flag(item, "--peer-discovery")
+        else:
+            source = DiscoveryConfig.from_mapping(item, where)
+        if source.api_key is not None:
+            raise ConfigError(f"{where}: 'api_key' is for backends; peers use the peer token.")
+        if "kind" in source.options:
+            raise ConfigError(f"{where}: 'backend_kind' is for backends; peers are kvroute serve replicas.")
+        out.append(source)
+    return tuple(out)
 
 
 @attrs.frozen
@@ -555,6 +586,10 @@ class PeerConfig:
     """
 
     urls: tuple[str, ...] = setting((), converter=_peer_urls, help="Other router replicas' base URLs")
+    #: Where the other replicas are found (``--peer-discovery``, ``[peers] discovery``): the backend discovery
+    #: kinds (``dns:NAME:PORT``, ``dns:_svc._tcp.NAME``, ``kubernetes:NS/SVC:PORT``, ``file:PATH``); every
+    #: endpoint a source finds is a peer, this replica's own address skipped.
+    discovery: tuple[DiscoveryConfig, ...] = attrs.field(default=(), converter=_peer_discovery)
     token: str | None = setting(
         None,
         flag="--peer-token",
@@ -586,11 +621,15 @@ class PeerConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.urls)
+        return bool(self.urls or self.discovery)
+
+    def check(self) -> None:
+        """Refuse peers without a token: checked on the final configuration (flags and environment applied), so
+        that a file can name the peers while the token comes from ``KVROUTE_PEER_TOKEN`` (a Kubernetes Secret)."""
+        if self.enabled and self.token is None:
+            raise ConfigError("peers are configured but no peer token is set (--peer-token or KVROUTE_PEER_TOKEN).")
 
     def __attrs_post_init__(self) -> None:
-        if self.urls and self.token is None:
-            raise ConfigError("peers are configured but no peer token is set (--peer-token or KVROUTE_PEER_TOKEN).")
         if self.token is not None and len(self.token) < 16:
             raise ConfigError(f"'peer_token' must be at least 16 characters (got {len(self.token)}).")
 
@@ -1160,7 +1199,7 @@ def _read_table(data: Mapping[str, Any], name: str) -> dict[tuple[str, ...], Any
     """The settings of TOML table ``name`` that ``data`` gives, structured, by path; unknown keys are errors."""
     table = _section(data, name)
     fields = _TABLES[name]
-    _check_keys(table, set(fields), name)
+    _check_keys(table, set(fields) | ({"discovery"} if name == "peers" else set()), name)
     return {fields[key][0]: _typed(table, key, fields[key][1].type, name) for key in fields if key in table}
 
 
@@ -1205,8 +1244,15 @@ def config_from_mapping(data: Mapping[str, Any], base: ServerConfig | None = Non
             f"'discovery' must be an array of tables ([[discovery]]) (got {type(discovery_raw).__name__})."
         )
     discovery = tuple(DiscoveryConfig.from_mapping(d, f"[[discovery]] #{i + 1}") for i, d in enumerate(discovery_raw))
+    peer_sources = None
+    peers_table = _section(data, "peers")
+    if "discovery" in peers_table:  # a list of sources, not a setting with a flag of its own
+        peer_sources = _peer_discovery(peers_table["discovery"])
+        data = {**data, "peers": {k: v for k, v in peers_table.items() if k != "discovery"}}
     for name in ("discovery_policy", "warm_join", "sessions", "slo", "admission", "tracing", "peers"):
         values.update(_read_table(data, name))
+    if peer_sources is not None:
+        values[("peers", "discovery")] = peer_sources
     values[("backends",)] = config.backends + backends
     values[("backends_from_file",)] = config.backends_from_file + tuple(b.id for b in backends)
     values[("discovery",)] = config.discovery + discovery

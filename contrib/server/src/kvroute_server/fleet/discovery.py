@@ -37,7 +37,7 @@ import attrs
 import structlog
 from anyio.abc import TaskStatus
 
-from kvroute.discovery import DiscoveredBackend, DiscoveryProvider, Snapshot
+from kvroute.discovery import DiscoveredBackend, DiscoveryProvider, DiscoverySink, Snapshot
 from kvroute.errors import ConfigError
 from kvroute.loops import Backoff, KeepAlive
 from kvroute.plugins import PluginManager
@@ -45,7 +45,7 @@ from kvroute_server.config import BackendConfig, DiscoveryConfig, DiscoveryPolic
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.ops.metrics import ProxyMetrics
 
-__all__ = ["Discovery", "NoDiscovery", "SourceStatus", "build_providers"]
+__all__ = ["Discovery", "NoDiscovery", "SourceStatus", "build_providers", "run_provider"]
 
 log = structlog.get_logger(__name__)
 
@@ -140,6 +140,25 @@ class _Started:
 
     def started(self, value: object = None) -> None:
         self.event.set()
+
+
+async def run_provider(provider: DiscoveryProvider, sink: DiscoverySink, started: _Started | None = None) -> None:
+    """Run one provider until cancelled, reporting to ``sink``; one that raises or returns (a bug) is reported
+    failed and restarted after a delay. ``started`` is set at its first answer (or its first failure)."""
+    keeper = KeepAlive("discovery_provider", _RESTART, expected=(ProviderStopped,), source=provider.source)
+    await keeper.run(_provider_once, provider, sink, started or _Started())
+
+
+async def _provider_once(provider: DiscoveryProvider, sink: DiscoverySink, started: _Started) -> None:
+    try:
+        await provider.run(sink, task_status=started)
+    except Exception as exc:
+        sink.failed(provider.source, f"the provider crashed: {type(exc).__name__}: {exc}")
+        started.started()
+        raise
+    sink.failed(provider.source, "the provider stopped")
+    started.started()
+    raise ProviderStopped("the provider stopped")
 
 
 def _config_of(found: DiscoveredBackend, api_key: str | None) -> BackendConfig:
@@ -258,7 +277,7 @@ class Discovery:
             starts = {provider.source: _Started() for provider in self.providers}
             for provider in self.providers:
                 tg.start_soon(
-                    self._run_provider, provider, starts[provider.source], name=f"discovery {provider.source}"
+                    run_provider, provider, self, starts[provider.source], name=f"discovery {provider.source}"
                 )
             with anyio.move_on_after(FIRST_ANSWER_TIMEOUT):
                 for started in starts.values():
@@ -273,22 +292,6 @@ class Discovery:
                 # Just past the moment: a source is stale only once its answer is strictly older than stale_after.
                 with anyio.move_on_after(due + _MARGIN):
                     await self._changed.wait()
-
-    async def _run_provider(self, provider: DiscoveryProvider, started: _Started) -> None:
-        """Run one provider; one that raises or returns (a bug) is reported failed and restarted after a delay."""
-        keeper = KeepAlive("discovery_provider", _RESTART, expected=(ProviderStopped,), source=provider.source)
-        await keeper.run(self._provider_once, provider, started)
-
-    async def _provider_once(self, provider: DiscoveryProvider, started: _Started) -> None:
-        try:
-            await provider.run(self, task_status=started)
-        except Exception as exc:
-            self.failed(provider.source, f"the provider crashed: {type(exc).__name__}: {exc}")
-            started.started()
-            raise
-        self.failed(provider.source, "the provider stopped")
-        started.started()
-        raise ProviderStopped("the provider stopped")
 
     def _changes(self) -> None:
         """Something `_tick` looks at changed: `run` looks again now."""

@@ -222,6 +222,13 @@ class ProxyMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.sessions_agreeing = Gauge(
+            "kvroute_sessions_agreeing",
+            "1 while conversations are placed by their key's home so replicas agree without peers "
+            "(--session-agree; auto: once other routers are seen and no peer sync runs), else 0.",
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         self.sessions_dropped = Counter(
             "kvroute_sessions_dropped",
             "Bindings dropped: expired after the TTL, or evicted beyond max_sessions.",
@@ -350,6 +357,7 @@ class ProxyMetrics:
                 self.child(self.session_moves, str(detail.get("move_reason"))).inc()
         for name in ("session", "conversation"):
             self.child(self.sessions_bound, name).set(sessions.bound(name))
+        self.sessions_agreeing.set(1 if sessions.agreeing else 0)
         expired, evicted = self._sessions_seen
         if sessions.expired != expired or sessions.evicted != evicted:
             self.child(self.sessions_dropped, "expired").inc(sessions.expired - expired)

@@ -19,11 +19,16 @@ Sending never touches the request path: the router appends to its bounded log un
 task per peer takes at most ``--peer-batch`` holds every interval. A peer that is down or slow loses
 its batch (``peer_down``, ``peer_error``) or the oldest waiting holds past ``--peer-queue``
 (``queue_full``), counted in ``kvroute_peer_holds_dropped_total``.
+
+With ``--peer-discovery`` (`kvroute_server.ops.peer_discovery`) the peer set also follows a discovery
+source: `PeerSync.add_peer` starts a sender for a peer found, `PeerSync.remove_peer` stops a gone
+peer's sender (its waiting holds are dropped as ``peer_gone``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
 import os
 import re
@@ -32,13 +37,14 @@ from typing import Any
 
 import anyio
 import structlog
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvroute.holds import HoldLog
+from kvroute.plugins import PluginManager
 from kvroute.router import Router
 from kvroute.strategy import Hold
-from kvroute_server.config import MAX_PEER_BATCH, PeerConfig
+from kvroute_server.config import MAX_PEER_BATCH, PeerConfig, ServerConfig
 from kvroute_server.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -55,6 +61,7 @@ from kvroute_server.http.asgi import (
 )
 from kvroute_server.http.client import UpstreamPool
 from kvroute_server.ops.metrics import ProxyMetrics
+from kvroute_server.ops.peer_discovery import PeerDiscovery
 from kvroute_server.proxy.forwarding import count_reject, reject
 
 __all__ = ["PATH", "NoPeers", "PeerMetrics", "PeerSync", "parse_holds"]
@@ -94,6 +101,32 @@ class PeerMetrics:
             "kvroute_peer_up",
             "1 when the peer's last sync request succeeded, 0 when it failed, -1 when the peer is this replica.",
             ["peer"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.discovered = Gauge(
+            "kvroute_peer_discovered",
+            "1 while peer discovery names the peer, -1 when what it names is this replica itself.",
+            ["peer"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.changes = Counter(
+            "kvroute_peer_discovery_changes",
+            "Changes peer discovery made to the peer set (added, removed, self: this replica's own address skipped).",
+            ["change"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "kvroute_peer_discovery_failures",
+            "Peer discovery lookups that failed or found nothing (the last good peers are kept), by source.",
+            ["source"],
+            registry=r,
+        )
+        self.stale = Gauge(
+            "kvroute_peer_discovery_stale",
+            "1 while a peer discovery source's last lookup failed (its last good peers are kept), else 0.",
+            ["source"],
             multiprocess_mode="livemax",
             registry=r,
         )
@@ -139,13 +172,14 @@ def _encode(sender: str, holds: Sequence[Hold]) -> bytes:
 
 
 class _Peer:
-    """One peer: its URL, the holds waiting for it and whether its last request succeeded."""
+    """One peer: its URL, the holds waiting for it, and the scope its sender runs in (cancelled when it goes)."""
 
-    __slots__ = ("queue", "url")
+    __slots__ = ("queue", "scope", "url")
 
     def __init__(self, url: str, size: int) -> None:
         self.url = url
         self.queue: collections.deque[Hold] = collections.deque(maxlen=size)
+        self.scope: anyio.CancelScope | None = None
 
 
 class NoPeers:
@@ -165,7 +199,16 @@ class PeerSync:
 
     enabled = True
 
-    def __init__(self, config: PeerConfig, router: Router, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        config: PeerConfig,
+        router: Router,
+        metrics: ProxyMetrics,
+        *,
+        plugins: PluginManager | None = None,
+        listen: tuple[str, int] | None = None,
+    ) -> None:
+        config.check()
         assert config.token is not None
         self.config = config
         self.router = router
@@ -178,14 +221,59 @@ class PeerSync:
         #: This replica's id in the bodies it sends: random per process, so that it knows itself in a peer list.
         self.id = os.urandom(8).hex()
         self._token = config.token.encode()
-        self.peers = [_Peer(url, config.queue) for url in config.urls]
+        self.peers = {url: _Peer(url, config.queue) for url in config.urls}
         self._self_peers: set[str] = set()
         self._client = UpstreamPool(config.timeout)
+        self._tg: TaskGroup | None = None
+        #: The peers found by ``--peer-discovery`` (raises `ConfigError` for a source it cannot build).
+        self.discovery = PeerDiscovery.create(self, plugins or PluginManager(), listen)
+        for url in config.urls:  # a listed URL that is this replica's listen address: no sender (the 409 needs one)
+            if self.discovery.listen is not None and self.discovery.listen.matches(url):
+                self._self_peers.add(url)
+                self.peer_metrics.up.labels(url).set(-1)
+                log.info("peer_is_self", peer=url, by="listen_address")
 
     @classmethod
-    def create(cls, config: PeerConfig, router: Router, metrics: ProxyMetrics) -> PeerSync | NoPeers:
-        """Sync with ``config.urls``, set up in ``router``; `NoPeers` when none are configured."""
-        return cls(config, router, metrics) if config.enabled else NoPeers()
+    def create(
+        cls, config: ServerConfig, router: Router, metrics: ProxyMetrics, plugins: PluginManager | None = None
+    ) -> PeerSync | NoPeers:
+        """Sync with ``config.peers``' URLs and discovered peers, set up in ``router``; `NoPeers` when none are
+        configured. The listen address (``config.host``, ``config.port``) tells this replica among its peers."""
+        if not config.peers.enabled:
+            return NoPeers()
+        return cls(config.peers, router, metrics, plugins=plugins, listen=(config.host, config.port))
+
+    # -- the peer set ---------------------------------------------------------------------
+
+    def add_peer(self, url: str) -> bool:
+        """Start sending to ``url`` (from the next batch on); False when it is a peer already."""
+        if url in self.peers:
+            return False
+        peer = self.peers[url] = _Peer(url, self.config.queue)
+        if self._tg is not None:
+            self._tg.start_soon(self._run_peer, peer, name=f"peer {url}")
+        return True
+
+    def remove_peer(self, url: str) -> bool:
+        """Stop sending to ``url``; its waiting holds are dropped (``peer_gone``). False when it was no peer."""
+        peer = self.peers.pop(url, None)
+        if peer is None:
+            return False
+        if peer.scope is not None:
+            peer.scope.cancel()
+        if peer.queue:
+            self.peer_metrics.dropped.labels(url, "peer_gone").inc(len(peer.queue))
+            peer.queue.clear()
+        self._self_peers.discard(url)
+        with contextlib.suppress(KeyError):  # a peer that never answered has no series
+            self.peer_metrics.up.remove(url)
+        return True
+
+    async def _run_peer(self, peer: _Peer) -> None:
+        if self.peers.get(peer.url) is not peer or peer.url in self._self_peers:  # removed before it started, or self
+            return
+        with anyio.CancelScope() as peer.scope:
+            await self._send_loop(peer)
 
     def add_routes(self, routes: RouteTable[Any]) -> None:
         routes.add("POST", PATH, self.receive)
@@ -247,13 +335,16 @@ class PeerSync:
         """Every interval: take the router's new holds, queue them per peer, send each peer a batch."""
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for peer in self.peers.values():
+                    tg.start_soon(self._run_peer, peer, name=f"peer {peer.url}")
+                tg.start_soon(self.discovery.run, name="peer discovery")
                 task_status.started()
-                for peer in self.peers:
-                    tg.start_soon(self._send_loop, peer)
                 while True:
                     await anyio.sleep(self.config.interval)
                     self._distribute()
         finally:
+            self._tg = None
             self._client.close()
 
     def _distribute(self) -> None:
@@ -263,7 +354,7 @@ class PeerSync:
             self.log.dropped = 0
         if not holds:
             return
-        for peer in self.peers:
+        for peer in self.peers.values():
             if peer.url in self._self_peers:
                 continue
             room = peer.queue.maxlen or 0

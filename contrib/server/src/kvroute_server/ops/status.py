@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.fleet import Fleet
 from kvroute.router import Router
 from kvroute.strategy import Decision
-from kvroute_server.config import PRIORITIES, ServerConfig
+from kvroute_server.config import PRIORITIES, PeerConfig, ServerConfig
 from kvroute_server.fleet.backends import BackendSet
 from kvroute_server.fleet.discovery import Discovery, NoDiscovery
 from kvroute_server.http.asgi import App, Receive, RouteTable, Scope, Send, send_bytes, send_json
@@ -328,7 +328,7 @@ class StatusView:
             },
             "shadow": self._shadow(samples, strategy, prompt, cached) if self.config.shadow else None,
             "sessions": self._sessions(samples) if self.config.sessions.enabled else None,
-            "peers": _peers(samples, self.config.peers.urls) if self.config.peers.enabled else None,
+            "peers": _peers(samples, self.config.peers) if self.config.peers.enabled else None,
             "slo": self._slo(samples),
         }
 
@@ -398,8 +398,15 @@ class StatusView:
             return {k[0]: _number(v) for k, v in sorted(samples.sum_by(name, label).items()) if k[0]}
 
         routes = samples.sum_by("kvroute_session_routes_total", "kind", "result")
+        sessions = self.router.sessions
         return {
             "ttl_s": self.config.sessions.ttl,
+            "agree": self.config.sessions.agree,
+            # Placing conversations by their key's home now (kvroute_sessions_agreeing; any worker counts), and the
+            # answering worker's evidence: new conversations in its window and those that arrived with a history.
+            "agreeing": any(v > 0 for v in samples.sum_by("kvroute_sessions_agreeing").values()),
+            "new_conversations": None if sessions is None else sessions.strangers.seen,
+            "with_history": None if sessions is None else sessions.strangers.foreign,
             "max_sessions": self.config.sessions.max_sessions,
             "bound": by("kvroute_sessions", "kind"),
             "requests": {f"{kind}/{result}": _number(v) for (kind, result), v in sorted(routes.items())},
@@ -468,7 +475,16 @@ class StatusView:
             "count": count,
             # What is merged over every worker, and what is this worker's own.
             "merged": ["requests", "share", "in_flight", "reuse", "spills", "ejections", "rejected", "shadow", "slo"],
-            "own": ["decisions", "spills_to", "engine", "healthy", "draining", "slo.predictions.rates"]
+            "own": [
+                "decisions",
+                "spills_to",
+                "engine",
+                "healthy",
+                "draining",
+                "slo.predictions.rates",
+                "sessions.new_conversations",
+                "sessions.with_history",
+            ]
             if count > 1
             else [],
         }
@@ -585,24 +601,43 @@ class NoStatusRoutes:
         """Record nothing."""
 
 
-def _peers(samples: _Samples, urls: Iterable[str]) -> dict[str, Any]:
-    """Router-replica sync (docs/serve.md, "Several replicas"): each peer's state and holds sent, holds
-    received and what became of them, holds dropped by reason (summed over workers)."""
+def _peers(samples: _Samples, config: PeerConfig) -> dict[str, Any]:
+    """Router-replica sync (docs/serve.md, "Several replicas"): each peer (static or discovered) with its state
+    and holds sent, holds received and what became of them, holds dropped by reason (summed over workers), and
+    peer discovery's sources and changes."""
     up = samples.sum_by("kvroute_peer_up", "peer")
     sent = samples.sum_by("kvroute_peer_holds_sent_total", "peer")
     dropped = samples.sum_by("kvroute_peer_holds_dropped_total", "reason")
     adopted = samples.sum_by("kvroute_peer_holds_adopted_total", "result")
+    found = samples.sum_by("kvroute_peer_discovered", "peer")
     states = {1: "up", 0: "down", -1: "self"}
+    origins = dict.fromkeys(config.urls, "static")
+    for (url,), value in sorted(found.items()):
+        origins.setdefault(url, "discovery" if value > 0 else "discovery_self")
+    peers = []
+    for url, origin in origins.items():
+        if origin == "discovery_self":
+            state = "self"
+        else:
+            state = states.get(int(up[(url,)]), "down") if (url,) in up else "unknown"
+        origin = origin.removesuffix("_self")
+        peers.append({"url": url, "origin": origin, "state": state, "sent": _number(sent.get((url,), 0.0))})
+    discovery = None
+    if config.discovery:
+        stale = samples.sum_by("kvroute_peer_discovery_stale", "source")
+        failures = samples.sum_by("kvroute_peer_discovery_failures_total", "source")
+        changes = samples.sum_by("kvroute_peer_discovery_changes_total", "change")
+        discovery = {
+            "sources": [
+                {"source": s, "stale": bool(stale.get((s,), 0)), "failures": _number(failures.get((s,), 0.0))}
+                for s in sorted({k[0] for k in (*stale, *failures)})
+            ],
+            "changes": {k[0]: _number(v) for k, v in sorted(changes.items()) if v},
+        }
     return {
-        "peers": [
-            {
-                "url": url,
-                "state": states.get(int(up[(url,)]), "down") if (url,) in up else "unknown",
-                "sent": _number(sent.get((url,), 0.0)),
-            }
-            for url in urls
-        ],
+        "peers": peers,
         "received": _number(sum(samples.sum_by("kvroute_peer_holds_received_total").values())),
         "adopted": {k[0]: _number(v) for k, v in sorted(adopted.items()) if v},
         "dropped": {k[0]: _number(v) for k, v in sorted(dropped.items()) if v},
+        "discovery": discovery,
     }

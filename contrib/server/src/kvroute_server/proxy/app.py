@@ -223,7 +223,7 @@ class ProxyApp:
         self.router = Router.create(
             self.fleet, config.strategy, config.options, plugins=self.plugins, sessions=sessions, slo=slo_choice(config)
         )
-        self.peers = PeerSync.create(config.peers, self.router, self.metrics)  # router-replica sync (--peer)
+        self.peers = PeerSync.create(config, self.router, self.metrics, self.plugins)  # replica sync (--peer*)
         # Shadow strategies (docs/serve.md, "Shadow strategies").
         self.shadows = ProxyShadows.create(config, self.fleet, self.metrics, self.plugins)
         # Objectives and admission (docs/serve.md, "Objectives and admission"); admission is off by default.
