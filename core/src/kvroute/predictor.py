@@ -289,6 +289,7 @@ class Predictor:
         self._rates: dict[str, _Rates] = {}
         self._pending: dict[str, _Pending] = {}
         #: `base` per backend id, with what it was computed from: (engine load, in flight, valid until, base).
+        #: `SloChoice` reads it in place, with `base`'s own validity test.
         self._bases: dict[str, tuple[object, int, float, Base]] = {}
 
     # -- rates ---------------------------------------------------------------------------
@@ -523,10 +524,10 @@ class Predictor:
         if now is None:
             now = time.monotonic()
         load = state.load
-        kept = self._bases.get(state.backend.id)
+        backend_id = state.backend.id
+        kept = self._bases.get(backend_id)
         if kept is not None and kept[0] is load and kept[1] == state.in_flight and now <= kept[2]:
             return kept[3]
-        backend_id = state.backend.id
         # `_load` then `_predict` with nothing uncached, the same arithmetic in one pass (no Prediction made).
         queued, decoding, seat_wait, stale = self._ahead(state, None, now)
         priors = self.overrides.get(backend_id, self.priors)
@@ -541,11 +542,13 @@ class Predictor:
                 overhead = rates.overhead
         if seat_wait > 0.0 and seat_wait * rate > queued:
             queued = seat_wait * rate
-        tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
+        tpot = step * (1.0 + priors.decode_load_weight * decoding)
+        if self.prefill_slows_decode:
+            tpot *= self._slowdown(rates, rate)
+            return Base(overhead + (queued + 0.0) / rate, 1.0 / rate, tpot, stale)  # changes with time: not kept
         base = Base(overhead + (queued + 0.0) / rate, 1.0 / rate, tpot, stale)
-        if not self.prefill_slows_decode:
-            until = math.inf if load is None or stale else load.observed_at + state.load_max_age
-            self._bases[backend_id] = (load, state.in_flight, until, base)
+        until = math.inf if load is None or stale else load.observed_at + state.load_max_age
+        self._bases[backend_id] = (load, state.in_flight, until, base)
         return base
 
     def invalidate(self) -> None:
