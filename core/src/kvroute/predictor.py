@@ -368,7 +368,8 @@ class Predictor:
 
     def _ahead(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, float, bool]:
         """(queued prefill tokens ahead, requests decoding alongside, seconds waiting for a seat, stale)."""
-        rates = self._rates.get(state.id)
+        backend_id = state.backend.id
+        rates = self._rates.get(backend_id)
         own = state.in_flight
         if rates is None:
             ours, decoding = 0.0, float(own)
@@ -379,7 +380,7 @@ class Predictor:
         size = state.backend.data_parallel_size
         if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
             size = load.data_parallel_size
-        priors = self.overrides.get(state.id, self.priors)
+        priors = self.overrides.get(backend_id, self.priors)
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
             # No engine report to use: the configured seats, this router's own requests (and, stale, priors only).
             stale = load is not None
@@ -391,7 +392,7 @@ class Predictor:
                 return ours / size, decoding / size, wait, stale
             return ours, decoding, wait, stale
         if rates is None:
-            rates = self._state(state.id)
+            rates = self._state(backend_id)
         if load.observed_at != rates.load_at:
             self._saw(rates, load, own, size)
         ahead = own + rates.others  # requests on the backend now: this router's, and others' as last reported

@@ -134,7 +134,7 @@ class SloChoice:
     # -- choosing ------------------------------------------------------------------------
 
     def _uncached(self, state: BackendState, blocks: PromptBlocks) -> int:
-        return max(blocks.units - self.view.matched(state.id, blocks), 0)
+        return max(blocks.units - self.view.matched(state.backend.id, blocks), 0)
 
     def _home_uncached(
         self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks, strategy: object
