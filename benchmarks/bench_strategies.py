@@ -24,16 +24,22 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   sessions off, on without session ids (conversations bound), and on with a session id per request.
 * ``slo`` (only when named): the decision time (`Decision.duration_s`: the strategy's pick plus the
   router's SLO-aware choice, `kvroute.slo_choice`) of bounded-load through ``Router.acquire``, at 16
-  and 64 backends, without the choice and with it in three cases: ``meets`` (objectives the home
+  and 64 backends, without the choice and with it in four cases: ``meets`` (objectives the home
   meets: one prediction), ``misses`` (a 1 ms TTFT objective no backend meets: every candidate
-  predicted, the ``sink`` policy), ``none`` (no objectives: every candidate within the load bound
-  predicted). 32 KB routing text, 200 prefixes cycling, fresh engine loads, 0-7 requests in flight.
+  predicted, the ``sink`` policy), ``misses, unmet=home`` (the same with the default policy: the
+  request stays on its home once every candidate was predicted to miss), ``none`` (no objectives:
+  the scan window's candidates within the load bound predicted). 32 KB routing text, 200 prefixes
+  cycling, fresh engine loads, 0-7 requests in flight.
   Wall clock (``Decision.duration_s``) and the CPU time of the whole ``acquire`` (the choice's
   accounting included) in this thread, which a shared machine's other processes do not inflate.
   ``meets, dry run first``: as ``meets``, after a dry run of the same request (``Router.decide``, as
-  the proxy's admission judges a request before its lease); the figures are the lease's. ``choice
-  cpu``: this thread's CPU time of ``SloChoice.choose`` alone (the part the choice adds to the
-  decision; the two clock reads around it are counted in, and in the other columns' slo rows).
+  the proxy's admission judges a request before its lease); the figures are the lease's. ``pick``:
+  the strategy's own pick (wall clock; it slows down when the choice's moves change the strategy's
+  state, as in ``misses`` and ``none``, where the choice sends most requests off their home).
+  ``added``: per decision, its time less its pick's (what the choice adds to that decision).
+  ``choice cpu``: this thread's CPU time of ``SloChoice.choose`` alone (the two clock reads around it
+  are counted in, and in the other columns' slo rows). An untimed pass runs first, so the first row
+  is not measured on a cold process.
 * ``fleet7``: consistent-hash over 7 instances (SageMaker's published setup): spread of shares
   over 140,000 prompts, keys moved on 7 -> 8 and 7 -> 6, and how the orphans spread.
 """
@@ -170,51 +176,74 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
         ("off", None, False),
         ("meets", meets, True),
         ("misses", Objectives(ttft_s=0.001), True),
+        ("misses, unmet=home", Objectives(ttft_s=0.001), True),
         ("none", None, True),
         ("meets, dry run first", meets, True),
     ]
+
+    def run(n: int, case: str, objectives: Objectives | None, on: bool, count: int) -> dict[str, Any]:
+        fleet = fleet_of(n)
+        rng = random.Random(n)
+        for state in fleet:
+            state.load = EngineLoad(running=rng.randrange(0, 40), waiting=rng.randrange(0, 4), observed_at=1e18)
+        unmet = "home" if case.endswith("unmet=home") else "sink"
+        slo = _TimedChoice(Predictor(), unmet=unmet) if on else None
+        router = Router(fleet, plugins.create_strategy("bounded-load"), strategy_name="bounded-load", slo=slo)
+        strategy_pick = router.strategy.pick
+        pick_ns: list[int] = []
+
+        def timed_pick(request: RouteRequest, candidates: Sequence[BackendState]) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return strategy_pick(request, candidates)
+            finally:
+                pick_ns.append(time.perf_counter_ns() - t0)
+
+        router.strategy.pick = timed_pick  # type: ignore[method-assign]
+        samples: list[int] = []
+        cpu: list[int] = []
+        gc.collect()
+        for i in range(count):
+            tag = f"slo-{i % 200:08d}|"
+            request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id=f"r{i}")
+            if objectives is not None:
+                request = attrs.evolve(request, objectives=objectives)
+            if case.endswith("dry run first"):
+                router.decide(request)  # admission's judgement (kvroute_server.proxy.admission.judge)
+            t0 = time.thread_time_ns()
+            lease = router.acquire(request)
+            cpu.append(time.thread_time_ns() - t0)
+            samples.append(int(lease.decision.duration_s * 1e9))
+            router.release(lease)
+        router.close()
+        if case.endswith("dry run first"):  # the lease's pick and choice are every second one
+            pick_ns = pick_ns[1::2]
+        wall, used, picked = summary(samples[200:]), summary(cpu[200:]), summary(pick_ns[200:])
+        added = summary([d - p for d, p in zip(samples[200:], pick_ns[200:], strict=True)])
+        choice: dict[str, Any] = {"median_us": "", "p99_us": ""}
+        if slo is not None:
+            choice = summary((slo.cpu_ns[1::2] if case.endswith("dry run first") else slo.cpu_ns)[200:])
+        return {
+            "backends": n,
+            "slo": case,
+            "decision median_us": wall["median_us"],
+            "decision p99_us": wall["p99_us"],
+            "pick median_us": picked["median_us"],
+            "pick p99_us": picked["p99_us"],
+            "added median_us": added["median_us"],
+            "added p99_us": added["p99_us"],
+            "acquire cpu median_us": used["median_us"],
+            "acquire cpu p99_us": used["p99_us"],
+            "choice cpu median_us": choice["median_us"],
+            "choice cpu p99_us": choice["p99_us"],
+            "n": wall["n"],
+        }
+
     count = 2000 if quick else 20000
+    run(16, "warm-up", None, True, count // 4)  # untimed: the first row is not measured on a cold process
     for n in (16, 64):
         for case, objectives, on in cases:
-            fleet = fleet_of(n)
-            rng = random.Random(n)
-            for state in fleet:
-                state.load = EngineLoad(running=rng.randrange(0, 40), waiting=rng.randrange(0, 4), observed_at=1e18)
-            slo = _TimedChoice(Predictor(), unmet="sink") if on else None
-            router = Router(fleet, plugins.create_strategy("bounded-load"), strategy_name="bounded-load", slo=slo)
-            samples: list[int] = []
-            cpu: list[int] = []
-            gc.collect()
-            for i in range(count):
-                tag = f"slo-{i % 200:08d}|"
-                request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id=f"r{i}")
-                if objectives is not None:
-                    request = attrs.evolve(request, objectives=objectives)
-                if case.endswith("dry run first"):
-                    router.decide(request)  # admission's judgement (kvroute_server.proxy.admission.judge)
-                t0 = time.thread_time_ns()
-                lease = router.acquire(request)
-                cpu.append(time.thread_time_ns() - t0)
-                samples.append(int(lease.decision.duration_s * 1e9))
-                router.release(lease)
-            router.close()
-            wall, used = summary(samples[200:]), summary(cpu[200:])
-            choice: dict[str, Any] = {"median_us": "", "p99_us": ""}
-            if slo is not None:  # with a dry run first, the lease's choice is every second one
-                choice = summary((slo.cpu_ns[1::2] if case.endswith("dry run first") else slo.cpu_ns)[200:])
-            rows.append(
-                {
-                    "backends": n,
-                    "slo": case,
-                    "decision median_us": wall["median_us"],
-                    "decision p99_us": wall["p99_us"],
-                    "acquire cpu median_us": used["median_us"],
-                    "acquire cpu p99_us": used["p99_us"],
-                    "choice cpu median_us": choice["median_us"],
-                    "choice cpu p99_us": choice["p99_us"],
-                    "n": wall["n"],
-                }
-            )
+            rows.append(run(n, case, objectives, on, count))
     return rows
 
 

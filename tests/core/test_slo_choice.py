@@ -223,6 +223,25 @@ class TestFastPath:
         assert kept.detail == {"x": 1, "predicted_ttft_ms": 250.0}
         assert kept.prediction == Prediction(0.25)
 
+    def test_choice_stamps_the_router_fields(self) -> None:
+        """Kept or moved, the choice's decision carries the router's strategy name and the decision's duration."""
+        router = _router()
+        kept, _ = router.decide(_request("r1", objectives=Objectives(ttft_s=5.0)))
+        _queue(router, "b0", 4000)
+        moved, _ = router.decide(_request("r2", objectives=Objectives(ttft_s=1.0)))
+        assert kept.reason == "hash" and moved.reason == SLO_REASON
+        for decision in (kept, moved):
+            assert decision.strategy == router.strategy_name and decision.duration_s > 0
+
+    def test_choose_without_a_stamp_keeps_the_strategy_fields(self) -> None:
+        """Called without the router's stamp, `choose` keeps the strategy's name and duration."""
+        router = _router()
+        state = router.fleet.get("b0")
+        pick = Decision(state.backend, reason="hash", strategy="mine", duration_s=0.25)
+        assert router.slo is not None
+        decision, _ = router.slo.choose(_request("r1"), pick, state, router.fleet.candidates("m"))
+        assert decision.strategy == "mine" and decision.duration_s == 0.25
+
 
 class TestLargeFleet:
     def test_meeting_candidate_found_outside_the_window(self) -> None:

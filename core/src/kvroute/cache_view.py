@@ -162,8 +162,11 @@ class CacheView:
         hashes = blocks.hashes
         if not held or not hashes or hashes[0] not in held:
             return 0
-        # Prefix-closed (see the module docstring): bisect for the first block not held.
-        lo, hi = 1, len(hashes)
+        # Prefix-closed (see the module docstring): the whole prompt when its last block is held (a prompt
+        # sent there before), else bisect for the first block not held.
+        if hashes[-1] in held:
+            return len(hashes) * self.block_size
+        lo, hi = 1, len(hashes) - 1
         while lo < hi:
             mid = (lo + hi) // 2
             if hashes[mid] in held:

@@ -289,6 +289,7 @@ class Predictor:
         self._rates: dict[str, _Rates] = {}
         self._pending: dict[str, _Pending] = {}
         #: `base` per backend id, with what it was computed from: (engine load, in flight, valid until, base).
+        #: `SloChoice` reads it in place, with `base`'s own validity test.
         self._bases: dict[str, tuple[object, int, float, Base]] = {}
 
     # -- rates ---------------------------------------------------------------------------
@@ -367,7 +368,8 @@ class Predictor:
 
     def _ahead(self, state: BackendState, rank: int | None, now: float | None) -> tuple[float, float, float, bool]:
         """(queued prefill tokens ahead, requests decoding alongside, seconds waiting for a seat, stale)."""
-        rates = self._rates.get(state.id)
+        backend_id = state.backend.id
+        rates = self._rates.get(backend_id)
         own = state.in_flight
         if rates is None:
             ours, decoding = 0.0, float(own)
@@ -378,7 +380,7 @@ class Predictor:
         size = state.backend.data_parallel_size
         if load is not None and load.data_parallel_size is not None and load.data_parallel_size > size:
             size = load.data_parallel_size
-        priors = self.overrides.get(state.id, self.priors)
+        priors = self.overrides.get(backend_id, self.priors)
         if load is None or (time.monotonic() if now is None else now) - load.observed_at > state.load_max_age:
             # No engine report to use: the configured seats, this router's own requests (and, stale, priors only).
             stale = load is not None
@@ -390,7 +392,7 @@ class Predictor:
                 return ours / size, decoding / size, wait, stale
             return ours, decoding, wait, stale
         if rates is None:
-            rates = self._state(state.id)
+            rates = self._state(backend_id)
         if load.observed_at != rates.load_at:
             self._saw(rates, load, own, size)
         ahead = own + rates.others  # requests on the backend now: this router's, and others' as last reported
@@ -523,10 +525,10 @@ class Predictor:
         if now is None:
             now = time.monotonic()
         load = state.load
-        kept = self._bases.get(state.backend.id)
+        backend_id = state.backend.id
+        kept = self._bases.get(backend_id)
         if kept is not None and kept[0] is load and kept[1] == state.in_flight and now <= kept[2]:
             return kept[3]
-        backend_id = state.backend.id
         # `_load` then `_predict` with nothing uncached, the same arithmetic in one pass (no Prediction made).
         queued, decoding, seat_wait, stale = self._ahead(state, None, now)
         priors = self.overrides.get(backend_id, self.priors)
@@ -541,11 +543,13 @@ class Predictor:
                 overhead = rates.overhead
         if seat_wait > 0.0 and seat_wait * rate > queued:
             queued = seat_wait * rate
-        tpot = step * (1.0 + priors.decode_load_weight * decoding) * self._slowdown(rates, rate)
+        tpot = step * (1.0 + priors.decode_load_weight * decoding)
+        if self.prefill_slows_decode:
+            tpot *= self._slowdown(rates, rate)
+            return Base(overhead + (queued + 0.0) / rate, 1.0 / rate, tpot, stale)  # changes with time: not kept
         base = Base(overhead + (queued + 0.0) / rate, 1.0 / rate, tpot, stale)
-        if not self.prefill_slows_decode:
-            until = math.inf if load is None or stale else load.observed_at + state.load_max_age
-            self._bases[backend_id] = (load, state.in_flight, until, base)
+        until = math.inf if load is None or stale else load.observed_at + state.load_max_age
+        self._bases[backend_id] = (load, state.in_flight, until, base)
         return base
 
     def invalidate(self) -> None:

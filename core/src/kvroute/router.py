@@ -242,7 +242,7 @@ class Router:
         self, pick: Pick, candidates: Sequence[BackendState], elapsed: float, stamp: bool = True
     ) -> tuple[Decision, BackendState]:
         if type(pick) is Decision:
-            # Unstamped when the SLO choice copies it anyway (the router stamps its result).
+            # Unstamped when the SLO choice copies it anyway (it stamps the copy, `SloChoice.choose`).
             decision = _stamped(pick, self.strategy_name, elapsed) if stamp else pick
         elif isinstance(pick, Decision):  # a subclass may add fields: evolve copies them
             decision = attrs.evolve(pick, strategy=self.strategy_name, duration_s=elapsed)
@@ -284,11 +284,8 @@ class Router:
         if self.slo is None:
             return self._normalize(pick, candidates, time.perf_counter() - t0)
         decision, state = self._normalize(pick, candidates, 0.0, stamp=False)
-        decision, state = self.slo.choose(request, decision, state, candidates, self.strategy)
-        elapsed = time.perf_counter() - t0
-        if type(decision) is Decision:
-            return _stamped(decision, self.strategy_name, elapsed), state
-        return attrs.evolve(decision, duration_s=elapsed), state
+        # The choice stamps the decision it makes (one copy instead of two).
+        return self.slo.choose(request, decision, state, candidates, self.strategy, name=self.strategy_name, since=t0)
 
     # -- leasing -----------------------------------------------------------------------
 

@@ -134,7 +134,7 @@ class SloChoice:
     # -- choosing ------------------------------------------------------------------------
 
     def _uncached(self, state: BackendState, blocks: PromptBlocks) -> int:
-        return max(blocks.units - self.view.matched(state.id, blocks), 0)
+        return max(blocks.units - self.view.matched(state.backend.id, blocks), 0)
 
     def _home_uncached(
         self, request: RouteRequest, decision: Decision, state: BackendState, blocks: PromptBlocks, strategy: object
@@ -160,8 +160,17 @@ class SloChoice:
         state: BackendState,
         candidates: Sequence[BackendState],
         strategy: object = None,
+        *,
+        name: str | None = None,
+        since: float | None = None,
     ) -> tuple[Decision, BackendState]:
-        """The decision to make of the strategy's ``decision`` on ``state`` (see the module docstring)."""
+        """The decision to make of the strategy's ``decision`` on ``state`` (see the module docstring).
+
+        The router's stamp, so that it need not copy the decision again: ``name``, the strategy's name
+        (`Decision.strategy`), and ``since``, the `time.perf_counter` reading the decision began at
+        (`Decision.duration_s` is the time from there to the decision's making). Without them the
+        decision keeps the strategy's fields.
+        """
         now = self.clock()
         predictor = self.predictor
         blocks = self.view.blocks(request)
@@ -176,10 +185,10 @@ class SloChoice:
         objectives = request.objectives
         wants = objectives is not None and objectives.any
         if not self.aware or len(candidates) == 1 or (wants and home.meets(objectives)):
-            return self._with(decision, home), state
+            return self._with(decision, home, name, since), state
         best_state, best, best_uncached = self._rerank(request, state, home, home_uncached, blocks, candidates, now)
         if best_state is state:
-            return self._with(decision, home), state
+            return self._with(decision, home, name, since), state
         self._last = (request.request_id, blocks, best_uncached)
         detail: dict[str, Any] = {
             "home": state.id,
@@ -192,10 +201,11 @@ class SloChoice:
         moved = Decision(
             best_state.backend,
             reason=SLO_REASON,
-            strategy=decision.strategy,
+            strategy=decision.strategy if name is None else name,
             key=decision.key,
             spilled=True,
             detail=detail,
+            duration_s=decision.duration_s if since is None else time.perf_counter() - since,
             spill_reason=SLO_REASON,
             prediction=best,
         )
@@ -221,6 +231,8 @@ class SloChoice:
         objectives = request.objectives
         wants = objectives is not None and objectives.any
         base_of = self.predictor.base
+        # `Predictor.base`'s kept entries read in place (the call costs more than the lookup on large fleets).
+        kept_of = self.predictor._bases.get
         matched = self.view.matched
         units = blocks.units
         weight = self.tpot_weight
@@ -286,7 +298,11 @@ class SloChoice:
                     bounded = c.in_flight >= capacity
                 if bounded and not sink:
                     continue
-                ttft0, per_token, tpot, stale = base_of(c, now)
+                kept = kept_of(c.backend.id)
+                if kept is not None and kept[0] is c.load and kept[1] == c.in_flight and now <= kept[2]:
+                    ttft0, per_token, tpot, stale = kept[3]  # `Predictor.base`'s own test, inlined
+                else:
+                    ttft0, per_token, tpot, stale = base_of(c, now)
                 if sink and ttft0 + units * per_token > worst_ttft:
                     uncached = max(units - matched(c.backend.id, blocks), 0)
                     ttft = ttft0 + uncached * per_token
@@ -347,21 +363,28 @@ class SloChoice:
         return best_state, Prediction(best_ttft, best_tpot, best_stale), best_uncached
 
     @staticmethod
-    def _with(decision: Decision, prediction: Prediction) -> Decision:
+    def _with(
+        decision: Decision, prediction: Prediction, name: str | None = None, since: float | None = None
+    ) -> Decision:
+        """``decision`` with ``prediction`` (and the router's stamp, see `choose`)."""
         detail = dict(decision.detail)
         detail["predicted_ttft_ms"] = round(prediction.ttft_s * 1000, 1)
         if prediction.stale:
             detail["stale"] = True
+        strategy = decision.strategy if name is None else name
+        duration_s = decision.duration_s if since is None else time.perf_counter() - since
         if type(decision) is not Decision:  # a subclass may add fields: evolve copies them
-            return attrs.evolve(decision, prediction=prediction, detail=detail)
+            return attrs.evolve(
+                decision, prediction=prediction, detail=detail, strategy=strategy, duration_s=duration_s
+            )
         return Decision(
             backend=decision.backend,
             reason=decision.reason,
-            strategy=decision.strategy,
+            strategy=strategy,
             key=decision.key,
             spilled=decision.spilled,
             detail=detail,
-            duration_s=decision.duration_s,
+            duration_s=duration_s,
             spill_reason=decision.spill_reason,
             data_parallel_rank=decision.data_parallel_rank,
             prediction=prediction,
