@@ -157,6 +157,20 @@ class TestRouterSync:
         assert all(len(b) == 1 for b in synced.values()), synced
         assert sum(len(b) > 1 for b in alone.values()) >= 10, alone
 
+    def test_conversations_under_a_long_preamble_spread_across_synced_replicas(self) -> None:
+        """28 conversations under one preamble longer than ``prefix_length``, no session id, 4 synced replicas:
+        spread over the 7 backends as one router spreads them (3-5 each), not parked on the preamble's holder.
+
+        The preamble's key turns hot only when the placements of every replica's requests count, which the
+        peers' key holds carry; counting only its own, each replica kept sending new conversations to the
+        key's holder (8 of 28 on one backend)."""
+        synced = run([replica(sync=True) for _ in range(4)], sync=True)
+        alone = run([replica(sync=False, agree="off")], sync=False)
+        for used in (synced, alone):
+            assert all(len(b) == 1 for b in used.values()), used
+            per_backend = Counter(next(iter(b)) for b in used.values())
+            assert len(per_backend) == 7 and max(per_backend.values()) <= 6, per_backend
+
     def test_synced_sessions_spread_by_the_share_bound(self) -> None:
         """With sync, session ids are placed under the share bound: 140 sessions over 7 backends within 19-21 each.
 

@@ -504,14 +504,22 @@ class ConsistentHash(kvroute.BaseStrategy):
             return {}
         adopted = opened = 0
         members = len(self._placement.states)
-        for hold in holds:
+        for i, hold in enumerate(holds):
             if hold.kind == "group":  # a conversation another replica started: hot groups count every replica's
                 self._hot_groups.observe(hold.key, members)
                 opened += 1
                 continue
             adopted += shares.adopt(hold.key, hold.backend_id)
             if hold.kind != "key":  # one per request another replica started: the window counts every replica's
-                shares.record(hold.backend_id, ())
+                # The key it was placed by comes right after it (`Router._log_holds`' order): a key placed by
+                # every replica's requests is hot as it is for one router seeing them all (`Shares.is_hot`).
+                after = holds[i + 1] if i + 1 < len(holds) else None
+                placed = (
+                    after.key
+                    if after is not None and after.kind == "key" and after.backend_id == hold.backend_id
+                    else None
+                )
+                shares.record(hold.backend_id, (), placed)
             if hold.kind == "conversation" and self.share_conversations:  # and the conversations under way
                 shares.converse(hold.backend_id, hold.key)
         return {"adopted": adopted, "held": len(holds) - adopted - opened, "groups": opened}
