@@ -117,6 +117,16 @@ def installed(distribution: str) -> bool:
     return True
 
 
+class Clock:
+    """A clock the test moves by hand (``clock.now += 1.0``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # -- chats for the key and placement tests -------------------------------------------------------
 
 
@@ -138,3 +148,39 @@ def conversation(system: str | None, turns: list[tuple[str, str]]) -> list[Route
         requests.append(chat(messages))
         messages = [*messages, {"role": "assistant", "content": answer}]
     return requests
+
+
+def agent_traffic(seed: int, sessions: int = 64) -> list[tuple[int, RouteRequest]]:
+    """Agent-like chats: one 6,000-character preamble, ``sessions`` conversations of 2 to 20 turns, interleaved.
+
+    Each turn resends the history (the preamble, the task, then answers and tool outputs); a
+    conversation starts when an earlier one is under way, so turns of many conversations mix.
+    """
+    rng = random.Random(seed)
+    preamble = words(rng, 6000)
+    plans = []
+    for number in range(sessions):
+        task = f"task {number}: " + words(rng, 400)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": preamble}, {"role": "user", "content": task}]
+        turns = []
+        for _ in range(rng.randint(2, 20)):
+            turns.append(chat(list(messages)))
+            messages += [
+                {"role": "assistant", "content": words(rng, 80)},
+                {"role": "user", "content": "tool output: " + words(rng, 300)},
+            ]
+        plans.append(turns)
+    # Interleave: at each step, continue a random open conversation, or open the next one.
+    out: list[tuple[int, RouteRequest]] = []
+    cursors = [0] * sessions
+    opened = 1
+    while True:
+        open_ones = [s for s in range(opened) if cursors[s] < len(plans[s])]
+        if not open_ones and opened == sessions:
+            return out
+        if opened < sessions and (not open_ones or rng.random() < 0.15):
+            opened += 1
+            continue
+        s = rng.choice(open_ones)
+        out.append((s, plans[s][cursors[s]]))
+        cursors[s] += 1

@@ -12,18 +12,9 @@ import pytest
 from kvroute import Backend, Fleet, Router, RouteRequest, Sessions
 from kvroute.agreement import MIN_EVIDENCE, Strangers
 from kvroute.keys import opens_conversation
+from tests.helpers import Clock, chat
 
 PREAMBLE = "You are a coding agent with tools read_file, write_file and run_tests. " * 200
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def replica(agree: str = "auto", shared: bool = False) -> Router:
@@ -32,10 +23,6 @@ def replica(agree: str = "auto", shared: bool = False) -> Router:
     for i in range(7):
         fleet.add(Backend(f"b{i}", f"http://10.0.0.{i}:8000"))
     return Router.create(fleet, "bounded-load", sessions=Sessions(agree=agree, shared=shared, clock=Clock()))
-
-
-def chat(messages: list[dict[str, Any]]) -> RouteRequest:
-    return RouteRequest.from_openai({"model": "m", "messages": messages}, endpoint="chat")
 
 
 def run(routers: list[Router], conversations: int = 56, turns: int = 6) -> dict[int, list[str]]:

@@ -10,18 +10,9 @@ import pytest
 
 from kvroute import Backend, Fleet, Hold, HoldLog, Holds, Router, RouteRequest, Sessions
 from kvroute.sessions import session_key
+from tests.helpers import Clock
 
 PREAMBLE = "You are a coding agent with tools read_file, write_file and run_tests. " * 200
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fleet(count: int = 7) -> Fleet:

@@ -27,16 +27,7 @@ from kvroute.session_ids import (
     read_session_id,
 )
 from kvroute.sessions import session_key
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import Clock
 
 
 class _Limits:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
-from typing import Any
 
 import pytest
 from kvroute_bounded_cache import BoundedCache, Footprints
 
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
-from tests.helpers import chat, words
+from tests.helpers import agent_traffic, chat
 
 #: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
@@ -270,46 +268,14 @@ class TestShareBound:
                 assert len(set(firsts.values())) == 1
 
 
-def agent_sessions(seed: int, sessions: int = 160) -> list[tuple[int, RouteRequest]]:
-    """``sessions`` agent conversations of 2-20 turns under one 6,000-character preamble, interleaved at random."""
-    rng = random.Random(seed)
-    preamble = words(rng, 6000)
-    plans: list[list[RouteRequest]] = []
-    for number in range(sessions):
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": preamble},
-            {"role": "user", "content": f"task {number}: " + words(rng, 400)},
-        ]
-        turns = []
-        for _ in range(rng.randint(2, 20)):
-            turns.append(chat(list(messages)))
-            messages += [
-                {"role": "assistant", "content": words(rng, 80)},
-                {"role": "user", "content": "tool output: " + words(rng, 300)},
-            ]
-        plans.append(turns)
-    out: list[tuple[int, RouteRequest]] = []
-    cursors, opened = [0] * sessions, 1
-    while True:
-        open_ones = [s for s in range(opened) if cursors[s] < len(plans[s])]
-        if not open_ones and opened == sessions:
-            return out
-        if opened < sessions and (not open_ones or rng.random() < 0.15):
-            opened += 1
-            continue
-        s = rng.choice(open_ones)
-        out.append((s, plans[s][cursors[s]]))
-        cursors[s] += 1
-
-
 def spread(seed: int, **options: object) -> tuple[float, float]:
-    """The busiest and idlest of 8 backends' requests over a fair share, for `agent_sessions`, 4 requests in flight;
-    each conversation must stay on one backend."""
+    """The busiest and idlest of 8 backends' requests over a fair share, for `agent_traffic` (160 sessions),
+    4 requests in flight; each conversation must stay on one backend."""
     r = router([Backend(f"instance-{i}") for i in range(8)], **options)
     per_backend: Counter[str] = Counter()
     homes: dict[int, set[str]] = {}
     held = []
-    for session, request in agent_sessions(seed):
+    for session, request in agent_traffic(seed, sessions=160):
         lease = r.acquire(request)
         per_backend[lease.backend.id] += 1
         homes.setdefault(session, set()).add(lease.backend.id)

@@ -93,7 +93,7 @@ class PeerMetrics:
         )
         self.dropped = Counter(
             "kvroute_peer_holds_dropped",
-            "Holds not delivered to a peer, by peer and reason (queue_full, peer_down, peer_error).",
+            "Holds not delivered to a peer, by peer and reason (queue_full, peer_down, peer_error, peer_gone).",
             ["peer", "reason"],
             registry=r,
         )
