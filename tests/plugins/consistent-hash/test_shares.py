@@ -117,6 +117,21 @@ class TestShares:
         shares.converse("b", 7)
         assert (shares.active_on("a"), shares.active_on("b"), shares.active) == (0, 1, 1)
 
+    def test_conversation_room_is_the_share_of_the_active_conversations(self) -> None:
+        """No room test before a conversation had a second request; then one more active conversation on a
+        backend must stay within factor x its weight share: with a holding 3 of 4 active conversations (factor
+        1.1, two backends of weight 1), a has no room (4 > ceil(1.1 x 5 / 2) = 3) and b has."""
+        shares = Shares(factor=1.1, window=100)
+        for backend, conversation in (("b", 4), ("a", 1), ("a", 2), ("a", 3)):
+            shares.record(backend, ())
+            shares.converse(backend, conversation)
+        assert shares.has_conversation_room("a", 1.0, 2.0)  # single requests so far: nothing to go by
+        shares.record("b", ())
+        shares.converse("b", 4)  # conversation 4's second request, 4 requests on: mean gap 4, active for 12
+        assert (shares.active_on("a"), shares.active_on("b")) == (3, 1)
+        assert not shares.has_conversation_room("a", 1.0, 2.0)
+        assert shares.has_conversation_room("b", 1.0, 2.0)
+
     @pytest.mark.parametrize(("factor", "window", "keys"), [(0.9, 0, 1), (1.1, -1, 1), (1.1, 0, 0)])
     def test_bad_settings_are_refused(self, factor: float, window: int, keys: int) -> None:
         """A factor under 1, a negative window or no keys is a ValueError that names the setting."""

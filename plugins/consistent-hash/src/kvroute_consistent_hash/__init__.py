@@ -417,6 +417,9 @@ class ConsistentHash(kvroute.BaseStrategy):
         and a long prompt is not copied to a second backend for a busy holder's sake. A key is worth
         keeping together unless it is ``short`` (its shared prefix is under ``prefix_length``
         characters: cheap to copy) or hot (`Shares.is_hot`: it alone is over one backend's share).
+        A short key's holder also needs room among the active conversations
+        (`Shares.has_conversation_room`): the later turns of the conversations it already took are
+        its coming requests, which its share of the recent requests does not show yet.
         """
         shares = self._shares
         if shares is None:
@@ -448,7 +451,10 @@ class ConsistentHash(kvroute.BaseStrategy):
         holder = balanced.member(holder_id)
         if holder is not None and (
             conversation is None
-            or balanced.has_room(holder, HELD_SLACK)
+            or (
+                balanced.has_room(holder, HELD_SLACK)
+                and (not short or shares.has_conversation_room(holder.id, holder.backend.weight, balanced.total_weight))
+            )
             or not (short or shares.is_hot(key, len(candidates)))
         ):
             balanced.holder, balanced.held = holder, "key"

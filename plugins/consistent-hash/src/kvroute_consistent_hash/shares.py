@@ -23,7 +23,8 @@ requests of the recent past, not on the requests in flight:
   choices compare active conversations first, since a backend's conversations still under way are the
   requests it will get, and a request count of the past does not see a session that has just started
   (15 agent sessions of 5-30 turns per backend at 64 backends: busiest 1.45x a fair share on recent
-  requests, 1.12x on active conversations over four choices);
+  requests, 1.12x on active conversations over four choices); `has_conversation_room` caps a backend's
+  active conversations as ``factor`` caps its requests;
 * a hold ends when the key's home is a backend that joined after the key was held (`joined`): the
   key then moves to the new backend, as consistent hashing moves it, so a scale-out takes about its
   share of the existing keys and moves no key between old backends.
@@ -304,6 +305,15 @@ class Shares:
         if len(active) > self.max_keys:
             self._inactive(active.popitem(last=False)[1][0])
         self._quiet()
+
+    def has_conversation_room(self, backend_id: str, weight: float, total_weight: float) -> bool:
+        """Whether one more active conversation keeps ``backend_id`` within ``factor`` times its weight share of the
+        active conversations; always, before any conversation has had a second request (`converse`)."""
+        if not self._gap:
+            return True
+        self._quiet()
+        cap = math.ceil(self.factor * weight * (len(self._active) + 1) / total_weight - _EPSILON)
+        return self._active_count.get(backend_id, 0) + 1 <= max(1, cap)
 
     def active_on(self, backend_id: str) -> int:
         """Active conversations on ``backend_id`` (`converse`)."""
