@@ -97,18 +97,11 @@ class TestBoundedLoadMessageKey:
         systems = [words(rng, 1000) for _ in range(16)]
         plans = []
         for number in range(conversations):
-            messages = [
-                {"role": "system", "content": rng.choice(systems)},
-                {"role": "user", "content": f"question {number}: " + words(rng, 200)},
-            ]
-            turns = [chat(list(messages))]
-            while len(turns) < 16 and rng.random() < 0.75:
-                messages += [
-                    {"role": "assistant", "content": words(rng, 300)},
-                    {"role": "user", "content": words(rng, 150)},
-                ]
-                turns.append(chat(list(messages)))
-            plans.append(turns)
+            turns = 1
+            while turns < 16 and rng.random() < 0.75:
+                turns += 1
+            questions = [f"question {number}: " + words(rng, 200)] + [words(rng, 150) for _ in range(turns - 1)]
+            plans.append(conversation(rng.choice(systems), [(q, words(rng, 300)) for q in questions]))
         out: list[tuple[int, RouteRequest]] = []
         cursors, opened = [0] * conversations, 0
         while True:
@@ -122,12 +115,12 @@ class TestBoundedLoadMessageKey:
             out.append((c, plans[c][cursors[c]]))
             cursors[c] += 1
 
-    @pytest.mark.parametrize("seed", [0, 3, 4, 7])
+    @pytest.mark.parametrize("seed", [1, 2, 4, 7])
     def test_conversations_under_short_system_prompts_balance_on_a_small_fleet(self, seed: int) -> None:
         """Multi-turn chats under 16 short system prompts on 4 backends (no prompt is hot there): each conversation
         keeps one backend, and every backend takes 0.85-1.15x a fair share of the requests. A prompt's holder
         keeps new conversations only while it has room among the active conversations too, whose later turns
-        are its coming requests (with the request share alone, seeds 3 and 4 gave 1.23x and 1.28x)."""
+        are its coming requests (with the request share alone these seeds gave 1.17-1.25x and 0.66-0.84x)."""
         r = Router.create(Fleet([Backend(f"instance-{i}") for i in range(4)]), "bounded-load", {})
         requests: Counter[str] = Counter()
         backends: defaultdict[int, set[str]] = defaultdict(set)
