@@ -19,9 +19,11 @@ The rates: the fleet's capacity is measured first (a closed loop of ``engines x 
 ``--loads`` times it (0.6, 1.0, 1.5: below, at and above capacity), ``--duration`` seconds of arrivals.
 
 Rows: ``kvroute serve`` with its default strategy (bounded-load) plain, with ``--slo-aware``, with
-``--slo-aware --admission queue`` and with ``--slo-aware --admission shed`` (backends of kind ``vllm``, so
-the proxy polls the engines' load), and SGLang's router (``sglang-router`` 0.3.2 from PyPI in its own
-virtual environment, installed as bench_vs_sglang.py does) with ``--policy cache_aware``. Every row starts
+``--slo-aware --slo-unmet sink`` (routing alone: a request no backend can serve in time goes to the backend
+of the longest predicted TTFT), with ``--slo-aware --admission queue`` and with ``--slo-aware --admission
+shed`` (backends of kind ``vllm``, so the proxy polls the engines' load), and SGLang's router
+(``sglang-router`` 0.3.2 from PyPI in its own virtual environment, installed as bench_vs_sglang.py does)
+with ``--policy cache_aware``. Every row starts
 fresh engines and a fresh router, stopped by pid afterwards.
 
 Per row (client-side, except the last two columns): requests sent; served (200 and a whole stream); shed (429,
@@ -32,7 +34,7 @@ two columns are the proxy's own (``/status.json``'s ``slo.predictions``, kvroute
 of streams whose TTFT was predicted within 25 % of the one observed, and the median absolute error (``--json``
 also keeps what the predictor learned per backend: rates, TTFT overhead, seat time and seats).
 
-Run: ``nice -n 10 python benchmarks/bench_goodput.py`` (5 rows x 3 loads; about 10 minutes on 2 cores);
+Run: ``nice -n 10 python benchmarks/bench_goodput.py`` (6 rows x 3 loads; about 12 minutes on 2 cores);
 ``--only NAME,...`` (substrings of the row names), ``--loads``, ``--duration``, ``--engines``,
 ``--time-scale``, ``--seed``, ``--json FILE``. Results in docs/performance.md ("Goodput under SLOs through
 the proxy").
@@ -79,6 +81,7 @@ class Row:
 ROWS = (
     Row("kvroute bounded-load", "kvroute"),
     Row("kvroute bounded-load --slo-aware", "kvroute", ("--slo-aware",)),
+    Row("kvroute --slo-aware --slo-unmet sink", "kvroute", ("--slo-aware", "--slo-unmet", "sink")),
     Row("kvroute --slo-aware --admission queue", "kvroute", ("--slo-aware", "--admission", "queue")),
     Row("kvroute --slo-aware --admission shed", "kvroute", ("--slo-aware", "--admission", "shed")),
     Row("SGLang cache_aware", "sglang", ("--policy", "cache_aware")),

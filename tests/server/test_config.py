@@ -23,6 +23,7 @@ from kvroute_server.config import (
     settings,
     toml_table,
 )
+from kvroute_server.proxy.slo import slo_choice
 from kvroute_server.sagemaker import import_sagemaker, load_sagemaker
 
 FULL_TOML = """
@@ -167,6 +168,33 @@ class TestFlags:
         assert config.timeouts.idle == 5.0 and config.timeouts.connect == 1.5
         assert config.health.interval == 0.0 and not config.health.enabled
         assert config.backend_header == "x-chosen"
+
+    @pytest.mark.parametrize(
+        ("toml", "flags", "expected"),
+        [
+            ("", {}, "home"),
+            ('[slo]\nunmet = "sink"', {}, "sink"),
+            ('[slo]\nunmet = "sink"', {"slo_unmet": "cheapest"}, "cheapest"),
+        ],
+    )
+    def test_slo_unmet_reaches_the_choice(
+        self, tmp_path: Path, toml: str, flags: dict[str, str], expected: str
+    ) -> None:
+        """``[slo] unmet`` / ``--slo-unmet`` is the policy of the SLO-aware choice the proxy builds (default home)."""
+        path = tmp_path / "kvroute.toml"
+        path.write_text("[slo]\naware = true\n" + toml.removeprefix("[slo]\n"))
+        config = build_config(config_file=str(path), **flags)
+        choice = slo_choice(config)
+        assert config.slo.unmet == expected and choice is not None and choice.unmet_policy == expected
+
+    def test_slo_unmet_unknown_policy(self, tmp_path: Path) -> None:
+        """An unknown policy names the ones there are and what was given."""
+        path = tmp_path / "kvroute.toml"
+        path.write_text('[slo]\nunmet = "later"\n')
+        with pytest.raises(ConfigError, match=r"'unmet' must be one of cheapest, home, sink \(got 'later'\)"):
+            load_toml(path)
+        result = CliRunner().invoke(serve, ["--slo-unmet", "later", "--check"])
+        assert result.exit_code == 2 and "'later' is not one of 'cheapest', 'home', 'sink'" in result.output
 
 
 SAGEMAKER = {

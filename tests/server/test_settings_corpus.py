@@ -52,6 +52,7 @@ ADDED: dict[str, Any] = {
         "tpot_ms": None,
         "priority": "standard",
         "aware": False,
+        "unmet": "home",
         "tpot_weight": 50.0,
         "prefill_rate": 10000.0,
         "decode_step": 0.02,
@@ -99,7 +100,7 @@ ADDED_OPTIONS: dict[str, set[str]] = {
         *(f"--outlier-{name}" for name in ("base-ejection", "max-ejection", "max-ejected-share")),
         *(
             f"--slo-{name}"
-            for name in ("ttft-ms", "tpot-ms", "priority", "aware", "prefill-rate", "decode-step", "seats")
+            for name in ("ttft-ms", "tpot-ms", "priority", "aware", "unmet", "prefill-rate", "decode-step", "seats")
         ),
         "--admission",
         *(f"--admission-{name}" for name in ("queue-size", "order", "max-wait", "critical", "standard", "sheddable")),

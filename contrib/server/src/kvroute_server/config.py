@@ -30,6 +30,7 @@ from kvroute.errors import ConfigError
 from kvroute.session_ids import DEFAULT_SESSION_SOURCES, parse_sources
 from kvroute.sessions import AGREE
 from kvroute.settings import Setting, setting
+from kvroute.slo_choice import UNMET_POLICIES
 from kvroute.validators import INTEGER, NUMBER, Validator, expect, parse_key_values
 
 __all__ = [
@@ -711,6 +712,16 @@ class SloConfig:
     #: its objectives and another backend within the load bound is predicted to meet them.
     aware: bool = setting(
         False, flag="--slo-aware", help="Choose among backends by predicted TTFT/TPOT against each request's objectives"
+    )
+    #: Where the SLO-aware choice sends a request that no backend within the load bound is predicted to serve in
+    #: time (`kvroute.slo_choice.UNMET_POLICIES`): its cache home, the cheapest backend, or the backend of the
+    #: longest predicted TTFT (``sink``: late work piles up on one backend so that the others stay on time).
+    unmet: str = setting(
+        "home",
+        _one_of(UNMET_POLICIES),
+        flag="--slo-unmet",
+        choices=UNMET_POLICIES,
+        help="Where the SLO-aware choice sends a request no backend is predicted to serve in time",
     )
     #: Without objectives, the SLO-aware choice minimises predicted TTFT + this times predicted TPOT.
     tpot_weight: float = setting(

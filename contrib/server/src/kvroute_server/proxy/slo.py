@@ -53,6 +53,7 @@ def slo_choice(config: ServerConfig) -> SloChoice | None:
             Predictor(priors),
             aware=slo.aware,
             tpot_weight=slo.tpot_weight,
+            unmet=slo.unmet,
             view=cache_view_factory(config)() if config.cache_view else None,
         )
     except ValueError as exc:
