@@ -184,3 +184,29 @@ def agent_traffic(seed: int, sessions: int = 64) -> list[tuple[int, RouteRequest
         s = rng.choice(open_ones)
         out.append((s, plans[s][cursors[s]]))
         cursors[s] += 1
+
+
+def short_prompt_chats(seed: int, conversations: int = 160, under_way: int = 12) -> list[tuple[int, RouteRequest]]:
+    """Chats under 16 system prompts of 1,000 characters (cheap to copy), 1-16 turns each (geometric, mean 4),
+    about ``under_way`` under way at a time: ``(conversation, request)`` in sending order."""
+    rng = random.Random(seed)
+    systems = [words(rng, 1000) for _ in range(16)]
+    plans = []
+    for number in range(conversations):
+        turns = 1
+        while turns < 16 and rng.random() < 0.75:
+            turns += 1
+        questions = [f"question {number}: " + words(rng, 200)] + [words(rng, 150) for _ in range(turns - 1)]
+        plans.append(conversation(rng.choice(systems), [(q, words(rng, 300)) for q in questions]))
+    out: list[tuple[int, RouteRequest]] = []
+    cursors, opened = [0] * conversations, 0
+    while True:
+        open_ones = [c for c in range(opened) if cursors[c] < len(plans[c])]
+        if not open_ones and opened == conversations:
+            return out
+        if opened < conversations and len(open_ones) < under_way:
+            opened += 1
+            continue
+        c = rng.choice(open_ones)
+        out.append((c, plans[c][cursors[c]]))
+        cursors[c] += 1

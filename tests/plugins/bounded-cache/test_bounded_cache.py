@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 from kvroute_bounded_cache import BoundedCache, Footprints
 
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
-from tests.helpers import agent_traffic, chat
+from tests.helpers import agent_traffic, chat, short_prompt_chats
 
 #: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
@@ -302,3 +302,24 @@ class TestActiveConversations:
         """The same traffic with one choice compared by recent requests: some seed is outside 1.2x / 0.8x."""
         runs = [spread(seed, share_choices=1, share_conversations=False) for seed in range(5)]
         assert any(most > 1.2 or least < 0.8 for most, least in runs), runs
+
+
+class TestShortPromptConversations:
+    @pytest.mark.parametrize("seed", [1, 2, 4, 5])
+    def test_a_backend_holding_no_system_prompt_is_not_starved(self, seed: int) -> None:
+        """600 chats under 16 short system prompts on 16 backends: once every backend's share of the recent
+        requests is known (a full window), the least loaded one, if under 1 / share_factor of a fair share, takes
+        a short prompt's new conversation before the prompt's holders. Every backend then gets at least 0.83x a
+        fair share, and every conversation keeps one backend (the holders alone left these seeds at 0.71-0.77x)."""
+        r = Router.create(Fleet([Backend(f"instance-{i}") for i in range(16)]), "bounded-cache", {})
+        requests: Counter[str] = Counter()
+        backends: defaultdict[int, set[str]] = defaultdict(set)
+        traffic = short_prompt_chats(seed, conversations=600, under_way=48)
+        for number, request in traffic:
+            with r.route(request) as lease:
+                requests[lease.backend.id] += 1
+                backends[number].add(lease.backend.id)
+        assert all(len(held) == 1 for held in backends.values()), backends
+        fair = len(traffic) / 16
+        assert len(requests) == 16 and min(requests.values()) >= 0.83 * fair, requests
+        assert max(requests.values()) <= 1.2 * fair, requests

@@ -12,7 +12,7 @@ from kvroute_bounded_load import BoundedLoad
 
 from kvroute import Backend, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
-from tests.helpers import chat, conversation, words
+from tests.helpers import chat, conversation, short_prompt_chats, words
 from tests.hypothesis_strategies import prompt_text
 
 
@@ -89,32 +89,6 @@ class TestBoundedLoadMessageKey:
         assert isinstance(r.strategy, BoundedLoad) and r.strategy.spills == 0
         assert len(backends) == 7 and max(backends.values()) < 200 / 7 * 2, backends
 
-    @staticmethod
-    def _short_prompt_chats(seed: int, conversations: int = 160) -> list[tuple[int, RouteRequest]]:
-        """Chats under 16 system prompts of 1,000 characters (cheap to copy), 1-16 turns each (geometric, mean 4),
-        about 12 under way at a time: ``(conversation, request)`` in sending order."""
-        rng = random.Random(seed)
-        systems = [words(rng, 1000) for _ in range(16)]
-        plans = []
-        for number in range(conversations):
-            turns = 1
-            while turns < 16 and rng.random() < 0.75:
-                turns += 1
-            questions = [f"question {number}: " + words(rng, 200)] + [words(rng, 150) for _ in range(turns - 1)]
-            plans.append(conversation(rng.choice(systems), [(q, words(rng, 300)) for q in questions]))
-        out: list[tuple[int, RouteRequest]] = []
-        cursors, opened = [0] * conversations, 0
-        while True:
-            under_way = [c for c in range(opened) if cursors[c] < len(plans[c])]
-            if not under_way and opened == conversations:
-                return out
-            if opened < conversations and len(under_way) < 12:
-                opened += 1
-                continue
-            c = rng.choice(under_way)
-            out.append((c, plans[c][cursors[c]]))
-            cursors[c] += 1
-
     @pytest.mark.parametrize("seed", [1, 2, 4, 7])
     def test_conversations_under_short_system_prompts_balance_on_a_small_fleet(self, seed: int) -> None:
         """Multi-turn chats under 16 short system prompts on 4 backends (no prompt is hot there): each conversation
@@ -124,7 +98,7 @@ class TestBoundedLoadMessageKey:
         r = Router.create(Fleet([Backend(f"instance-{i}") for i in range(4)]), "bounded-load", {})
         requests: Counter[str] = Counter()
         backends: defaultdict[int, set[str]] = defaultdict(set)
-        traffic = self._short_prompt_chats(seed)
+        traffic = short_prompt_chats(seed)
         for number, request in traffic:
             with r.route(request) as lease:
                 requests[lease.backend.id] += 1

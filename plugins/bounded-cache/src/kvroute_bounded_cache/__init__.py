@@ -46,6 +46,7 @@ from fractions import Fraction
 import attrs
 from kvroute_bounded_load import LoadBound, choose
 from kvroute_consistent_hash import HELD_SLACK, CandidateView, ConsistentHash, Rendezvous
+from kvroute_consistent_hash.shares import Shares
 
 import kvroute
 from kvroute.options import bool_option, float_option, int_option, optional_float_option, optional_int_option
@@ -192,10 +193,15 @@ class BoundedCache(ConsistentHash):
             # (`HELD_SLACK`), or the share itself for a short key (its shared prefix under ``prefix_length``
             # characters), which is cheap to copy.
             total_weight = sum(s.backend.weight for s in candidates)
-            slack = 1.0 if self._group(request)[0].group < self._length else HELD_SLACK
+            short = self._group(request)[0].group < self._length
+            slack = 1.0 if short else HELD_SLACK
             holders = [s for s in holders if shares.has_room(s.id, s.backend.weight, total_weight, slack)]
             if self.share_choices > 1:  # the least loaded of the key's copies first (`Shares.load`)
                 holders.sort(key=lambda s: shares.load(s.id, s.backend.weight, self.share_conversations))
+            if short and holders:
+                idle = self._starved(order, shares, total_weight)
+                if idle is not None and idle not in holders:
+                    holders.insert(0, idle)
         if holder is not None:
             preferred = [holder] + [s for s in order if s is not holder]
         elif holders:
@@ -251,6 +257,17 @@ class BoundedCache(ConsistentHash):
             detail=detail,
             spill_reason=choice.spill_reason,
         )
+
+    def _starved(
+        self, order: Sequence[kvroute.BackendState], shares: Shares, total_weight: float
+    ) -> kvroute.BackendState | None:
+        """The least loaded backend, if its share of the recent requests is under ``1 / share_factor`` of its
+        weight share once the window is full: a short key's new conversation goes there before its holders."""
+        if len(shares) < shares.size:
+            return None
+        idle = min(order, key=lambda s: shares.count(s.id) / s.backend.weight)
+        floor = idle.backend.weight * len(shares) / total_weight / shares.factor
+        return idle if shares.count(idle.id) < floor else None
 
     def _choose(
         self,
