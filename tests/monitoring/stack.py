@@ -21,7 +21,18 @@ import pytest
 
 from tests.replicas.processes import KVROUTE, Process, backend_tables, free_port, until
 
-__all__ = ["DASHBOARD", "MONITORING", "RULES", "RULES_TEST", "Prometheus", "require", "serve_config", "start_proxy"]
+__all__ = [
+    "ADMIN",
+    "DASHBOARD",
+    "MONITORING",
+    "PEER_TOKEN",
+    "RULES",
+    "RULES_TEST",
+    "Prometheus",
+    "require",
+    "serve_config",
+    "start_proxy",
+]
 
 MONITORING = Path(__file__).resolve().parents[2] / "contrib" / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "kvroute-dashboard.json"
@@ -29,6 +40,7 @@ RULES = MONITORING / "kvroute-rules.yml"
 RULES_TEST = MONITORING / "kvroute-rules.test.yml"
 
 ADMIN = "monitoring-test-admin-token"
+PEER_TOKEN = "monitoring-test-peer-token"
 
 
 def require(program: str) -> str:
@@ -43,9 +55,11 @@ def require(program: str) -> str:
     return found
 
 
-def serve_config(fleet_file: Path, options: Mapping[str, Any], otlp_endpoint: str | None = None) -> str:
+def serve_config(
+    fleet_file: Path, options: Mapping[str, Any], otlp_endpoint: str | None = None, extra: Sequence[str] = ()
+) -> str:
     """A `kvroute serve` TOML file: fast probes, two shadow strategies, the fleet read from ``fleet_file`` by file
-    discovery, and tracing to ``otlp_endpoint`` when given (the histograms' exemplars)."""
+    discovery, tracing to ``otlp_endpoint`` when given (the histograms' exemplars), then the ``extra`` lines."""
     lines = [
         "[server]",
         f'admin_token = "{ADMIN}"',
@@ -71,6 +85,7 @@ def serve_config(fleet_file: Path, options: Mapping[str, Any], otlp_endpoint: st
     ]
     if otlp_endpoint is not None:
         lines += ["[tracing]", f"endpoint = {json.dumps(otlp_endpoint)}"]
+    lines += extra
     return "\n".join(lines) + "\n"
 
 
@@ -85,12 +100,15 @@ async def start_proxy(
     directory: Path,
     options: Mapping[str, Any],
     otlp_endpoint: str | None = None,
+    extra: Sequence[str] = (),
+    name: str = "kvroute",
 ) -> Process:
-    """`kvroute serve` over ``engines`` (found through a discovery file), ready once every engine is routable."""
-    fleet = directory / "fleet.toml"
+    """`kvroute serve` over ``engines`` (found through a discovery file), ready once every engine is routable;
+    ``extra`` TOML lines end its configuration file, ``name`` names its files in ``directory``."""
+    fleet = directory / f"{name}-fleet.toml"
     fleet.write_text(fleet_file(engines))
-    config = directory / "kvroute.toml"
-    config.write_text(serve_config(fleet, options, otlp_endpoint))
+    config = directory / f"{name}.toml"
+    config.write_text(serve_config(fleet, options, otlp_endpoint, extra))
     port = free_port()
     proxy = Process(
         "kvroute-serve",

@@ -4,8 +4,12 @@ Three `kvroute emulate` engines (vLLM's metrics) behind `kvroute serve` (bounded
 concurrency threshold of 2, so concurrent traffic spills; the fleet read from a discovery file),
 scraped every second by a Prometheus server started here. The traffic is bounded: a few hundred
 requests, half of them streamed, three 503s that are retried elsewhere, and one backend ejected by
-failing probes and then restored. Then every query of every dashboard panel, with the dashboard's
-variables substituted as Grafana would, must return a finite value through /api/v1/query.
+failing probes and then restored; sessions (some evicted from a small table, some moved off the
+ejected backend); requests with TTFT objectives judged by admission (met, queued, shed); and a second
+replica the proxy exchanges session holds with, found through peer discovery files (one also naming a
+port nothing listens on, one empty: a failed lookup). Then every query of every dashboard panel, with
+the dashboard's variables substituted as Grafana would, must return a finite value through
+/api/v1/query.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import httpx
 import pytest
 
 from tests.contrib.tracing.receiver import HttpReceiver
-from tests.monitoring.stack import DASHBOARD, Prometheus, proxy_requests, require, start_proxy
-from tests.replicas.processes import Process, body, start_engines, until
+from tests.monitoring.stack import DASHBOARD, PEER_TOKEN, Prometheus, proxy_requests, require, start_proxy
+from tests.replicas.processes import Process, body, free_port, start_engines, until
 
 pytestmark = pytest.mark.anyio
 
@@ -32,6 +36,11 @@ PREFIXES = 12
 REQUESTS = 240
 ROUND = 40
 CONCURRENCY = 8
+#: Session ids the traffic carries, and the proxy's session table: fewer bindings, so some are evicted.
+SESSIONS = 12
+MAX_SESSIONS = 8
+#: Rounds after which the admission, ignored-id and peer requests are sent, one of each per round.
+EXTRAS = 3
 
 #: Grafana's built-in variables, as Grafana would fill them for a short time range and 1 s scrapes (the rate
 #: interval spans the whole run, so every event of the traffic is inside it).
@@ -113,8 +122,34 @@ async def stack(
     started: list[Any] = list(engines)
     try:
         options = {"prefix_length": 1024, "concurrency_threshold": 2}
-        proxy = await start_proxy(client, engines, directory, options, otlp_endpoint=collector.url)
+        # Replica sync: the proxy finds its peers in two discovery files, one naming a second replica (added once
+        # that is up) and a port nothing listens on (peer down: its holds dropped), one empty (a failed lookup).
+        peers_file, no_peers = directory / "peers.toml", directory / "no-peers.toml"
+        down = f"http://127.0.0.1:{free_port()}"
+        peers_file.write_text(peer_tables([down]))
+        no_peers.write_text("")
+        sync = [f'token = "{PEER_TOKEN}"', "interval = 0.2", "timeout = 1.0"]
+        sources = [
+            line
+            for path in (peers_file, no_peers)
+            for line in ("[[peers.discovery]]", 'kind = "file"', f"target = {json.dumps(str(path))}", "interval = 0.5")
+        ]
+        # Admission on (its predictions give the TTFT-prediction histograms), a small session table (evictions).
+        extra = ["[admission]", 'mode = "queue"', "max_wait = 2.0", "[sessions]", f"max_sessions = {MAX_SESSIONS}"]
+        proxy = await start_proxy(
+            client, engines, directory, options, otlp_endpoint=collector.url, extra=[*extra, "[peers]", *sync, *sources]
+        )
         started.append(proxy)
+        replica = await start_proxy(
+            client,
+            engines,
+            directory,
+            options,
+            extra=["[peers]", *sync, f"urls = [{json.dumps(proxy.url)}]"],
+            name="replica",
+        )
+        started.append(replica)
+        peers_file.write_text(peer_tables([replica.url, down]))
         prometheus = Prometheus(directory, proxy, engines)
         started.append(prometheus)
         await prometheus.ready(client)
@@ -132,15 +167,65 @@ async def stack(
             extra: dict[str, Any] = {"max_tokens": 4}
             if stream:
                 extra.update(stream=True, stream_options={"include_usage": True})
+            # Every third request names a generous TTFT objective (admitted at once, as `met`).
+            headers = {"x-slo-ttft-ms": "60000"} if i % 3 == 0 else {}
             answer = await client.post(
-                proxy.url + "/v1/chat/completions", json=body(i % PREFIXES, f"Question {i}?", **extra)
+                proxy.url + "/v1/chat/completions",
+                json=body(i % PREFIXES, f"Question {i}?", **extra),
+                headers=headers,
             )
             assert answer.status_code == 200, f"request {i}: expected 200, got {answer.status_code} {answer.text}"
+
+        async def extras(i: int) -> None:
+            """Sent after each of the first rounds (the TTFT predictor has data by then), so that their series grow
+            over several scrapes: a critical request with an objective no backend meets waits in the admission
+            queue until its deadline, then is sent late; a sheddable one is shed (429) at once; a session id too
+            long to use is ignored; the second replica's own session is a hold it sends the proxy."""
+            answer = await client.post(
+                proxy.url + "/v1/chat/completions",
+                json=body(i, "Urgent?", max_tokens=4),
+                headers={"x-slo-ttft-ms": "1", "x-priority": "critical"},
+            )
+            assert answer.status_code == 200, f"critical {i}: expected 200, got {answer.status_code} {answer.text}"
+            answer = await client.post(
+                proxy.url + "/v1/chat/completions",
+                json=body(i, "Later?", max_tokens=4),
+                headers={"x-slo-ttft-ms": "1", "x-priority": "sheddable"},
+            )
+            assert answer.status_code == 429, f"sheddable {i}: expected 429, got {answer.status_code} {answer.text}"
+            answer = await client.post(
+                proxy.url + "/v1/chat/completions",
+                json=body(i, "Who am I?", max_tokens=4),
+                headers={"x-session-id": "s" * 300},
+            )
+            assert answer.status_code == 200, f"long id {i}: expected 200, got {answer.status_code} {answer.text}"
+            answer = await client.post(
+                replica.url + "/v1/chat/completions",
+                json=body(PREFIXES + i, "Elsewhere?", max_tokens=4),
+                headers={"x-session-id": f"replica-{i}"},
+            )
+            assert answer.status_code == 200, f"replica {i}: expected 200, got {answer.status_code} {answer.text}"
+
+        # Sessions, one at a time: more ids than the table holds, a few after each round (the first are evicted),
+        # then the ids still held, newest first, again while e2 is out of rotation (those bound to it move); their
+        # bindings are the holds the proxy sends its peers.
+        async def session(i: int) -> None:
+            answer = await client.post(
+                proxy.url + "/v1/chat/completions",
+                json=body(i, f"Session {i}?", max_tokens=4),
+                headers={"x-session-id": f"user-{i}"},
+            )
+            assert answer.status_code == 200, f"session {i}: expected 200, got {answer.status_code} {answer.text}"
 
         await fault(client, engines[1], error_next=3, error_status=503)
         # In rounds a scrape apart, so that every series has several samples while traffic flows.
         for start in range(0, REQUESTS, ROUND):
             await run_bounded(ROUND, lambda i, start=start: send(start + i))
+            if start < EXTRAS * ROUND:
+                await extras(start // ROUND)
+            per_round = SESSIONS // (REQUESTS // ROUND)
+            for i in range(start // ROUND * per_round, (start // ROUND + 1) * per_round):
+                await session(i)
             await anyio.sleep(1.0)
 
         # Eject e2 by failing its probes; let Prometheus see it out of rotation; route around it; restore it.
@@ -149,11 +234,25 @@ async def stack(
 
         await fault(client, engines[2], health_status=503)
         await until(lambda: routable(ENGINES - 1))
+        for i in reversed(range(SESSIONS - MAX_SESSIONS, SESSIONS)):
+            await session(i)
         await anyio.sleep(2.5)
         await run_bounded(ROUND, lambda i: send(REQUESTS + i))
         await fault(client, engines[2], health_status=200)
         await until(lambda: routable(ENGINES))
 
+        async def synced() -> bool:
+            text = (await client.get(proxy.url + "/metrics")).text
+            return all(
+                sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)) > 0
+                for name in (
+                    "kvroute_peer_holds_received_total",
+                    "kvroute_peer_holds_sent_total",
+                    "kvroute_peer_holds_dropped_total",
+                )
+            )
+
+        await until(synced, within=15)
         expected = await proxy_requests(client, proxy)
 
         async def scraped() -> bool:
@@ -171,6 +270,11 @@ async def stack(
     finally:
         for process in reversed(started):
             process.stop()
+
+
+def peer_tables(urls: list[str]) -> str:
+    """A peer discovery file: each URL one endpoint."""
+    return "".join(f'[[backends]]\nid = "peer{i}"\nurl = "{url}"\n' for i, url in enumerate(urls))
 
 
 def finite(samples: list[dict[str, Any]]) -> bool:
@@ -236,6 +340,21 @@ SHOWN = [
     ("Routing decision latency", "B", {"strategy": "bounded-load"}),
     ("Discovery changes", "A", {"change": "added"}),
     ("Discovery freshness", "A", {}),
+    ("Sessions bound", "A", {"kind": "session"}),
+    ("Session routes", "A", {"kind": "session", "result": "new"}),
+    ("Session moves, drops and ignored ids", "A", {"reason": "unroutable"}),
+    ("Session moves, drops and ignored ids", "B", {"cause": "evicted"}),
+    ("Session moves, drops and ignored ids", "C", {"reason": "too_long"}),
+    ("TTFT prediction error per backend", "C", {"backend": "e0"}),
+    ("Admission by class and result", "A", {"priority": "critical", "result": "queued"}),
+    ("Admission by class and result", "B", {"priority": "sheddable", "reason": "predicted_miss"}),
+    ("Admission wait p50 / p99", "B", {"priority": "critical", "result": "sent_late"}),
+    ("Holds exchanged", "B", {}),
+    ("Holds exchanged", "C", {"result": "new"}),
+    ("Peers up and discovered", "C", {}),
+    ("Peer changes, lookup failures and dropped holds", "A", {"change": "added"}),
+    ("Peer changes, lookup failures and dropped holds", "B", {}),
+    ("Peer changes, lookup failures and dropped holds", "C", {}),
 ]
 
 
