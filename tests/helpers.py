@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvroute import RouteRequest
+from kvroute import Router, RouteRequest
 
 __all__ = [
     "BLOCKER",
@@ -210,3 +210,17 @@ def short_prompt_chats(seed: int, conversations: int = 160, under_way: int = 12)
         c = rng.choice(open_ones)
         out.append((c, plans[c][cursors[c]]))
         cursors[c] += 1
+
+
+def route_chats(
+    router: Router, traffic: Sequence[tuple[int, RouteRequest]]
+) -> tuple[dict[str, int], dict[int, set[str]]]:
+    """Route ``(conversation, request)`` pairs one at a time (each released before the next): the requests each
+    backend took, and the backends each conversation's requests went to."""
+    requests: dict[str, int] = {}
+    backends: dict[int, set[str]] = {}
+    for number, request in traffic:
+        with router.route(request) as lease:
+            requests[lease.backend.id] = requests.get(lease.backend.id, 0) + 1
+            backends.setdefault(number, set()).add(lease.backend.id)
+    return requests, backends

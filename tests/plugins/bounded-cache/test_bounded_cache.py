@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 from kvroute_bounded_cache import BoundedCache, Footprints
 
 from kvroute import Backend, ConfigError, EngineLoad, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine, StrategyConformance, assign, sample_requests
-from tests.helpers import agent_traffic, chat, short_prompt_chats
+from tests.helpers import agent_traffic, chat, route_chats, short_prompt_chats
 
 #: Eight ~2,300-token system prompts (4 characters a token), as in the capacity-tight case (tests/e2e/vllm/capacity.py).
 PROMPTS = [RouteRequest.from_text(f"system prompt {i}: " + "lorem ipsum " * 766) for i in range(8)]
@@ -312,13 +312,8 @@ class TestShortPromptConversations:
         a short prompt's new conversation before the prompt's holders. Every backend then gets at least 0.83x a
         fair share, and every conversation keeps one backend (the holders alone left these seeds at 0.71-0.77x)."""
         r = Router.create(Fleet([Backend(f"instance-{i}") for i in range(16)]), "bounded-cache", {})
-        requests: Counter[str] = Counter()
-        backends: defaultdict[int, set[str]] = defaultdict(set)
         traffic = short_prompt_chats(seed, conversations=600, under_way=48)
-        for number, request in traffic:
-            with r.route(request) as lease:
-                requests[lease.backend.id] += 1
-                backends[number].add(lease.backend.id)
+        requests, backends = route_chats(r, traffic)
         assert all(len(held) == 1 for held in backends.values()), backends
         fair = len(traffic) / 16
         assert len(requests) == 16 and min(requests.values()) >= 0.83 * fair, requests

@@ -12,7 +12,7 @@ from kvroute_bounded_load import BoundedLoad
 
 from kvroute import Backend, Fleet, Router, RouteRequest
 from kvroute.testing import Claims, ScalingStateMachine
-from tests.helpers import chat, conversation, short_prompt_chats, words
+from tests.helpers import chat, conversation, route_chats, short_prompt_chats, words
 from tests.hypothesis_strategies import prompt_text
 
 
@@ -96,13 +96,8 @@ class TestBoundedLoadMessageKey:
         keeps new conversations only while it has room among the active conversations too, whose later turns
         are its coming requests (with the request share alone these seeds gave 1.17-1.25x and 0.66-0.84x)."""
         r = Router.create(Fleet([Backend(f"instance-{i}") for i in range(4)]), "bounded-load", {})
-        requests: Counter[str] = Counter()
-        backends: defaultdict[int, set[str]] = defaultdict(set)
         traffic = short_prompt_chats(seed)
-        for number, request in traffic:
-            with r.route(request) as lease:
-                requests[lease.backend.id] += 1
-                backends[number].add(lease.backend.id)
+        requests, backends = route_chats(r, traffic)
         assert all(len(held) == 1 for held in backends.values()), backends
         fair = len(traffic) / 4
         assert len(requests) == 4 and 0.85 * fair <= min(requests.values()), requests
