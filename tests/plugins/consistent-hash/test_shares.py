@@ -132,6 +132,18 @@ class TestShares:
         assert not shares.has_conversation_room("a", 1.0, 2.0)
         assert shares.has_conversation_room("b", 1.0, 2.0)
 
+    def test_starved_is_under_the_share_over_factor_of_a_full_window(self) -> None:
+        """Nobody is starved before the window is full; then a backend is when its count is under 1 / factor of its
+        weight share: window 10, factor 1.25, two backends of weight 1, fair 5, floor 4 (3 is under it, 4 is not)."""
+        shares = Shares(factor=1.25, window=10)
+        for backend in "aaaaaaabb":
+            shares.record(backend, ())
+        assert not shares.is_starved("b", 1.0, 2.0)  # 9 of 10: not full yet
+        shares.record("b", ())
+        assert shares.is_starved("b", 1.0, 2.0) and not shares.is_starved("a", 1.0, 2.0)
+        shares.record("b", ())  # the window drops an 'a': a 6, b 4
+        assert not shares.is_starved("b", 1.0, 2.0)
+
     @pytest.mark.parametrize(("factor", "window", "keys"), [(0.9, 0, 1), (1.1, -1, 1), (1.1, 0, 0)])
     def test_bad_settings_are_refused(self, factor: float, window: int, keys: int) -> None:
         """A factor under 1, a negative window or no keys is a ValueError that names the setting."""

@@ -261,13 +261,12 @@ class BoundedCache(ConsistentHash):
     def _starved(
         self, order: Sequence[kvroute.BackendState], shares: Shares, total_weight: float
     ) -> kvroute.BackendState | None:
-        """The least loaded backend, if its share of the recent requests is under ``1 / share_factor`` of its
-        weight share once the window is full: a short key's new conversation goes there before its holders."""
+        """The least loaded backend, if it is starved (`Shares.is_starved`: under ``1 / share_factor`` of its weight
+        share of a full window): a short key's new conversation goes there before its holders."""
         if len(shares) < shares.size:
             return None
         idle = min(order, key=lambda s: shares.count(s.id) / s.backend.weight)
-        floor = idle.backend.weight * len(shares) / total_weight / shares.factor
-        return idle if shares.count(idle.id) < floor else None
+        return idle if shares.is_starved(idle.id, idle.backend.weight, total_weight) else None
 
     def _choose(
         self,

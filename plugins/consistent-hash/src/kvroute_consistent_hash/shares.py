@@ -136,6 +136,13 @@ class Shares:
         cap = math.ceil(self.factor * slack * weight * (len(self._recent) + 1) / total_weight - _EPSILON)
         return self._counts.get(backend_id, 0) + 1 <= max(1, cap)
 
+    def is_starved(self, backend_id: str, weight: float, total_weight: float) -> bool:
+        """Whether ``backend_id`` took under ``1 / factor`` times its weight share of a full window: the lower twin
+        of `has_room` (never before the window is full, when the counts are too few to tell)."""
+        if len(self._recent) < self._size:
+            return False
+        return self._counts.get(backend_id, 0) * self.factor * total_weight < weight * len(self._recent)
+
     def placed(self, key: int) -> int:
         """Requests among the recent ones that were placed by ``key``."""
         return self._placed.get(key, 0)
