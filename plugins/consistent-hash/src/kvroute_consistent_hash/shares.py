@@ -9,7 +9,9 @@ requests of the recent past, not on the requests in flight:
 
 * a backend has *share room* when its count among the last ``window`` started requests, plus one,
   is at most ``ceil(factor * weight * (window length + 1) / total weight)`` (totals over the
-  candidates), the MTZ cap on a sliding window of requests;
+  candidates), the MTZ cap on a sliding window of requests; a backend is *starved* (`is_starved`)
+  when its count is under ``1 / factor`` of its share of a full window (bounded-cache sends a short
+  key's new conversation there first);
 * a key is *held* by the backend its last request went to (an LRU table of ``max_keys`` keys):
   a conversation's later turns follow it there, whatever the share, because that backend holds
   its history;
