@@ -33,7 +33,12 @@ Sections (numbers go to docs/performance.md, "Strategy pick latency"):
   Wall clock (``Decision.duration_s``) and the CPU time of the whole ``acquire`` (the choice's
   accounting included) in this thread, which a shared machine's other processes do not inflate.
   ``meets, dry run first``: as ``meets``, after a dry run of the same request (``Router.decide``, as
-  the proxy's admission judges a request before its lease); the figures are the lease's. ``pick``:
+  the proxy's admission judges a request before its lease); the figures are the lease's.
+  The rows above cycle over 200 prompts, each repeated whole. Two ``meets`` rows check that this does
+  not flatter the choice: ``growing conversations`` (200 conversations; turn t is the first 16 KB + t x
+  256 characters of the text, t cycling over 64 turns, so a turn extends the previous one) and ``every
+  prompt new`` (no two prompts share a first block; the strategy's pick then memoizes nothing and
+  slows down, the choice does the same work). ``pick``:
   the strategy's own pick (wall clock; it slows down when the choice's moves change the strategy's
   state, as in ``misses`` and ``none``, where the choice sends most requests off their home).
   ``added``: per decision, its time less its pick's (what the choice adds to that decision).
@@ -179,6 +184,8 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
         ("misses, unmet=home", Objectives(ttft_s=0.001), True),
         ("none", None, True),
         ("meets, dry run first", meets, True),
+        ("meets, growing conversations", meets, True),
+        ("meets, every prompt new", meets, True),
     ]
 
     def run(n: int, case: str, objectives: Objectives | None, on: bool, count: int) -> dict[str, Any]:
@@ -204,8 +211,13 @@ def bench_slo(quick: bool) -> list[dict[str, Any]]:
         cpu: list[int] = []
         gc.collect()
         for i in range(count):
-            tag = f"slo-{i % 200:08d}|"
-            request = RouteRequest.from_text(tag + text[len(tag) :], model="model", request_id=f"r{i}")
+            if case.endswith("growing conversations"):  # turn t of conversation i % 200: 16 KB + t x 256 chars
+                tag, end = f"slo-{i % 200:08d}|", TEXT_CHARS // 2 + (i // 200) % 64 * 256
+            elif case.endswith("every prompt new"):  # no prompt shares a first block with another
+                tag, end = f"slo-{i:08d}|", TEXT_CHARS
+            else:  # 200 prompts, each repeated
+                tag, end = f"slo-{i % 200:08d}|", TEXT_CHARS
+            request = RouteRequest.from_text(tag + text[len(tag) : end], model="model", request_id=f"r{i}")
             if objectives is not None:
                 request = attrs.evolve(request, objectives=objectives)
             if case.endswith("dry run first"):
