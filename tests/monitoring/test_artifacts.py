@@ -159,6 +159,7 @@ class TestDashboard:
             "sum by (backend, le) (rate(kvroute_ttft_prediction_error_seconds_bucket",
             "sum by (backend, le) (rate(kvroute_ttft_prediction_ratio_bucket",
             "sum by (priority, result) (rate(kvroute_admission_requests_total",
+            "sum by (reason) (rate(kvroute_objectives_ignored_total",
             "kvroute_admission_queue_length",
             "kvroute_admission_wait_seconds_bucket",
             "kvroute_peer_up",

@@ -180,7 +180,8 @@ async def stack(
             """Sent after each of the first rounds (the TTFT predictor has data by then), so that their series grow
             over several scrapes: a critical request with an objective no backend meets waits in the admission
             queue until its deadline, then is sent late; a sheddable one is shed (429) at once; a session id too
-            long to use is ignored; the second replica's own session is a hold it sends the proxy."""
+            long to use is ignored, and so is its TPOT objective, which is not a number; the second replica's own
+            session is a hold it sends the proxy."""
             answer = await client.post(
                 proxy.url + "/v1/chat/completions",
                 json=body(i, "Urgent?", max_tokens=4),
@@ -196,7 +197,7 @@ async def stack(
             answer = await client.post(
                 proxy.url + "/v1/chat/completions",
                 json=body(i, "Who am I?", max_tokens=4),
-                headers={"x-session-id": "s" * 300},
+                headers={"x-session-id": "s" * 300, "x-slo-tpot-ms": "soon"},
             )
             assert answer.status_code == 200, f"long id {i}: expected 200, got {answer.status_code} {answer.text}"
             answer = await client.post(
@@ -346,8 +347,9 @@ SHOWN = [
     ("Session moves, drops and ignored ids", "B", {"cause": "evicted"}),
     ("Session moves, drops and ignored ids", "C", {"reason": "too_long"}),
     ("TTFT prediction error per backend", "C", {"backend": "e0"}),
-    ("Admission by class and result", "A", {"priority": "critical", "result": "queued"}),
-    ("Admission by class and result", "B", {"priority": "sheddable", "reason": "predicted_miss"}),
+    ("Admission by class and result, ignored objectives", "A", {"priority": "critical", "result": "queued"}),
+    ("Admission by class and result, ignored objectives", "B", {"priority": "sheddable", "reason": "predicted_miss"}),
+    ("Admission by class and result, ignored objectives", "C", {"reason": "not_a_number"}),
     ("Admission wait p50 / p99", "B", {"priority": "critical", "result": "sent_late"}),
     ("Holds exchanged", "B", {}),
     ("Holds exchanged", "C", {"result": "new"}),
