@@ -873,6 +873,28 @@ class TestShares:
         decision = b.decide(request(body, endpoint="completions"))[0]
         assert decision.backend.id == other and decision.reason == "cold" and decision.detail["held"] == other
 
+    def test_each_request_is_one_counted_hold_with_sessions(self) -> None:
+        """With the session table on, every request gives the other replicas exactly one hold they count as a start
+        (a session's binding or the strategy's key, never both), so a peer's window counts each request once."""
+        from kvroute.holds import HoldLog
+        from kvroute.sessions import Sessions
+
+        log = HoldLog()
+        fleet = kvroute.Fleet([kvroute.Backend(f"b{i}") for i in range(4)])
+        router = kvroute.Router(
+            fleet, TokenizerPrefix(block_size=16), strategy_name="tokenizer-prefix", sessions=Sessions(), holds=log
+        )
+        made: list[list[str]] = []
+        for conv in range(6):
+            for turn in range(3):
+                body = conversation_turn(conv, turn)
+                req = attrs.evolve(request(body), session_id=f"s{conv}" if conv % 2 else None)
+                with router.route(req):
+                    pass
+                made.append([hold.kind for hold in log.drain() if hold.kind != "group"])
+        assert all(len(kinds) == 1 for kinds in made), made
+        assert {kinds[0] for kinds in made} == {"key", "session"}  # both kinds of request were made
+
     def test_other_replicas_starts_count_towards_the_share(self) -> None:
         """Requests another replica started (its holds) fill a backend's share here, so new prompts go elsewhere."""
         bodies = [{"model": "m", "prompt": f"Prompt {i} of its own, about {i * 17}. " * 12} for i in range(40)]
